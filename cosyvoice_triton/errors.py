@@ -1,0 +1,21 @@
+"""Error types raised by the library.
+
+Every error a caller can fix (bad audio, a wrong model folder) derives from ``ValueError`` so that the
+serving layer can map it to HTTP 400 / gRPC INVALID_ARGUMENT without knowing the subclasses.
+"""
+
+
+class CosyVoiceError(ValueError):
+    """Base class of the errors that describe bad input rather than a bug."""
+
+
+class AudioError(CosyVoiceError):
+    """Audio that cannot be used: empty, too short or long, non-finite, silent, undecodable, bad rate."""
+
+
+class CheckpointError(CosyVoiceError):
+    """A model file that is missing, unreadable, of the wrong revision or of the wrong shape."""
+
+
+class ConfigError(CosyVoiceError):
+    """A ``cosyvoice2.yaml`` whose values cannot be read."""

@@ -46,7 +46,7 @@ def ref_npz(tiny_dir: Path):
 
 def rel_err(actual, expected) -> float:
     """max|a - e| / max|e|, the oracle README's relative error."""
-    a = np.asarray(actual, dtype=np.float64)
-    e = np.asarray(expected, dtype=np.float64)
+    a, e = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)
+            for x in (actual, expected))
     assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
     return float(np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 1e-30))

@@ -1,0 +1,53 @@
+# cosyvoice-triton stage runner. `make help` lists the stages.
+# Every target installs what it needs into .venv first; point MODEL_DIR at a real CosyVoice2-0.5B folder
+# to run a stage on the real checkpoint instead of the random-weight demo model.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+PY          := $(VENV)/bin/python
+DEMO_SIZE   ?= tiny
+MODEL_DIR   ?= models/cosyvoice2-demo-$(DEMO_SIZE)
+SOURCE      ?= tests/fixtures/source_en_5s.wav
+PROMPT      ?= tests/fixtures/prompt_en_3s.wav
+OUT         ?= build/vc_demo.wav
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install demo-model vc demo test lint bench-core clean
+
+help: ## list the stages
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+	@echo "  variables: MODEL_DIR=$(MODEL_DIR) DEMO_SIZE=$(DEMO_SIZE) (tiny|full) SOURCE=... PROMPT=... OUT=..."
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed ## create .venv and install the package with its pinned dependencies
+
+models/cosyvoice2-demo-%/flow.pt: | $(VENV)/.installed
+	$(PY) -m cosyvoice_triton demo-model --size $* --out models/cosyvoice2-demo-$*
+
+demo-model: $(VENV)/.installed models/cosyvoice2-demo-$(DEMO_SIZE)/flow.pt ## write the random-weight demo model folder (official layout)
+
+vc: $(VENV)/.installed ## in-process voice conversion of SOURCE into the voice of PROMPT with MODEL_DIR
+	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
+	$(PY) -m cosyvoice_triton vc --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o $(OUT)
+
+demo: vc ## the main job: install, write the demo model, convert the bundled speech sample
+
+test: $(VENV)/.installed ## lint, then run the test suite
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed ## ruff
+	$(VENV)/bin/ruff check .
+
+bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
+	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
+	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
+
+clean: ## remove build outputs (keeps .venv and models/)
+	rm -rf build .pytest_cache .ruff_cache

@@ -232,7 +232,7 @@ def _eval_arith(node: ast.AST) -> Any:
 
 def load_hyperpyyaml(text: str) -> dict[str, Any]:
     """Parse HyperPyYAML text into plain data; ``!ref`` values are resolved, tags kept as ``__class__``."""
-    doc = yaml.load(text, Loader=_InertLoader)  # noqa: S506 - _InertLoader derives from SafeLoader
+    doc = yaml.load(text, Loader=_InertLoader)
     if not isinstance(doc, dict):
         raise ConfigError("top level is not a mapping")
 
@@ -242,7 +242,7 @@ def load_hyperpyyaml(text: str) -> dict[str, Any]:
             if not isinstance(node, dict) or part not in node:
                 raise ConfigError(f"!ref <{key}> names no key")
             node = node[part]
-        return resolve(node, stack + (key,))
+        return resolve(node, (*stack, key))
 
     def resolve(node: Any, stack: tuple[str, ...] = ()) -> Any:
         if isinstance(node, _Ref):
@@ -312,7 +312,7 @@ def _model_config_from_doc(doc: dict[str, Any]) -> ModelConfig:
 def write_yaml(config: ModelConfig, path: str | Path) -> None:
     """Write ``config`` as a ``cosyvoice2.yaml`` in the official layout (tags included) for demo models."""
     f, e, d, h = config.flow, config.flow.encoder, config.flow.estimator, config.hift
-    seq = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"  # noqa: E731
+    seq = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"
     text = f"""\
 # Written by cosyvoice_triton (demo model, random weights). Same structure as the CosyVoice2-0.5B release.
 sample_rate: {config.sample_rate}

@@ -25,7 +25,7 @@ def flow(tiny_dir):
 
 
 def _inputs(z):
-    t = lambda k: torch.from_numpy(z[k])  # noqa: E731
+    t = lambda k: torch.from_numpy(z[k])
     # `token` already ends with the 3 look-ahead tokens when finalize=False (`context_tokens` repeats them)
     return (t("token"), t("prompt_token"), t("prompt_feat"), t("embedding")), dict(
         streaming=bool(z["streaming"]), finalize=bool(z["finalize"])

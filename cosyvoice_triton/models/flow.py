@@ -37,19 +37,10 @@ def concat_padded(a: Tensor, a_len: Tensor, b: Tensor, b_len: Tensor) -> tuple[T
     a [B, Ta, ...], b [B, Tb, ...] -> ([B, max(a_len + b_len), ...], [B] lengths).
     """
     lens = a_len + b_len
-    t = int(lens.max()) if lens.numel() else 0
-    pos = torch.arange(t, device=a.device).unsqueeze(0)  # [1, T]
-    from_a = pos < a_len.unsqueeze(1)
-    from_b = (~from_a) & (pos < lens.unsqueeze(1))
-    ia = pos.clamp(max=a.shape[1] - 1) if a.shape[1] else torch.zeros_like(pos)
-    ib = (pos - a_len.unsqueeze(1)).clamp(0, max(b.shape[1] - 1, 0))
-    tail = (1,) * (a.dim() - 2)
-    ga = torch.gather(a, 1, ia.expand(a.shape[0], -1).reshape(a.shape[0], t, *tail).expand(-1, -1, *a.shape[2:])) \
-        if a.shape[1] else torch.zeros(a.shape[0], t, *a.shape[2:], dtype=a.dtype, device=a.device)
-    gb = torch.gather(b, 1, ib.reshape(b.shape[0], t, *tail).expand(-1, -1, *b.shape[2:]))
-    fa = from_a.reshape(a.shape[0], t, *tail)
-    fb = from_b.reshape(b.shape[0], t, *tail)
-    out = torch.where(fa, ga, torch.where(fb, gb, torch.zeros((), dtype=b.dtype, device=b.device)))
+    out = a.new_zeros((a.shape[0], int(lens.max()), *a.shape[2:]))
+    for i, (na, nb) in enumerate(zip(a_len.tolist(), b_len.tolist(), strict=True)):
+        out[i, :na] = a[i, :na]
+        out[i, na : na + nb] = b[i, :nb]
     return out, lens
 
 

@@ -1,0 +1,117 @@
+"""``make bench-core``: where the time of one in-process VC utterance goes, on this machine.
+
+Prints per-stage wall-clock times (median of the timed runs after one warm-up), the estimator's achieved
+GFLOP/s next to a fp32 GEMM ceiling measured in the same process, the real-time factor and peak RSS.
+Figures, not assertions: nothing here fails on a slow machine.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from . import audio
+from .pipeline import CosyVoice2, StageTimer
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+STAGES = ("frontend", "tokenizer", "speaker_embedding", "flow.encoder", "flow.solver", "hift")
+
+
+def gemm_ceiling(n: int = 2048, repeats: int = 5) -> float:
+    """Best fp32 GFLOP/s of an n x n matmul with torch's current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+def estimator_flops(model: CosyVoice2, mel_frames: int) -> int:
+    """FLOPs of ONE estimator call on the CFG batch of 2 at ``mel_frames`` frames."""
+    est = model.flow.decoder.estimator
+    x = torch.randn(2, 80, mel_frames)
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        est(x, torch.ones(2, 1, mel_frames), x, torch.rand(2), torch.randn(2, 80), x)
+    return counter.get_total_flops()
+
+
+def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: str | None = None,
+                   threads: int = 0, repeats: int = 2, out_json: str | Path = "build/bench-core.json") -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    source = source or str(FIXTURES / "source_en_5s.wav")
+    prompt = prompt or str(FIXTURES / "prompt_en_3s.wav")
+    print(f"bench-core: model {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    t0 = time.perf_counter()
+    model = CosyVoice2.from_pretrained(model_dir)
+    load_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.flow.parameters()) + sum(p.numel() for p in model.hift.parameters())
+    src_s = len(audio.decode_audio(source)[0]) / audio.decode_audio(source)[1]
+    prm_s = len(audio.decode_audio(prompt)[0]) / audio.decode_audio(prompt)[1]
+    print(f"  loaded in {load_s:.2f} s ({params / 1e6:.1f} M params in flow + HiFT); "
+          f"source {src_s:.2f} s, prompt {prm_s:.2f} s")
+
+    ceiling = gemm_ceiling()
+    print(f"  fp32 GEMM ceiling (2048^3, this process): {ceiling:.1f} GFLOP/s")
+
+    runs: list[dict[str, float]] = []
+    totals: list[float] = []
+    out_seconds = 0.0
+    inputs = None
+    for i in range(repeats + 1):
+        timer = StageTimer()
+        t0 = time.perf_counter()
+        inputs = model.frontend_vc(source, prompt, timer=timer)
+        wave = model.token2wav(inputs, seed=0, timer=timer)
+        total = time.perf_counter() - t0
+        out_seconds = len(wave) / model.config.sample_rate
+        label = "warm-up" if i == 0 else f"run {i}"
+        print(f"  {label}: {total:.2f} s")
+        if i:
+            runs.append(timer.seconds)
+            totals.append(total)
+
+    mel_frames = 2 * (len(inputs.prompt_tokens) + len(inputs.source_tokens))
+    steps = model.flow.decoder.config.n_timesteps
+    flops = estimator_flops(model, mel_frames) * steps
+    stage_s = {name: statistics.median(r.get(name, 0.0) for r in runs) for name in STAGES}
+    total_s = statistics.median(totals)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    print()
+    print(f"  tokens: source {len(inputs.source_tokens)}, prompt {len(inputs.prompt_tokens)}; "
+          f"mel frames through the flow: {mel_frames} (output {out_seconds:.2f} s)")
+    print(f"  {'stage':<20}{'median ms':>12}{'share':>9}")
+    for name in STAGES:
+        print(f"  {name:<20}{stage_s[name] * 1000:>12.1f}{stage_s[name] / total_s:>9.1%}")
+    print(f"  {'total':<20}{total_s * 1000:>12.1f}   RTF {total_s / out_seconds:.3f}")
+    gflops = flops / 1e9 / stage_s["flow.solver"]
+    print(f"  estimator: {flops / 1e9:.1f} GFLOP for {steps} steps (CFG batch 2) -> {gflops:.1f} GFLOP/s "
+          f"= {gflops / ceiling:.0%} of the GEMM ceiling")
+    print(f"  peak RSS: {peak_mb:.0f} MB")
+    if model.tokenizer.standin or model.speaker.standin:
+        print("  note: the tokenizer / CAM++ here are stand-ins; their times are not the real models' times")
+
+    result = {
+        "model_dir": str(model_dir), "threads": torch.get_num_threads(), "source_seconds": src_s,
+        "prompt_seconds": prm_s, "mel_frames": mel_frames, "stage_seconds": stage_s, "total_seconds": total_s,
+        "rtf": total_s / out_seconds, "estimator_gflop": flops / 1e9, "estimator_gflops_per_s": gflops,
+        "gemm_ceiling_gflops_per_s": ceiling, "peak_rss_mb": peak_mb, "load_seconds": load_s,
+        "standin_frontend_models": bool(model.tokenizer.standin or model.speaker.standin),
+        "output_rms": float(np.sqrt(np.mean(wave.astype(np.float64) ** 2))),
+    }
+    out_json = Path(out_json)
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    out_json.write_text(json.dumps(result, indent=1))
+    print(f"  written: {out_json}")
+    return result

@@ -1,0 +1,112 @@
+"""A random-weight CosyVoice2 model folder in the official layout, for demos and tests.
+
+The real CosyVoice2-0.5B weights cannot be shipped or downloaded by this project. ``write_demo_model``
+writes ``flow.pt``, ``hift.pt`` (state_dicts with exactly the official keys, shapes and weight-norm
+spelling), ``cosyvoice2.yaml`` and stand-ins of ``speech_tokenizer_v2.onnx`` / ``campplus.onnx`` with the
+official signatures. Every loader and every command then runs unchanged on a real folder.
+
+Random weights produce noise, not speech. Two touches keep the signal path exercised like a trained model:
+biases and LayerNorm parameters get small perturbations (so no module sits at a trivial identity), and the
+F0 predictor's classifier is rescaled so that the predicted pitch spans a speaking range (mostly voiced, as
+in speech) instead of ~0 Hz, which would switch HiFT's harmonic source off.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import features
+from .config import ModelConfig, write_yaml
+from .models.flow import CausalMaskedDiffWithXvec
+from .models.hift import HiFTGenerator
+from .standins import write_campplus_standin, write_speech_tokenizer_standin
+
+log = logging.getLogger(__name__)
+
+SIZES = ("tiny", "full")
+F0_MEAN_HZ, F0_STD_HZ = 160.0, 60.0
+
+_README = """\
+CosyVoice2 DEMO model folder written by cosyvoice_triton (size: {size}, seed: {seed}).
+
+RANDOM WEIGHTS: everything this folder produces is noise, not speech. It exists so that every command of
+the project runs end to end without the real checkpoint. flow.pt / hift.pt have exactly the keys and shapes
+of the official files at these dims; speech_tokenizer_v2.onnx / campplus.onnx are small stand-ins with the
+official input/output signatures. Point --model-dir (or MODEL_DIR=) at a real CosyVoice2-0.5B folder to
+get speech.
+"""
+
+
+def _perturb(module: nn.Module, generator: torch.Generator) -> None:
+    """Give constant-initialised parameters (biases, LayerNorm, Snake alpha) a little randomness."""
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.detach().flatten()
+            if flat.numel() == 0 or not torch.all(flat == flat[0]):
+                continue
+            noise = torch.randn(p.shape, generator=generator)
+            if flat[0] == 0:
+                p.add_(0.02 * noise)
+            elif torch.all(p == p.flatten()[0]):
+                p.mul_(1 + 0.1 * noise)
+
+
+def _calibration_mel(config: ModelConfig, seconds: float = 2.0) -> torch.Tensor:
+    """A deterministic speech-like mel [1, 80, T]: a gliding harmonic tone with a syllable envelope."""
+    sr = config.sample_rate
+    t = np.arange(int(seconds * sr)) / sr
+    f0 = 140 + 40 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    y = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2)
+    y = (0.5 * y / np.max(np.abs(y))).astype(np.float32)
+    mel = features.cosyvoice_mel(y, sample_rate=sr, config=config.mel)
+    return torch.from_numpy(mel.T.copy())[None]
+
+
+def _calibrate_f0(hift: HiFTGenerator, config: ModelConfig) -> None:
+    """Affinely rescale the F0 classifier so |f0| on a speech-like mel has mean/std F0_MEAN_HZ/F0_STD_HZ."""
+    pred = hift.f0_predictor
+    with torch.no_grad():
+        raw = pred.classifier(pred.condnet(_calibration_mel(config)).transpose(1, 2)).flatten()
+        scale = F0_STD_HZ / max(float(raw.std()), 1e-6)
+        shift = F0_MEAN_HZ - float(raw.mean()) * scale
+        pred.classifier.weight.mul_(scale)
+        pred.classifier.bias.mul_(scale).add_(shift)
+
+
+def build_demo_models(config: ModelConfig, *, seed: int = 0) -> tuple[CausalMaskedDiffWithXvec, HiFTGenerator]:
+    """Flow and HiFT with deterministic random weights (same ``seed`` and dims: same tensors)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        flow = CausalMaskedDiffWithXvec(config.flow).eval()
+        hift = HiFTGenerator(config.hift).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    _perturb(flow, generator)
+    _perturb(hift, generator)
+    _calibrate_f0(hift, config)
+    return flow, hift
+
+
+def write_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0) -> Path:
+    """Write a complete random-weight model folder in the official layout; returns its path."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    config = ModelConfig.tiny() if size == "tiny" else ModelConfig.full()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    log.info("building %s demo model (seed %d)", size, seed)
+    flow, hift = build_demo_models(config, seed=seed)
+    write_yaml(config, out / "cosyvoice2.yaml")
+    for name, module in (("flow.pt", flow), ("hift.pt", hift)):
+        torch.save(module.state_dict(), out / name)
+        log.info("wrote %s (%.1f MB)", out / name, (out / name).stat().st_size / 1e6)
+    write_speech_tokenizer_standin(out / "speech_tokenizer_v2.onnx", seed=seed)
+    write_campplus_standin(out / "campplus.onnx", seed=seed)
+    (out / "README.txt").write_text(_README.format(size=size, seed=seed), encoding="utf-8")
+    log.info("demo model folder ready: %s", out)
+    return out

@@ -159,9 +159,11 @@ class CosyVoice2:
     def _hift(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor | None,
               generator: torch.Generator | None, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
         with timer.stage("hift"):
+            if noise is None and generator is not None:  # draw on the CPU generator, then move
+                noise = self.hift.draw_noise(mel.shape[0], mel.shape[2], generator)
             if noise is not None:
                 noise = torch.as_tensor(noise, dtype=torch.float32, device=self.device)
-            return self.hift.inference(mel, cache_source=cache_source, noise_sine=noise, generator=generator)
+            return self.hift.inference(mel, cache_source=cache_source, noise_sine=noise)
 
     def token2wav(self, inputs: VCInputs, *, seed: int | None = 0, hift_noise: np.ndarray | None = None,
                   timer: StageTimer = _NO_TIMER) -> np.ndarray:

@@ -1,0 +1,168 @@
+"""The one shape spec: every exported graph's tensor names, dtypes and min/opt/max dimensions.
+
+ONNX export (dynamic axes, verification shapes), TensorRT optimisation profiles and Triton model configs
+are all derived from :data:`GRAPHS`; nothing else in the project spells a graph's shapes.
+
+A dimension is an ``int`` (fixed), an axis name (``"batch"``, ``"mel_frames"``...) or ``(axis, factor)``
+for a multiple of an axis (HiFT's ``480 * mel_frames`` samples). Every tensor's first dimension is the
+batch axis. Axis ranges are :class:`AxisRange` (min, opt, max); ``opt`` is what TensorRT tunes for.
+
+Lengths: 30 s of audio is the speech tokenizer's limit, so a prompt and a source of 30 s each give at most
+1500 tokens and 3000 mel frames through the flow; the vocoder sees at most the source's 1500 frames plus
+the 8 frames of streaming context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+Dim = int | str | tuple[str, int]
+
+SAMPLES_PER_MEL_FRAME = 480  # HiFT: 8 * 5 * 3 upsampling * iSTFT hop 4, at 24 kHz
+NSF_HARMONICS = 9  # nb_harmonics + 1 sine channels of the NSF source noise
+
+
+@dataclass(frozen=True)
+class AxisRange:
+    min: int
+    opt: int
+    max: int
+
+    def __post_init__(self):
+        if not 1 <= self.min <= self.opt <= self.max:
+            raise ValueError(f"axis range needs 1 <= min <= opt <= max, got {self}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy / ONNX spelling: float32, int32, bool
+    shape: tuple[Dim, ...]
+
+    def dim_names(self) -> list[str | int]:
+        """ONNX ``dynamic_axes`` style names: an axis name, ``"480*mel_frames"``, or a fixed int."""
+        return [d if isinstance(d, (int, str)) else f"{d[1]}*{d[0]}" for d in self.shape]
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    axes: Mapping[str, AxisRange] = field(default_factory=dict)
+    doc: str = ""
+
+    def tensor(self, name: str) -> TensorSpec:
+        for t in (*self.inputs, *self.outputs):
+            if t.name == name:
+                return t
+        raise KeyError(f"{self.name} has no tensor {name!r}")
+
+    def resolve(self, tensor: TensorSpec | str, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """Concrete shape of ``tensor`` for the given axis sizes."""
+        t = self.tensor(tensor) if isinstance(tensor, str) else tensor
+        out = []
+        for d in t.shape:
+            if isinstance(d, int):
+                out.append(d)
+            elif isinstance(d, str):
+                out.append(int(sizes[d]))
+            else:
+                out.append(int(sizes[d[0]]) * d[1])
+        return tuple(out)
+
+    def profile(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+        """TensorRT optimisation profile: input name -> (min, opt, max) shape."""
+        pick = lambda which: {k: getattr(r, which) for k, r in self.axes.items()}
+        return {t.name: (self.resolve(t, pick("min")), self.resolve(t, pick("opt")), self.resolve(t, pick("max")))
+                for t in self.inputs}
+
+    def triton_dims(self, tensor: TensorSpec | str) -> list[int]:
+        """Triton ``dims`` (without the batch axis): fixed sizes, -1 for dynamic ones."""
+        t = self.tensor(tensor) if isinstance(tensor, str) else tensor
+        return [d if isinstance(d, int) else -1 for d in t.shape[1:]]
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.axes["batch"].max
+
+
+def _t(name: str, dtype: str, *shape: Dim) -> TensorSpec:
+    return TensorSpec(name, dtype, tuple(shape))
+
+
+_B = "batch"
+_MEL = "mel_frames"
+
+GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
+    "speech_tokenizer": GraphSpec(
+        "speech_tokenizer",
+        inputs=(_t("whisper_mel", "float32", _B, 128, "whisper_frames"), _t("whisper_mel_len", "int32", _B)),
+        outputs=(_t("speech_tokens", "int32", _B, "tokens"),),
+        axes={_B: AxisRange(1, 4, 16), "whisper_frames": AxisRange(10, 500, 3000),
+              "tokens": AxisRange(3, 125, 750)},
+        doc="speech_tokenizer_v2.onnx as shipped, I/O renamed: 100 Hz Whisper log-mel -> 25 Hz tokens",
+    ),
+    "speaker_encoder": GraphSpec(
+        "speaker_encoder",
+        inputs=(_t("fbank", "float32", _B, "fbank_frames", 80),),
+        outputs=(_t("speaker_embedding", "float32", _B, 192),),
+        axes={_B: AxisRange(1, 4, 16), "fbank_frames": AxisRange(8, 300, 3000)},
+        doc="campplus.onnx as shipped, I/O renamed: mean-normalised Kaldi fbank -> CAM++ x-vector",
+    ),
+    "flow_encoder": GraphSpec(
+        "flow_encoder",
+        inputs=(
+            _t("speech_tokens", "int32", _B, "tokens"),  # prompt tokens then source tokens, per item
+            _t("speech_token_len", "int32", _B),
+            _t("lookahead_len", "int32", _B),  # trailing tokens that are look-ahead only (0 or 3)
+            _t("speaker_embedding", "float32", _B, 192),
+            _t("streaming", "bool", _B),
+        ),
+        outputs=(
+            _t("mu", "float32", _B, 80, ("tokens", 2)),
+            _t("mel_len", "int32", _B),
+            _t("spks", "float32", _B, 80),
+        ),
+        axes={_B: AxisRange(1, 4, 16), "tokens": AxisRange(4, 200, 1500)},
+        doc="token embedding, UpsampleConformerEncoder, encoder_proj, speaker projection",
+    ),
+    "flow_estimator": GraphSpec(
+        "flow_estimator",
+        inputs=(
+            _t("x", "float32", _B, 80, _MEL),
+            _t("mask", "float32", _B, 1, _MEL),
+            _t("mu", "float32", _B, 80, _MEL),
+            _t("t", "float32", _B),
+            _t("spks", "float32", _B, 80),
+            _t("cond", "float32", _B, 80, _MEL),
+            _t("streaming", "bool", _B),
+        ),
+        outputs=(_t("velocity", "float32", _B, 80, _MEL),),
+        # batch counts CFG rows: 2 per utterance
+        axes={_B: AxisRange(2, 8, 32), _MEL: AxisRange(4, 500, 3000)},
+        doc="CausalConditionalDecoder: one Euler step's velocity for conditional + unconditional rows",
+    ),
+    "hift_source": GraphSpec(
+        "hift_source",
+        inputs=(
+            _t("mel", "float32", _B, 80, _MEL),
+            _t("nsf_noise", "float32", _B, (_MEL, SAMPLES_PER_MEL_FRAME), NSF_HARMONICS),
+        ),
+        outputs=(_t("source", "float32", _B, 1, (_MEL, SAMPLES_PER_MEL_FRAME)),),
+        axes={_B: AxisRange(1, 4, 16), _MEL: AxisRange(4, 250, 1508)},
+        doc="F0 predictor + NSF sine source (phase accumulation: fp32 only)",
+    ),
+    "hift_decoder": GraphSpec(
+        "hift_decoder",
+        inputs=(
+            _t("mel", "float32", _B, 80, _MEL),
+            _t("source", "float32", _B, 1, (_MEL, SAMPLES_PER_MEL_FRAME)),
+        ),
+        outputs=(_t("waveform", "float32", _B, (_MEL, SAMPLES_PER_MEL_FRAME)),),
+        axes={_B: AxisRange(1, 4, 16), _MEL: AxisRange(4, 250, 1508)},
+        doc="HiFT generator: source STFT, upsampling ResBlocks, exp/sin spectrum, conv iSTFT, clamp",
+    ),
+})

@@ -41,6 +41,7 @@ __all__ = [
     "SPEAKER_SR",
     "TOKENIZER_SR",
     "decode_audio",
+    "decode_if_encoded",
     "load_audio",
     "resample",
     "to_mono_float32",
@@ -76,6 +77,10 @@ MAX_SAMPLE_RATE = 384000
 RESAMPLE_QUALITY = "VHQ"
 #: The most channels a 2-D array may have; a larger shorter axis means the layout is not [C, N] / [N, C].
 MAX_CHANNELS = 64
+
+# What decode_audio takes: an encoded file's bytes, or its path.
+_BYTES = (bytes, bytearray, memoryview)
+_ENCODED = (*_BYTES, str, os.PathLike)
 
 # Full-scale divisors of the integer PCM dtypes we accept (8-bit PCM is unsigned with offset 128).
 _PCM_SCALE = {np.dtype(np.int8): 2.0**7, np.dtype(np.int16): 2.0**15, np.dtype(np.int32): 2.0**31}
@@ -238,7 +243,7 @@ def decode_audio(
     sample_rate : int
         The rate stored in the file, in Hz.
     """
-    if isinstance(data, (bytes, bytearray, memoryview)):
+    if isinstance(data, _BYTES):
         if len(data) == 0:
             raise AudioError(f"{name}: empty (0 bytes)")
         source, what = io.BytesIO(bytes(data)), "the bytes are"
@@ -265,6 +270,28 @@ def decode_audio(
             raise AudioError(f"{name}: {what} not a readable wav/flac/ogg file ({_reason(exc)})") from exc
     y = pcm[:, 0] if pcm.shape[1] == 1 else pcm.mean(axis=1, dtype=np.float64)
     return np.ascontiguousarray(y, dtype=np.float32), int(sr)
+
+
+def decode_if_encoded(
+    source,
+    sample_rate=None,
+    *,
+    name: str = "audio",
+    max_seconds: float | None = MAX_SECONDS,
+) -> tuple[np.ndarray, int]:
+    """``(samples, sample_rate)`` of ``source``: an encoded file is decoded (its header has the rate), an
+    array is returned as it is with ``sample_rate``, which it requires (encoded files must not get one).
+
+    Lets a caller that needs one input at several rates decode it once; nothing is validated here beyond
+    what :func:`decode_audio` checks.
+    """
+    if isinstance(source, _ENCODED):
+        if sample_rate is not None:
+            raise ValueError(f"{name}: sample_rate is only for arrays; an encoded file carries its own rate")
+        return decode_audio(source, name=name, max_seconds=max_seconds)
+    if sample_rate is None:
+        raise ValueError(f"{name}: sample_rate is required when passing an array of samples")
+    return source, sample_rate
 
 
 def resample(
@@ -329,12 +356,6 @@ def load_audio(
     -------
     np.ndarray, float32, shape [N'] at ``target_sr``
     """
-    if isinstance(source, (bytes, bytearray, memoryview, str, os.PathLike)):
-        if sample_rate is not None:
-            raise ValueError(f"{name}: sample_rate is only for arrays; an encoded file carries its own rate")
-        source, sample_rate = decode_audio(source, name=name, max_seconds=max_seconds)
-    elif sample_rate is None:
-        raise ValueError(f"{name}: sample_rate is required when passing an array of samples")
-    y = validate_audio(source, sample_rate=sample_rate, name=name, min_seconds=min_seconds,
-                       max_seconds=max_seconds)
+    y, sample_rate = decode_if_encoded(source, sample_rate, name=name, max_seconds=max_seconds)
+    y = validate_audio(y, sample_rate=sample_rate, name=name, min_seconds=min_seconds, max_seconds=max_seconds)
     return resample(y, orig_sr=sample_rate, target_sr=target_sr)

@@ -45,8 +45,15 @@ def estimator_flops(model: CosyVoice2, mel_frames: int) -> int:
     return counter.get_total_flops()
 
 
+def _seconds(path: str | Path) -> float:
+    y, sr = audio.decode_audio(path)
+    return len(y) / sr
+
+
 def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: str | None = None,
                    threads: int = 0, repeats: int = 2, out_json: str | Path = "build/bench-core.json") -> dict:
+    if repeats < 1:
+        raise ValueError(f"bench: repeats must be at least 1 (timed runs after the warm-up), got {repeats}")
     if threads:
         torch.set_num_threads(threads)
     source = source or str(FIXTURES / "source_en_5s.wav")
@@ -56,8 +63,7 @@ def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: 
     model = CosyVoice2.from_pretrained(model_dir)
     load_s = time.perf_counter() - t0
     params = sum(p.numel() for p in model.flow.parameters()) + sum(p.numel() for p in model.hift.parameters())
-    src_s = len(audio.decode_audio(source)[0]) / audio.decode_audio(source)[1]
-    prm_s = len(audio.decode_audio(prompt)[0]) / audio.decode_audio(prompt)[1]
+    src_s, prm_s = _seconds(source), _seconds(prompt)
     print(f"  loaded in {load_s:.2f} s ({params / 1e6:.1f} M params in flow + HiFT); "
           f"source {src_s:.2f} s, prompt {prm_s:.2f} s")
 
@@ -81,7 +87,7 @@ def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: 
             runs.append(timer.seconds)
             totals.append(total)
 
-    mel_frames = 2 * (len(inputs.prompt_tokens) + len(inputs.source_tokens))
+    mel_frames = model.flow.token_mel_ratio * (len(inputs.prompt_tokens) + len(inputs.source_tokens))
     steps = model.flow.decoder.config.n_timesteps
     flops = estimator_flops(model, mel_frames) * steps
     stage_s = {name: statistics.median(r.get(name, 0.0) for r in runs) for name in STAGES}

@@ -48,7 +48,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
     if not isinstance(obj, dict) or not obj:
-        kind = type(obj).__name__
+        kind = "an empty dict" if isinstance(obj, dict) else type(obj).__name__
         raise CheckpointError(f"{path}: expected a state_dict (a mapping of names to tensors), got {kind}")
     out: dict[str, torch.Tensor] = {}
     for key, value in obj.items():

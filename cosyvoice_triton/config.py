@@ -211,7 +211,7 @@ def _construct_ref(loader: yaml.SafeLoader, node: yaml.Node) -> _Ref:
 for _tag in ("!new:", "!name:", "!apply:", "!module:"):
     _InertLoader.add_multi_constructor(_tag, _construct_tagged)
 _InertLoader.add_constructor("!ref", _construct_ref)
-_InertLoader.add_multi_constructor("!", lambda loader, suffix, node: _construct_tagged(loader, suffix, node))
+_InertLoader.add_multi_constructor("!", _construct_tagged)  # any other local tag: data too
 
 _REF_RE = re.compile(r"<([^<>]+)>")
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -266,15 +266,19 @@ def load_hyperpyyaml(text: str) -> dict[str, Any]:
     return resolve(doc)
 
 
+def _tuples(value: Any) -> Any:
+    """A yaml list (and the lists in it, e.g. dilation sizes) as tuples, for the frozen dataclasses."""
+    if not isinstance(value, list):
+        return value
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
+
+
 def _pick(cls: type, section: dict[str, Any], **overrides: Any) -> Any:
-    """Build dataclass ``cls`` from the keys of ``section`` that it declares; the rest keep defaults."""
+    """Build dataclass ``cls`` from the keys of ``section`` that it declares (``overrides`` win); the rest
+    keep defaults."""
     names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: v for k, v in section.items() if k in names}
-    kwargs.update(overrides)
-    for f in dataclasses.fields(cls):
-        if f.name in kwargs and isinstance(kwargs[f.name], list):
-            kwargs[f.name] = tuple(tuple(v) if isinstance(v, list) else v for v in kwargs[f.name])
-    return cls(**kwargs)
+    kwargs = {k: _tuples(v) for k, v in section.items() if k in names}
+    return cls(**{**kwargs, **overrides})
 
 
 def _model_config_from_doc(doc: dict[str, Any]) -> ModelConfig:
@@ -287,7 +291,6 @@ def _model_config_from_doc(doc: dict[str, Any]) -> ModelConfig:
     hift = doc["hift"]
     istft = hift.get("istft_params", {})
     mel = doc.get("feat_extractor", {})
-    mel = {k: v for k, v in mel.items() if k != "__class__"}
     return ModelConfig(
         sample_rate=int(doc.get("sample_rate", 24000)),
         token_frame_rate=int(doc.get("token_frame_rate", 25)),

@@ -52,7 +52,7 @@ def _perturb(module: nn.Module, generator: torch.Generator) -> None:
             noise = torch.randn(p.shape, generator=generator)
             if flat[0] == 0:
                 p.add_(0.02 * noise)
-            elif torch.all(p == p.flatten()[0]):
+            else:
                 p.mul_(1 + 0.1 * noise)
 
 

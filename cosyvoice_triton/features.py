@@ -23,7 +23,7 @@ torchaudio's defaults.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import kaldi_native_fbank as knf
 import librosa
@@ -43,6 +43,7 @@ __all__ = [
     "kaldi_fbank_batch",
     "kaldi_fbank_options",
     "mel_basis",
+    "pad_batch",
     "whisper_log_mel",
     "whisper_log_mel_batch",
     "whisper_mel_filters",
@@ -96,7 +97,11 @@ def _utterances(waves, what: str) -> list:
     return waves
 
 
-def _pad_batch(feats: list[np.ndarray], time_axis: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_batch(feats: Sequence[np.ndarray], time_axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stack arrays that differ only along ``time_axis`` into one zero-padded ``float32`` batch.
+
+    Returns ``(padded [B, *shape with time_axis at its longest], lengths int32 [B])``.
+    """
     lengths = np.array([f.shape[time_axis] for f in feats], dtype=np.int32)
     shape = list(feats[0].shape)
     shape[time_axis] = int(lengths.max())
@@ -217,7 +222,7 @@ def cosyvoice_mel_batch(
                            cfg, pad, centre)
         for b, y in enumerate(_utterances(waves, "cosyvoice_mel_batch"))
     ]
-    return _pad_batch(feats, time_axis=0)
+    return pad_batch(feats, time_axis=0)
 
 
 # ---------------------------------------------------------------------------------------- Whisper mel
@@ -237,16 +242,18 @@ def whisper_mel_filters(n_mels: int = 128) -> np.ndarray:
     return _whisper_filters_cached(n_mels)
 
 
-@functools.lru_cache(maxsize=1)
-def _whisper_window() -> np.ndarray:
+@functools.lru_cache(maxsize=2)
+def _whisper_tables(n_mels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(periodic Hann window float64 [400], filters float64 [n_mels, 201])."""
     n = np.arange(WHISPER_N_FFT)
-    return _readonly(0.5 - 0.5 * np.cos(2.0 * np.pi * n / WHISPER_N_FFT))
+    window = 0.5 - 0.5 * np.cos(2.0 * np.pi * n / WHISPER_N_FFT)
+    return _readonly(window), _readonly(whisper_mel_filters(n_mels).astype(np.float64))
 
 
-def _whisper_log_mel_one(y: np.ndarray, filters: np.ndarray) -> np.ndarray:
+def _whisper_log_mel_one(y: np.ndarray, window: np.ndarray, filters: np.ndarray) -> np.ndarray:
     yp = np.pad(y.astype(np.float64), WHISPER_N_FFT // 2, mode="reflect")  # torch.stft(center=True)
     frames = sliding_window_view(yp, WHISPER_N_FFT)[::WHISPER_HOP][:-1]  # whisper drops the last frame
-    spec = np.fft.rfft(frames * _whisper_window(), axis=-1)  # [T, 201]
+    spec = np.fft.rfft(frames * window, axis=-1)  # [T, 201]
     power = spec.real**2 + spec.imag**2
     log_spec = np.log10(np.maximum(power @ filters.T, 1e-10))  # [T, n_mels]
     log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
@@ -292,14 +299,14 @@ def whisper_log_mel_batch(
         ``N_b // 160``, the tokenizer's ``feats_length`` input.
     """
     _check_rate(sample_rate, TOKENIZER_SR, "whisper_log_mel")
-    filters = whisper_mel_filters(n_mels).astype(np.float64)
+    window, filters = _whisper_tables(n_mels)
     feats = [
         _whisper_log_mel_one(
             _waveform(y, name=f"waves[{b}]", min_samples=WHISPER_N_FFT // 2 + 1, what="whisper_log_mel"),
-            filters)
+            window, filters)
         for b, y in enumerate(_utterances(waves, "whisper_log_mel_batch"))
     ]
-    return _pad_batch(feats, time_axis=1)
+    return pad_batch(feats, time_axis=1)
 
 
 # --------------------------------------------------------------------------------------- Kaldi fbank
@@ -415,4 +422,4 @@ def kaldi_fbank_batch(
                          opts, subtract_mean)
         for b, y in enumerate(_utterances(waves, "kaldi_fbank_batch"))
     ]
-    return _pad_batch(feats, time_axis=0)
+    return pad_batch(feats, time_axis=0)

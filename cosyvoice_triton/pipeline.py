@@ -120,12 +120,12 @@ class CosyVoice2:
                     timer: StageTimer = _NO_TIMER) -> VCInputs:
         """Official ``frontend_vc``. ``source``/``prompt``: a path, encoded bytes, or samples with ``*_sr``."""
         with timer.stage("frontend"):
-            source, source_sr = _decoded(source, source_sr, "source")
-            prompt, prompt_sr = _decoded(prompt, prompt_sr, "prompt")
             src16 = audio.load_audio(source, target_sr=audio.TOKENIZER_SR, sample_rate=source_sr, name="source")
-            p16 = audio.load_audio(prompt, target_sr=audio.TOKENIZER_SR, sample_rate=prompt_sr, name="prompt")
-            p24 = audio.load_audio(prompt, target_sr=self.config.sample_rate, sample_rate=prompt_sr,
-                                   name="prompt")
+            # the prompt is needed at two rates: decode and validate it once
+            prompt, prompt_sr = audio.decode_if_encoded(prompt, prompt_sr, name="prompt")
+            prompt = audio.validate_audio(prompt, sample_rate=prompt_sr, name="prompt")
+            p16 = audio.resample(prompt, orig_sr=prompt_sr, target_sr=audio.TOKENIZER_SR)
+            p24 = audio.resample(prompt, orig_sr=prompt_sr, target_sr=self.config.sample_rate)
             whisper, whisper_len = features.whisper_log_mel_batch([src16, p16])
             fbank, fbank_len = features.kaldi_fbank_batch([p16])
             prompt_mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
@@ -159,11 +159,9 @@ class CosyVoice2:
     def _hift(self, mel: torch.Tensor, cache_source: torch.Tensor | None, noise: torch.Tensor | None,
               generator: torch.Generator | None, timer: StageTimer) -> tuple[torch.Tensor, torch.Tensor]:
         with timer.stage("hift"):
-            if noise is None and generator is not None:  # draw on the CPU generator, then move
-                noise = self.hift.draw_noise(mel.shape[0], mel.shape[2], generator)
             if noise is not None:
                 noise = torch.as_tensor(noise, dtype=torch.float32, device=self.device)
-            return self.hift.inference(mel, cache_source=cache_source, noise_sine=noise)
+            return self.hift.inference(mel, cache_source=cache_source, noise_sine=noise, generator=generator)
 
     def token2wav(self, inputs: VCInputs, *, seed: int | None = 0, hift_noise: np.ndarray | None = None,
                   timer: StageTimer = _NO_TIMER) -> np.ndarray:
@@ -188,34 +186,46 @@ class CosyVoice2:
         restarts for every call (the official instance keeps doubling across requests; the official
         references use a fresh instance, as here). ``hift_noise``: one array per HiFT call, in order.
         """
+        ends = self.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens))
+        noises = [None] * (len(ends) + 1) if hift_noise is None else list(hift_noise)
+        if len(noises) <= len(ends):
+            raise ValueError(f"hift_noise: {len(noises)} arrays for a stream of {len(ends) + 1} HiFT calls; "
+                             "pass one per chunk")
         generator = _generator(seed)
-        noises = iter(hift_noise) if hift_noise is not None else None
-        tokens = inputs.source_tokens
-        la = self.flow.pre_lookahead_len
-        tp = len(inputs.prompt_tokens)
-        pad = int(np.ceil(tp / self.TOKEN_HOP) * self.TOKEN_HOP - tp)
-        hop, offset, cache = self.TOKEN_HOP, 0, None
-        ratio = self.config.token_mel_ratio
-        while True:
-            this_hop = hop + pad if offset == 0 else hop
-            if len(tokens) - offset < this_hop + la:
-                break
-            mel = self._flow(inputs, tokens[: offset + this_hop + la], streaming=True, finalize=False,
+        tokens, la, ratio = inputs.source_tokens, self.flow.pre_lookahead_len, self.flow.token_mel_ratio
+        offset, cache = 0, None
+        for call, end in enumerate(ends):
+            mel = self._flow(inputs, tokens[: end + la], streaming=True, finalize=False,
                              timer=timer)[:, :, offset * ratio:]
-            speech, cache = self._hift_chunk(mel, cache, noises, generator, timer, final=False)
-            offset += this_hop
-            hop = min(self.TOKEN_MAX_HOP, hop * self.STREAM_SCALE)
+            speech, cache = self._hift_chunk(mel, cache, noises[call], generator, timer, final=False)
+            offset = end
             yield speech
         mel = self._flow(inputs, tokens, streaming=False, finalize=True, timer=timer)[:, :, offset * ratio:]
-        speech, _ = self._hift_chunk(mel, cache, noises, generator, timer, final=True)
+        speech, _ = self._hift_chunk(mel, cache, noises[len(ends)], generator, timer, final=True)
         yield speech
 
-    def _hift_chunk(self, mel, cache, noises, generator, timer, *, final: bool):
+    def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int) -> list[int]:
+        """Where the non-final chunks of :meth:`token2wav_stream` end, in source tokens.
+
+        The official schedule: hops of 25, 50, then 100 tokens, the first one longer by the padding that makes
+        prompt + chunk a multiple of 25; a chunk is only run while its hop plus the look-ahead tokens are
+        available. The final chunk, from the last end to ``n_tokens``, is not listed.
+        """
+        la = self.flow.pre_lookahead_len
+        pad = -n_prompt_tokens % self.TOKEN_HOP  # ceil(n_prompt / 25) * 25 - n_prompt, first chunk only
+        hop, offset, ends = self.TOKEN_HOP, 0, []
+        while n_tokens - offset >= hop + pad + la:
+            offset += hop + pad
+            ends.append(offset)
+            hop, pad = min(self.TOKEN_MAX_HOP, hop * self.STREAM_SCALE), 0
+        return ends
+
+    def _hift_chunk(self, mel: torch.Tensor, cache: dict | None, noise: np.ndarray | None,
+                    generator: torch.Generator | None, timer: StageTimer, *, final: bool):
         cache_source = None
         if cache is not None:
             mel = torch.cat([cache["mel"], mel], dim=2)
             cache_source = cache["source"]
-        noise = next(noises) if noises is not None else None
         speech, source = self._hift(mel, cache_source, noise, generator, timer)
         speech = speech[0].double().cpu().numpy()
         if cache is not None:  # crossfade with the held-back tail of the previous chunk, as the official
@@ -241,15 +251,6 @@ class CosyVoice2:
         if stream:
             return np.concatenate(list(self.token2wav_stream(inputs, seed=seed, timer=timer)))
         return self.token2wav(inputs, seed=seed, timer=timer)
-
-
-def _decoded(source, sample_rate: int | None, name: str) -> tuple[np.ndarray, int | None]:
-    """Decode a path or encoded bytes once (the prompt is needed at two rates); arrays pass through."""
-    if isinstance(source, (bytes, bytearray, memoryview, str, Path)):
-        if sample_rate is not None:
-            raise ValueError(f"{name}: sample_rate is only for arrays; an encoded file carries its own rate")
-        return audio.decode_audio(source, name=name, max_seconds=audio.MAX_SECONDS)
-    return source, sample_rate
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .errors import AudioError, CheckpointError
+from .features import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -119,20 +120,15 @@ def _open_session(path: str | Path, what: str, intra_op_threads: int, providers:
         ) from exc
 
 
-def _rank_of(shape: Any) -> int | None:
-    return None if shape is None else len(shape)
-
-
 def _check_arg(path: Path, kind: str, index: int, arg: Any, spec: TensorSpec, what: str) -> None:
     problems = []
     if arg.name != spec.name:
         problems.append("name")
     if arg.type not in spec.types:
         problems.append("type")
-    rank = _rank_of(arg.shape)
-    if rank is not None and rank != spec.rank:
+    if arg.shape is not None and len(arg.shape) != spec.rank:
         problems.append("rank")
-    elif rank is not None:
+    elif arg.shape is not None:
         problems += [
             f"size of axis {axis}"
             for axis, size in spec.fixed.items()
@@ -163,6 +159,19 @@ def _check_signature(
         if i >= len(got_out):
             raise CheckpointError(f"{path}: has no output #{i}; the official {what} has {spec.describe()}")
         _check_arg(path, "output", i, got_out[i], spec, what)
+
+
+def _open_checked(path: Path, filename: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
+                  intra_op_threads: int, providers: Sequence[Any] | None, produces: str) -> tuple[Any, str | None]:
+    """Open an official graph, check its signature and read its stand-in note (logged as a warning).
+
+    Returns ``(session, note)``; ``note`` is None for a real model."""
+    session = _open_session(path, filename, intra_op_threads, providers)
+    _check_signature(path, session, inputs, outputs, filename)
+    note = _standin_note(session)
+    if note:
+        log.warning("%s is a stand-in with random weights (%s): %s are noise", path, note, produces)
+    return session, note
 
 
 def _dynamic_batch(arg: Any) -> bool:
@@ -236,12 +245,8 @@ class SpeechTokenizer:
         self.path = Path(path)
         self.max_batch_size = int(max_batch_size)
         self.max_frames = max_frames
-        self.session = _open_session(self.path, TOKENIZER_FILENAME, intra_op_threads, providers)
-        _check_signature(self.path, self.session, TOKENIZER_INPUTS, TOKENIZER_OUTPUTS, TOKENIZER_FILENAME)
-        self.standin = _standin_note(self.session)
-        if self.standin:
-            log.warning("%s is a stand-in with random weights (%s): tokens are noise",
-                        self.path, self.standin)
+        self.session, self.standin = _open_checked(self.path, TOKENIZER_FILENAME, TOKENIZER_INPUTS,
+                                                   TOKENIZER_OUTPUTS, intra_op_threads, providers, "tokens")
         feats_arg, length_arg = self.session.get_inputs()
         dynamic = _dynamic_batch(feats_arg) and _dynamic_batch(length_arg)
         if batching == "always" and not dynamic:
@@ -274,10 +279,7 @@ class SpeechTokenizer:
         return out.reshape(-1).astype(np.int32)
 
     def _run_padded(self, items: list[np.ndarray]) -> list[np.ndarray]:
-        lengths = np.array([x.shape[1] for x in items], dtype=np.int64)
-        padded = np.zeros((len(items), WHISPER_MEL_BINS, int(lengths.max())), dtype=np.float32)
-        for row, x in zip(padded, items, strict=True):
-            row[:, : x.shape[1]] = x
+        padded, lengths = pad_batch(items, time_axis=1)
         out = self._run(padded, lengths)
         if out.ndim != 2 or out.shape[0] != len(items):
             raise CheckpointError(
@@ -366,12 +368,8 @@ class SpeakerEncoder:
         self.path = Path(path)
         self.max_batch_size = int(max_batch_size)
         self.subtract_mean = bool(subtract_mean)
-        self.session = _open_session(self.path, CAMPPLUS_FILENAME, intra_op_threads, providers)
-        _check_signature(self.path, self.session, CAMPPLUS_INPUTS, CAMPPLUS_OUTPUTS, CAMPPLUS_FILENAME)
-        self.standin = _standin_note(self.session)
-        if self.standin:
-            log.warning("%s is a stand-in with random weights (%s): embeddings are noise",
-                        self.path, self.standin)
+        self.session, self.standin = _open_checked(self.path, CAMPPLUS_FILENAME, CAMPPLUS_INPUTS,
+                                                   CAMPPLUS_OUTPUTS, intra_op_threads, providers, "embeddings")
         self.batched = batching == "auto" and _dynamic_batch(self.session.get_inputs()[0])
 
     def _run(self, feats: np.ndarray) -> np.ndarray:

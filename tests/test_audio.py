@@ -16,6 +16,7 @@ from cosyvoice_triton.audio import (
     SILENCE_PEAK,
     TOKENIZER_SR,
     decode_audio,
+    decode_if_encoded,
     load_audio,
     resample,
     to_mono_float32,
@@ -320,3 +321,22 @@ def test_load_audio_argument_errors():
         load_audio(path, target_sr=16000, name="prompt_audio", max_seconds=3.0)
     with pytest.raises(AudioError, match=r"^prompt_audio: 4\.2 s is too short; at least 5 s"):
         load_audio(path, target_sr=16000, name="prompt_audio", min_seconds=5.0)
+
+
+def test_decode_if_encoded():
+    path = FIXTURES / "speech_engb_16k.wav"
+    for source in (path, str(path), path.read_bytes()):
+        y, sr = decode_if_encoded(source, name="prompt_audio")
+        assert sr == 16000
+        np.testing.assert_array_equal(y, decode_audio(path)[0])
+    samples = np.zeros(10, np.int16)
+    y, sr = decode_if_encoded(samples, 8000)
+    assert y is samples and sr == 8000  # arrays pass through, unvalidated
+    with pytest.raises(ValueError, match="^prompt_audio: sample_rate is only for arrays"):
+        decode_if_encoded(path, 16000, name="prompt_audio")
+    with pytest.raises(ValueError, match="^prompt_audio: sample_rate is required"):
+        decode_if_encoded(samples, name="prompt_audio")
+    long = _encode(np.full(31 * 4000, 0.1, np.float32), 4000, format="WAV", subtype="PCM_16")
+    with pytest.raises(AudioError, match="at most 30 s"):  # MAX_SECONDS unless told otherwise
+        decode_if_encoded(long)
+    assert decode_if_encoded(long, max_seconds=None)[0].shape == (31 * 4000,)

@@ -121,3 +121,10 @@ def test_injected_noise_and_temperature():
     with pytest.raises(ValueError, match="noise buffer"):
         cfm.noise(101)
     assert "rand_noise" not in cfm.state_dict()
+
+
+def test_zero_steps_is_a_clear_error():
+    cfm = CausalConditionalCFM(CausalConditionalDecoder(TINY).eval(), CFMConfig(noise_frames=100))
+    inp = random_inputs(1, 30, [30])
+    with pytest.raises(ValueError, match=r"t_span needs at least 2 points \(n_timesteps >= 1\), got 1"):
+        cfm(inp["mu"], inp["mask"], inp["spks"], inp["cond"], n_timesteps=0)

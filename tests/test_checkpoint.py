@@ -37,6 +37,9 @@ def test_not_a_state_dict(tmp_path):
     torch.save(torch.zeros(3), tmp_path / "t.pt")
     with pytest.raises(CheckpointError, match="expected a state_dict"):
         read_state_dict(tmp_path / "t.pt")
+    torch.save({}, tmp_path / "e.pt")
+    with pytest.raises(CheckpointError, match="e.pt: expected a state_dict .*, got an empty dict"):
+        read_state_dict(tmp_path / "e.pt")
     torch.save({"a": 1}, tmp_path / "d.pt")
     with pytest.raises(CheckpointError, match="entry 'a' is a int"):
         read_state_dict(tmp_path / "d.pt")

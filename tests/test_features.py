@@ -19,6 +19,7 @@ from cosyvoice_triton.features import (
     kaldi_fbank_batch,
     kaldi_fbank_options,
     mel_basis,
+    pad_batch,
     whisper_log_mel,
     whisper_log_mel_batch,
     whisper_mel_filters,
@@ -296,3 +297,10 @@ def test_fbank_input_errors():
     with pytest.raises(TypeError, match="list of 1-D waveforms"):
         kaldi_fbank_batch(16000)
     assert kaldi_fbank_batch(w for w in [_noise(16000, 0)])[0].shape == (1, 98, 80)  # any iterable
+
+
+def test_pad_batch():
+    feats, lengths = pad_batch([np.ones((2, 3)), np.full((2, 1), 2.0)], time_axis=1)
+    assert feats.dtype == np.float32 and lengths.dtype == np.int32
+    np.testing.assert_array_equal(lengths, [3, 1])
+    np.testing.assert_array_equal(feats, [[[1, 1, 1], [1, 1, 1]], [[2, 0, 0], [2, 0, 0]]])

@@ -107,6 +107,26 @@ def test_inference_and_cache_source(hift, ref_npz):
     assert torch.equal(hift.inference(mel, cache_source=empty, noise_sine=noise)[0], speech)
 
 
+def test_seeded_noise_is_drawn_on_the_generators_device(monkeypatch):
+    """A CPU generator draws on the CPU whatever device the model runs on (here: meta), so that a seed gives
+    the official CPU noise on a GPU too; without a generator the noise comes from the model's device."""
+    model = HiFTGenerator(ModelConfig.tiny().hift).eval()
+    draw, devices = model.draw_noise, []
+
+    def spy(batch, frames, generator=None, device=None):
+        devices.append(torch.device(device))
+        return draw(batch, frames, generator, device)
+
+    monkeypatch.setattr(model, "draw_noise", spy)
+    model.to("meta")
+    mel = torch.zeros(1, 80, 4, device="meta")
+    speech, source = model.inference(mel, generator=torch.Generator().manual_seed(0))
+    assert devices == [torch.device("cpu")]
+    assert speech.device.type == "meta" and speech.shape == (1, 4 * 480) and source.shape == (1, 1, 4 * 480)
+    model.inference(mel)
+    assert devices[-1] == torch.device("meta")
+
+
 def test_fold_weight_norm(hift, ref_npz):
     z = ref_npz("hift_flowout")
     mel, noise = _t(z["speech_feat"][:, :, :40]), _t(z["noise_sine"][:, :40 * 480])

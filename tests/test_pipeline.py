@@ -12,6 +12,7 @@ import soundfile as sf
 import torch
 from conftest import FIXTURES, ROOT, rel_err
 
+from cosyvoice_triton.bench import run_core_bench
 from cosyvoice_triton.checkpoint import CAUSAL_FLOW_KEY, LEGACY_FLOW_KEY
 from cosyvoice_triton.config import ModelConfig, write_yaml
 from cosyvoice_triton.demo import _calibration_mel, build_demo_models, write_demo_model
@@ -99,6 +100,45 @@ def test_demo_convert_arrays_and_streaming(demo):
     streamed = demo.convert(src, prompt, source_sr=sr, prompt_sr=prompt_sr, stream=True)
     assert len(streamed) == len(whole)
     assert np.isfinite(streamed).all()
+
+
+def _official_chunk_ends(n_tokens: int, n_prompt: int, la: int = 3) -> list[int]:
+    """The official CosyVoice2Model.tts(stream=True) loop, transcribed: token offsets after each chunk."""
+    hop, offset, ends = 25, 0, []
+    pad = int(np.ceil(n_prompt / 25) * 25 - n_prompt)
+    while True:
+        this_hop = hop + pad if offset == 0 else hop
+        if n_tokens - offset < this_hop + la:
+            return ends
+        offset += this_hop
+        ends.append(offset)
+        hop = min(100, hop * 2)
+
+
+def test_stream_chunk_ends(demo):
+    assert demo.flow.pre_lookahead_len == 3
+    assert demo.stream_chunk_ends(27, 75) == []  # a chunk needs its 25 tokens and 3 of look-ahead
+    assert demo.stream_chunk_ends(28, 75) == [25]
+    assert demo.stream_chunk_ends(28, 74) == []  # prompt 74 + 1 = 75: the first hop is 26
+    assert demo.stream_chunk_ends(29, 74) == [26]
+    assert demo.stream_chunk_ends(278, 50) == [25, 75, 175, 275]
+    for n_prompt in range(0, 80, 7):
+        for n_tokens in range(0, 400, 3):
+            assert demo.stream_chunk_ends(n_tokens, n_prompt) == _official_chunk_ends(n_tokens, n_prompt)
+
+
+def test_stream_needs_one_hift_noise_per_chunk(demo):
+    inputs = VCInputs(source_tokens=np.arange(130, dtype=np.int32), prompt_tokens=np.zeros(75, np.int32),
+                      prompt_mel=np.zeros((150, 80), np.float32), embedding=np.ones(192, np.float32))
+    calls = len(demo.stream_chunk_ends(130, 75)) + 1
+    assert calls == 3
+    with pytest.raises(ValueError, match=r"^hift_noise: 2 arrays for a stream of 3 HiFT calls; pass one per chunk"):
+        next(demo.token2wav_stream(inputs, hift_noise=[np.zeros((1, 480, 9), np.float32)] * 2))
+
+
+def test_bench_refuses_zero_repeats(tmp_path):
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        run_core_bench(tmp_path, repeats=0)
 
 
 def test_convert_rejects_bad_audio(demo):

@@ -47,6 +47,8 @@ def solve_euler(estimator_fn: EstimatorFn, z: Tensor, mask: Tensor, mu: Tensor, 
     rather than read from the grid, which keeps the estimator's ``t`` inputs bitwise the official ones.
     Frames outside ``mask`` keep their noise (the estimator returns 0 there); slice outputs by length.
     """
+    if len(t_span) < 2:
+        raise ValueError(f"solve_euler: t_span needs at least 2 points (n_timesteps >= 1), got {len(t_span)}")
     b = z.shape[0]
     mask_in = torch.cat([mask, mask])
     mu_in = torch.cat([mu, torch.zeros_like(mu)])

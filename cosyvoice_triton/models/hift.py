@@ -289,12 +289,15 @@ class HiFTGenerator(nn.Module):
 
         ``cache_source [B, 1, C]`` (the tail of the previous chunk's source, C <= L) overwrites the first C
         source samples before decoding, which keeps streamed chunks phase-continuous. ``noise_sine`` is
-        drawn with :meth:`draw_noise` from ``generator`` (default: torch's global RNG) when None.
+        drawn with :meth:`draw_noise` when None: from ``generator`` on its own device (a CPU generator
+        replays the official CPU draws whatever the model's device), else from torch's global RNG on the
+        model's device; then moved to ``speech_feat``'s device and dtype.
         """
         f0 = self.f0_predictor(speech_feat)
         if noise_sine is None:
-            noise_sine = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], generator,
-                                         speech_feat.device).to(speech_feat.dtype)
+            device = speech_feat.device if generator is None else generator.device
+            noise_sine = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], generator, device)
+            noise_sine = noise_sine.to(device=speech_feat.device, dtype=speech_feat.dtype)
         source = self.source_from_f0(f0, noise_sine)
         if cache_source is not None and cache_source.shape[2] > 0:
             source[:, :, :cache_source.shape[2]] = cache_source

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Default command of the Dockerfile.triton image: from a mounted CosyVoice2-0.5B folder, export the ONNX
+# graphs, optionally quantise them, build the TensorRT engines for this container's TensorRT and GPU, then
+# say what would be served (placeholder until the serving issue adds model_repository/).
+#
+#   docker run --gpus all -v /path/to/CosyVoice2-0.5B:/models/CosyVoice2-0.5B:ro \
+#       -v "$PWD/build:/workspace/build" -e PRECISION=fp16 cosyvoice-triton
+#
+# Environment: MODEL_DIR (default /models/CosyVoice2-0.5B), PRECISION (fp32|fp16|int8, default fp16),
+# BUILD_DIR (default /workspace/build), BUILDER (trtexec|python, default trtexec), REEXPORT=1 to export
+# again over existing ONNX files, QUANTIZE_CMD (a command that writes $BUILD_DIR/onnx/int8 or fp16 files),
+# PYTHON (default python3).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+
+MODEL_DIR="${MODEL_DIR:-/models/CosyVoice2-0.5B}"
+PRECISION="${PRECISION:-fp16}"
+BUILD_DIR="${BUILD_DIR:-/workspace/build}"
+BUILDER="${BUILDER:-trtexec}"
+PYTHON="${PYTHON:-python3}"
+ONNX_DIR="$BUILD_DIR/onnx"
+ENGINE_DIR="$BUILD_DIR/engines"
+
+case "$PRECISION" in
+  fp32|fp16|int8) ;;
+  *) echo "error: PRECISION must be fp32, fp16 or int8, got '$PRECISION'" >&2; exit 2 ;;
+esac
+if [ ! -f "$MODEL_DIR/flow.pt" ]; then
+  echo "error: $MODEL_DIR/flow.pt not found: mount a CosyVoice2-0.5B folder there or set MODEL_DIR" >&2
+  exit 2
+fi
+
+echo "== 1/4 ONNX export: $MODEL_DIR -> $ONNX_DIR/fp32"
+if [ "${REEXPORT:-0}" != 1 ] && compgen -G "$ONNX_DIR/fp32/*.onnx" > /dev/null; then
+  echo "ONNX files already in $ONNX_DIR/fp32 (REEXPORT=1 to export again)"
+else
+  "$PYTHON" export/export_onnx.py --model-dir "$MODEL_DIR" --out "$ONNX_DIR/fp32"
+fi
+
+echo "== 2/4 quantisation"
+if [ -n "${QUANTIZE_CMD:-}" ]; then
+  bash -c "$QUANTIZE_CMD"
+else
+  echo "no QUANTIZE_CMD: graphs without a $PRECISION ONNX file are built from fp32"
+fi
+
+echo "== 3/4 TensorRT engines ($PRECISION, $BUILDER)"
+"$PYTHON" export/build_engines.py --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" \
+  --precision "$PRECISION" --builder "$BUILDER"
+
+echo "== 4/4 serving (placeholder: the serving issue starts tritonserver on model_repository/ here)"
+echo "would serve these engines with Triton's TensorRT backend:"
+for plan in "$ENGINE_DIR/$PRECISION"/*.plan; do
+  [ -e "$plan" ] && echo "  $plan"
+done
+echo "and on onnxruntime: hift_source (float64), speech_tokenizer (unless built with --graphs)"

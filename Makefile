@@ -13,7 +13,7 @@ OUT         ?= build/vc_demo.wav
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc demo test lint bench-core clean
+.PHONY: help install demo-model vc demo test lint bench-core export engines engines-dry-run clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,17 @@ lint: $(VENV)/.installed ## ruff
 bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
+
+export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
+	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
+	$(PY) export/export_onnx.py --model-dir $(MODEL_DIR) --out build/onnx/fp32
+
+PRECISION ?= fp16
+engines: $(VENV)/.installed ## TensorRT plans from build/onnx (PRECISION=fp32|fp16|int8); needs trtexec: NGC container
+	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION)
+
+engines-dry-run: $(VENV)/.installed ## print the trtexec commands `make engines` would run
+	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
 
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

@@ -13,9 +13,9 @@ Masking as in the official module, and two deliberate extensions for batched ser
 
 * **Masks.** Attention keys are limited to each item's valid frames. With ``streaming`` on, each query also
   sees only frames up to the end of its own chunk (``static_chunk_size`` frames before the upsample,
-  ``static_chunk_size * upsample_stride`` after it, every left chunk). ``streaming`` may be a Python bool or a
-  0-d bool tensor; both masks are built and one is picked with a tensor op, so an exported graph can take
-  ``streaming`` as an input.
+  ``static_chunk_size * upsample_stride`` after it, every left chunk). ``streaming`` may be a Python bool, a
+  0-d bool tensor or a [B] bool tensor (one flag per item); both masks are built and one is picked with a
+  tensor op, so an exported graph can take ``streaming`` as an input.
 * **Padding (extension).** The official encoder lets the PreLookaheadLayer of a padded item read the
   embedded padding frames (``embed(0)`` is not zero), so a batched item differs from the same item run
   alone. Here the frames beyond ``xs_lens`` are zeroed before the look-ahead convolution, and a right
@@ -55,13 +55,13 @@ __all__ = [
 def chunk_attention_mask(valid: Tensor, chunk_size: int, streaming: Tensor) -> Tensor:
     """Self-attention mask [B, T, T] (True = may attend) from the key padding mask ``valid`` [B, T].
 
-    ``streaming`` (0-d bool tensor) adds the chunk-causal limit: query i sees the keys
-    j < (i // chunk + 1) * chunk, i.e. its own chunk and every chunk to its left.
+    ``streaming`` (0-d bool tensor, or [B] for a per-item choice) adds the chunk-causal limit: query i sees
+    the keys j < (i // chunk + 1) * chunk, i.e. its own chunk and every chunk to its left.
     """
     pos = torch.arange(valid.size(1), device=valid.device)
     chunk_end = (pos // chunk_size + 1) * chunk_size
-    causal = (pos.unsqueeze(0) < chunk_end.unsqueeze(1)) | ~streaming  # [T, T]
-    return valid.unsqueeze(1) & causal.unsqueeze(0)
+    causal = (pos.unsqueeze(0) < chunk_end.unsqueeze(1)) | ~streaming.reshape(-1, 1, 1)  # [1 or B, T, T]
+    return valid.unsqueeze(1) & causal
 
 
 class RelPositionalEncoding(nn.Module):
@@ -265,7 +265,7 @@ class UpsampleConformerEncoder(nn.Module):
                 the count that includes the context).
             context: None, or [B, C, input_size] raw embeddings of the C <= P look-ahead tokens that follow
                 each item's valid frames (``finalize=False``); missing frames are zeros (the official pad).
-            streaming: Python bool or 0-d bool tensor: chunk-causal attention on top of the padding mask.
+            streaming: Python bool, 0-d or [B] bool tensor: chunk-causal attention on top of the padding mask.
             context_lens: None, or [B] int number of valid context frames per item (0 = none).
 
         Returns:

@@ -10,7 +10,7 @@ mask, the attention mask is the key padding mask (ANDed with a chunk-causal mask
 the additive bias ``(1 - m) * -1e10``, and query rows that would see no key at all see every key (the
 official ``add_optional_chunk_mask`` fix-up, done here without a data-dependent branch). The estimator is
 exportable with the legacy ONNX exporter; ``streaming`` may be a 0-d bool tensor so that one graph serves both
-modes.
+modes, or a [B] bool tensor so that one batch mixes them (one flag per row).
 """
 
 from __future__ import annotations
@@ -201,14 +201,15 @@ class CausalConditionalDecoder(nn.Module):
     def attention_bias(self, mask: Tensor, streaming: bool | Tensor, dtype: torch.dtype) -> Tensor:
         """mask [B, 1, T] -> additive bias [B, 1, T, T] ([B, 1, 1, T] for a Python ``streaming=False``).
 
-        Keys outside the mask are hidden; with ``streaming`` (bool or 0-d bool tensor) keys in chunks to the
-        right of the query's chunk too. A query that would see no key sees all (only an all-padding item).
+        Keys outside the mask are hidden; with ``streaming`` (bool, 0-d bool tensor, or [B] bool tensor for a
+        per-row choice) keys in chunks to the right of the query's chunk too. A query that would see no key
+        sees all (only an all-padding item).
         """
         allowed = mask.bool()
         if isinstance(streaming, Tensor) or streaming:
             chunk = chunk_causal_mask(mask.shape[-1], self.static_chunk_size, mask.device)
             if isinstance(streaming, Tensor):
-                chunk = chunk | ~streaming.bool()
+                chunk = chunk | ~streaming.bool().reshape(-1, 1, 1)  # [1 or B, T, T]
             allowed = allowed & chunk
         allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
         return ((1.0 - allowed.to(dtype)) * self.mask_bias).unsqueeze(1)
@@ -216,7 +217,7 @@ class CausalConditionalDecoder(nn.Module):
     def forward(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                 streaming: bool | Tensor = False) -> Tensor:
         """x, mu, cond [B, 80, T], mask [B, 1, T] (1 valid / 0 pad), t [B], spks [B, 80],
-        streaming bool or 0-d bool tensor -> velocity [B, 80, T] (zero where ``mask`` is 0)."""
+        streaming bool, 0-d or [B] bool tensor -> velocity [B, 80, T] (zero where ``mask`` is 0)."""
         t_emb = self.time_mlp(sinusoidal_embedding(t, self.in_channels))
         spks = spks.unsqueeze(-1).expand(-1, -1, x.shape[-1])
         h = torch.cat([x, mu, spks, cond], dim=1)

@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 .PHONY: help install demo-model vc demo test lint bench-core export engines engines-dry-run clean
 
 help: ## list the stages
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
 	@echo "  variables: MODEL_DIR=$(MODEL_DIR) DEMO_SIZE=$(DEMO_SIZE) (tiny|full) SOURCE=... PROMPT=... OUT=..."
 
 $(VENV)/.installed: pyproject.toml

@@ -166,3 +166,20 @@ GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
         doc="HiFT generator: source STFT, upsampling ResBlocks, exp/sin spectrum, conv iSTFT, clamp",
     ),
 })
+
+
+# ------------------------------------------------------------------------------------------ served API
+#: The ``cosyvoice_vc`` ensemble (the product's public API). Audio is float32 samples in [-1, 1] at any rate
+#: from 4 kHz to 384 kHz with its rate beside it; clients decode files themselves (or send encoded bytes to
+#: ``*_audio_bytes`` where the serving layer accepts them). The answer is 24 kHz float32 audio.
+VC_MODEL = "cosyvoice_vc"
+VC_INPUTS: tuple[TensorSpec, ...] = (
+    _t("source_audio", "float32", _B, "source_samples"),
+    _t("source_sample_rate", "int32", _B, 1),
+    _t("prompt_audio", "float32", _B, "prompt_samples"),
+    _t("prompt_sample_rate", "int32", _B, 1),
+)
+VC_OUTPUTS: tuple[TensorSpec, ...] = (
+    _t("waveform", "float32", _B, "output_samples"),
+    _t("sample_rate", "int32", _B, 1),
+)

@@ -13,7 +13,7 @@ OUT         ?= build/vc_demo.wav
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc demo test lint bench-core export engines engines-dry-run clean
+.PHONY: help install demo-model vc demo test lint bench-core export engines engines-dry-run render serve clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	# tritonserver 2.51 + its Python backend ship in this wheel; its Python API (and deps) are unused
+	$(VENV)/bin/pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	touch $@
 
 install: $(VENV)/.installed ## create .venv and install the package with its pinned dependencies
@@ -36,7 +38,16 @@ vc: $(VENV)/.installed ## in-process voice conversion of SOURCE into the voice o
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
 	$(PY) -m cosyvoice_triton vc --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o $(OUT)
 
-demo: vc ## the main job: install, write the demo model, convert the bundled speech sample
+demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample through cosyvoice_vc
+	$(PY) -m cosyvoice_triton.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
+
+SERVE_FLAVOR ?= local
+SERVE_PRECISION ?= fp32
+render: $(VENV)/.installed ## render build/model_repository (SERVE_FLAVOR=local|onnx|trt) from model_repository/
+	$(PY) model_repository/render.py --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
+
+serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics)
+	$(PY) -m cosyvoice_triton.serve_demo serve --model-dir $(MODEL_DIR)
 
 test: $(VENV)/.installed ## lint, then run the test suite
 	$(VENV)/bin/ruff check .

@@ -170,8 +170,8 @@ GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
 
 # ------------------------------------------------------------------------------------------ served API
 #: The ``cosyvoice_vc`` ensemble (the product's public API). Audio is float32 samples in [-1, 1] at any rate
-#: from 4 kHz to 384 kHz with its rate beside it; clients decode files themselves (or send encoded bytes to
-#: ``*_audio_bytes`` where the serving layer accepts them). The answer is 24 kHz float32 audio.
+#: from 4 kHz to 384 kHz with its rate beside it, or an encoded file in ``*_audio_bytes``
+#: (:data:`VC_OPTIONAL_INPUTS`). The answer is float32 audio at the served rate (24 kHz unless configured).
 VC_MODEL = "cosyvoice_vc"
 VC_INPUTS: tuple[TensorSpec, ...] = (
     _t("source_audio", "float32", _B, "source_samples"),
@@ -183,3 +183,87 @@ VC_OUTPUTS: tuple[TensorSpec, ...] = (
     _t("waveform", "float32", _B, "output_samples"),
     _t("sample_rate", "int32", _B, 1),
 )
+#: Optional inputs of ``cosyvoice_vc``. ``seed`` of HiFT's NSF noise (default 0, as ``CosyVoice2.convert``), so the
+#: same request always gives the same audio (a request parameter ``seed`` does the same). ``*_audio_bytes``: an
+#: encoded file (wav/flac/ogg) instead of samples and rate, decoded by the server.
+VC_OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (
+    _t("seed", "int64", _B, 1),
+    _t("source_audio_bytes", "bytes", _B, 1),
+    _t("prompt_audio_bytes", "bytes", _B, 1),
+)
+#: Each utterance comes either as samples with their rate or as encoded bytes: the ensemble therefore declares
+#: these inputs optional too, and ``preprocess`` refuses a request that has neither (or both) for one of them.
+VC_UTTERANCE_INPUTS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
+    "source": ("source_audio", "source_sample_rate", "source_audio_bytes"),
+    "prompt": ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"),
+})
+
+
+# ------------------------------------------------------------------------------------ served stages
+@dataclass(frozen=True)
+class StageSpec:
+    """A Python-backend model of the served pipeline: its tensors (first dim: the batch axis) and which inputs
+    may be left out. Lengths are per request (ragged); ``max_batch_size`` bounds the requests per execution."""
+
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    optional: frozenset[str] = frozenset()
+    max_batch_size: int = 16
+    doc: str = ""
+
+    def triton_dims(self, tensor: TensorSpec) -> list[int]:
+        return [d if isinstance(d, int) else -1 for d in tensor.shape[1:]]
+
+
+_FLOW_BATCH = min(GRAPHS["flow_encoder"].max_batch_size, GRAPHS["flow_estimator"].max_batch_size // 2)
+_HIFT_BATCH = min(GRAPHS["hift_source"].max_batch_size, GRAPHS["hift_decoder"].max_batch_size)
+_FRONT_BATCH = min(GRAPHS["speech_tokenizer"].max_batch_size, GRAPHS["speaker_encoder"].max_batch_size)
+
+#: The stages between the graphs. Tensor names are the graphs' names where a tensor feeds a graph as it is
+#: (``whisper_mel``, ``fbank``, ``speech_tokens``, ``speaker_embedding``, ``mel``, ``waveform``); the
+#: ensemble prefixes ``source_`` / ``prompt_`` where one graph is used for both utterances.
+STAGES: Mapping[str, StageSpec] = MappingProxyType({
+    "preprocess": StageSpec(
+        "preprocess",
+        inputs=(*VC_INPUTS, *VC_OPTIONAL_INPUTS[1:]),
+        outputs=(
+            _t("source_whisper_mel", "float32", _B, 128, "whisper_frames"),
+            _t("source_whisper_mel_len", "int32", _B, 1),
+            _t("prompt_whisper_mel", "float32", _B, 128, "whisper_frames"),
+            _t("prompt_whisper_mel_len", "int32", _B, 1),
+            _t("prompt_fbank", "float32", _B, "fbank_frames", 80),
+            _t("prompt_mel", "float32", _B, "prompt_mel_frames", 80),
+        ),
+        optional=frozenset(n for names in VC_UTTERANCE_INPUTS.values() for n in names),
+        max_batch_size=_FRONT_BATCH,
+        doc="decode, validate, resample; Whisper log-mel of source and prompt, Kaldi fbank and 24 kHz mel of prompt",
+    ),
+    "flow": StageSpec(
+        "flow",
+        inputs=(
+            _t("source_speech_tokens", "int32", _B, "source_tokens"),
+            _t("prompt_speech_tokens", "int32", _B, "prompt_tokens"),
+            _t("prompt_mel", "float32", _B, "prompt_mel_frames", 80),
+            _t("speaker_embedding", "float32", _B, 192),
+        ),
+        outputs=(_t("mel", "float32", _B, 80, _MEL),),
+        max_batch_size=_FLOW_BATCH,
+        doc="BLS: flow_encoder once, then the Euler solver with one flow_estimator call per step for the batch",
+    ),
+    "hift": StageSpec(
+        "hift",
+        inputs=(_t("mel", "float32", _B, 80, _MEL), VC_OPTIONAL_INPUTS[0]),
+        outputs=(_t("waveform", "float32", _B, (_MEL, SAMPLES_PER_MEL_FRAME)),),
+        optional=frozenset({"seed"}),
+        max_batch_size=_HIFT_BATCH,
+        doc="BLS: seeded NSF noise, hift_source then hift_decoder, items of equal length per call",
+    ),
+    "postprocess": StageSpec(
+        "postprocess",
+        inputs=(_t("waveform", "float32", _B, "samples"),),
+        outputs=VC_OUTPUTS,
+        max_batch_size=16,
+        doc="output sample rate, optional loudness normalisation, optional encoded bytes",
+    ),
+})

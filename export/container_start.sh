@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Default command of the Dockerfile.triton image: from a mounted CosyVoice2-0.5B folder, export the ONNX
-# graphs, optionally quantise them, build the TensorRT engines for this container's TensorRT and GPU, then
-# say what would be served (placeholder until the serving issue adds model_repository/).
+# graphs, optionally quantise them, build the TensorRT engines for this container's TensorRT and GPU, render the
+# model repository and serve it with this image's tritonserver.
 #
 #   docker run --gpus all -v /path/to/CosyVoice2-0.5B:/models/CosyVoice2-0.5B:ro \
 #       -v "$PWD/build:/workspace/build" -e PRECISION=fp16 cosyvoice-triton
@@ -9,7 +9,8 @@
 # Environment: MODEL_DIR (default /models/CosyVoice2-0.5B), PRECISION (fp32|fp16|int8, default fp16),
 # BUILD_DIR (default /workspace/build), BUILDER (trtexec|python, default trtexec), REEXPORT=1 to export
 # again over existing ONNX files, QUANTIZE_CMD (a command that writes $BUILD_DIR/onnx/int8 or fp16 files),
-# PYTHON (default python3).
+# PYTHON (default python3), SERVE_FLAVOR (trt|onnx|local, default trt), SERVE=0 to stop after the builds,
+# RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2").
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -49,9 +50,15 @@ echo "== 3/4 TensorRT engines ($PRECISION, $BUILDER)"
 "$PYTHON" export/build_engines.py --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" \
   --precision "$PRECISION" --builder "$BUILDER"
 
-echo "== 4/4 serving (placeholder: the serving issue starts tritonserver on model_repository/ here)"
-echo "would serve these engines with Triton's TensorRT backend:"
-for plan in "$ENGINE_DIR/$PRECISION"/*.plan; do
-  [ -e "$plan" ] && echo "  $plan"
-done
-echo "and on onnxruntime: hift_source (float64), speech_tokenizer (unless built with --graphs)"
+SERVE_FLAVOR="${SERVE_FLAVOR:-trt}"
+REPO="$BUILD_DIR/model_repository"
+echo "== 4/4 serving: render $REPO (flavor $SERVE_FLAVOR, $PRECISION), start tritonserver"
+# shellcheck disable=SC2086  # RENDER_ARGS is a list of arguments
+"$PYTHON" model_repository/render.py --flavor "$SERVE_FLAVOR" --out "$REPO" --model-dir "$MODEL_DIR" \
+  --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" --precision "$PRECISION" ${RENDER_ARGS:-}
+if [ "${SERVE:-1}" = 0 ]; then
+  echo "SERVE=0: not starting tritonserver; serve with: tritonserver --model-repository=$REPO"
+  exit 0
+fi
+exec tritonserver --model-repository="$REPO" --disable-auto-complete-config --strict-readiness=true \
+  --exit-on-error=true --http-port=8000 --grpc-port=8001 --metrics-port=8002

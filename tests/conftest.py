@@ -50,3 +50,40 @@ def rel_err(actual, expected) -> float:
             for x in (actual, expected))
     assert a.shape == e.shape, f"shape {a.shape} != {e.shape}"
     return float(np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 1e-30))
+
+
+# ------------------------------------------------------------------------------------ serving (Triton)
+@pytest.fixture(scope="session")
+def serving_assets(tmp_path_factory):
+    """A tiny demo model and its fp32 ONNX export (no verification: test_onnx_export checks the export)."""
+    from cosyvoice_triton.demo import write_demo_model
+    from cosyvoice_triton.onnx_export import export_onnx
+
+    root = tmp_path_factory.mktemp("serving")
+    model_dir = write_demo_model(root / "cosyvoice2-demo-tiny", size="tiny")
+    export_onnx(model_dir, root / "onnx" / "fp32", verify=False)
+    return {"root": root, "model_dir": Path(model_dir), "onnx_dir": root / "onnx"}
+
+
+@pytest.fixture(scope="session")
+def triton_server(serving_assets):
+    """The local-flavor repository served by the nvidia-pytriton wheel's tritonserver, once per session."""
+    try:
+        import tritonclient.grpc
+        import tritonclient.http  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"tritonclient is not installed ({exc}): pip install 'tritonclient[http,grpc]==2.51.0'")
+    from cosyvoice_triton.repository import render_repository
+    from cosyvoice_triton.server import TritonNotInstalled, TritonServer, find_installation
+
+    try:
+        find_installation()
+    except TritonNotInstalled as exc:
+        pytest.skip(str(exc))
+    repo = serving_assets["root"] / "model_repository"
+    render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
+                      max_queue_delay_us=20000)
+    server = TritonServer(repo, exit_timeout=5)
+    server.start(timeout=240)
+    yield server
+    server.stop()

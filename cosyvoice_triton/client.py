@@ -1,0 +1,336 @@
+"""Client of the served ``cosyvoice_vc`` ensemble over HTTP or gRPC (``tritonclient``), sync and asyncio.
+
+    with VCClient("127.0.0.1:8000") as client:                       # one connection, reused
+        result = client.convert("source.wav", "prompt.wav")           # paths, bytes, or (samples, rate)
+        result.write("out.wav")
+        results = client.convert_many([("a.wav", "p.wav"), ("b.wav", "p.wav")])   # concurrently
+
+    async with AsyncVCClient("127.0.0.1:8001", protocol="grpc") as client:
+        result = await client.convert(samples, prompt, source_sr=16000, prompt_sr=22050)
+
+Audio is decoded here (``soundfile``: wav/flac/ogg from a path or bytes; float or int PCM arrays with their
+rate), mixed to mono and sent as float32 samples with their rate (:data:`~cosyvoice_triton.shapes.VC_INPUTS`);
+with ``encoded=True`` files are sent as they are (``*_audio_bytes``) and the server decodes them. The server
+resamples. A request the server refuses raises
+:class:`VCError` carrying the server's own message and status (HTTP 400 / gRPC ``INVALID_ARGUMENT`` for bad
+input); ``convert_many`` returns such errors in place of the failed items instead of raising.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import audio
+from .errors import AudioError
+from .shapes import VC_MODEL
+
+__all__ = ["AsyncVCClient", "VCClient", "VCError", "VCResult", "build_inputs", "load_input"]
+
+PROTOCOLS = ("http", "grpc")
+DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
+_ENSEMBLE_PREFIX = f"in ensemble '{VC_MODEL}', "
+
+
+class VCError(RuntimeError):
+    """The server refused or failed a conversion: ``message`` is the server's, ``status`` its code
+    (``"400"`` / ``"StatusCode.INVALID_ARGUMENT"`` for bad input), ``invalid_argument`` says which kind."""
+
+    def __init__(self, message: str, status: str | None = None):
+        self.message = message
+        self.status = status
+        super().__init__(f"{message} [{status}]" if status else message)
+
+    @property
+    def invalid_argument(self) -> bool:
+        return self.status in ("400", "StatusCode.INVALID_ARGUMENT")
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> VCError:
+        if isinstance(exc, VCError):
+            return exc
+        msg = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+        msg = re.sub(r"^\[request id: [^\]]*\] ", "", msg or str(exc)).removeprefix(_ENSEMBLE_PREFIX)
+        status = exc.status() if callable(getattr(exc, "status", None)) else None
+        return cls(msg, None if status is None else str(status))
+
+
+@dataclass
+class VCResult:
+    waveform: np.ndarray  # float32 [N]
+    sample_rate: int
+    latency_s: float = 0.0
+    audio_bytes: bytes | None = None  # when the server encodes (postprocess output_format)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.waveform.shape[0] / self.sample_rate
+
+    def write(self, path: str | os.PathLike) -> Path:
+        """Write a 16-bit PCM wav (or the server's encoded bytes when the extension matches their format)."""
+        import soundfile
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        soundfile.write(path, np.clip(self.waveform, -1.0, 1.0), self.sample_rate, subtype="PCM_16")
+        return path
+
+
+def load_input(x, sample_rate: int | None = None, *, name: str = "audio") -> tuple[np.ndarray, int]:
+    """``(float32 mono samples, rate)`` of a path / encoded bytes (decoded here) or samples with their rate.
+
+    Only decoding and layout are checked here; the server validates content (length, NaN, silence, rate)."""
+    if isinstance(x, (str, os.PathLike, bytes, bytearray, memoryview)):
+        if sample_rate is not None:
+            raise AudioError(f"{name}: a file carries its own rate; pass sample_rate only with samples")
+        return audio.decode_audio(x, name=name)
+    if sample_rate is None:
+        raise AudioError(f"{name}: samples need their sample rate")
+    return audio.to_mono_float32(x, name=name), int(sample_rate)
+
+
+def _payload(x, sample_rate, name: str, encoded: bool):
+    """What is sent for one utterance: the file's bytes (``encoded``, files only) or decoded samples."""
+    if encoded and isinstance(x, (str, os.PathLike, bytes, bytearray, memoryview)):
+        if sample_rate is not None:
+            raise AudioError(f"{name}: a file carries its own rate; pass sample_rate only with samples")
+        data = bytes(x) if isinstance(x, (bytes, bytearray, memoryview)) else Path(x).read_bytes()
+        return data, None
+    return load_input(x, sample_rate, name=name)
+
+
+def build_inputs(module, source: np.ndarray | bytes, source_sr: int | None, prompt: np.ndarray | bytes,
+                 prompt_sr: int | None, seed: int | None = None) -> list:
+    """The ``cosyvoice_vc`` input tensors for ``tritonclient.http`` or ``tritonclient.grpc`` (``module``): each
+    utterance as float32 samples with their rate, or as an encoded file's ``bytes`` (rate None)."""
+    def tensor(name, arr, dtype):
+        t = module.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        return t
+
+    inputs = []
+    for which, x, sr in (("source", source, source_sr), ("prompt", prompt, prompt_sr)):
+        if isinstance(x, (bytes, bytearray)):
+            inputs.append(tensor(f"{which}_audio_bytes", np.array([[bytes(x)]], dtype=object), "BYTES"))
+        else:
+            inputs += [tensor(f"{which}_audio", np.ascontiguousarray(x, np.float32)[None], "FP32"),
+                       tensor(f"{which}_sample_rate", np.array([[sr]], np.int32), "INT32")]
+    if seed is not None:
+        inputs.append(tensor("seed", np.array([[int(seed)]], np.int64), "INT64"))
+    return inputs
+
+
+def _result(response, latency: float) -> VCResult:
+    wave = response.as_numpy("waveform")
+    sr = response.as_numpy("sample_rate")
+    if wave is None or sr is None:
+        raise VCError("the server's answer has no waveform / sample_rate output")
+    extra = None
+    try:
+        extra = response.as_numpy("audio_bytes")
+    except Exception:
+        extra = None
+    return VCResult(np.asarray(wave, np.float32).reshape(-1), int(np.asarray(sr).reshape(-1)[0]), latency,
+                    bytes(extra.reshape(-1)[0]) if extra is not None and extra.size else None)
+
+
+Pair = tuple[Any, Any] | Mapping[str, Any]
+
+
+def _pair_args(pair: Pair) -> dict[str, Any]:
+    if isinstance(pair, Mapping):
+        return dict(pair)
+    source, prompt = pair
+    return {"source": source, "prompt": prompt}
+
+
+class VCClient:
+    """Synchronous client; one connection (pool) reused for every call. Not for use from several threads
+    at once: ``convert_many`` runs requests concurrently itself."""
+
+    def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
+                 timeout: float = 300.0, concurrency: int = 8, verbose: bool = False):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
+        self.protocol, self.model, self.timeout = protocol, model, float(timeout)
+        self.url = url or DEFAULT_URLS[protocol]
+        self.concurrency = max(1, int(concurrency))
+        if protocol == "http":
+            import tritonclient.http as module
+
+            self._client = module.InferenceServerClient(self.url, concurrency=self.concurrency,
+                                                        connection_timeout=self.timeout,
+                                                        network_timeout=self.timeout, verbose=verbose)
+        else:
+            import tritonclient.grpc as module
+
+            self._client = module.InferenceServerClient(self.url, verbose=verbose)
+        self._module = module
+
+    # ------------------------------------------------------------------------------------- basics
+
+    def is_ready(self) -> bool:
+        try:
+            return bool(self._client.is_server_ready()) and bool(self._client.is_model_ready(self.model))
+        except Exception:
+            return False
+
+    def statistics(self, model: str = "") -> dict:
+        """Triton's per-model statistics (all models when ``model`` is empty), as a dict."""
+        if self.protocol == "http":
+            return self._client.get_inference_statistics(model)
+        return self._client.get_inference_statistics(model, as_json=True)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> VCClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------- conversion
+
+    def _inputs(self, source, prompt, source_sr, prompt_sr, seed, encoded=False):
+        src, s_sr = _payload(source, source_sr, "source", encoded)
+        prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
+        return build_inputs(self._module, src, s_sr, prm, p_sr, seed)
+
+    def infer_raw(self, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None) -> VCResult:
+        """Send prepared ``tritonclient`` inputs (for tests of malformed requests); raises :class:`VCError`."""
+        t0 = time.perf_counter()
+        try:
+            if self.protocol == "http":
+                res = self._client.infer(self.model, list(inputs), parameters=parameters)
+            else:
+                res = self._client.infer(self.model, list(inputs), parameters=parameters,
+                                         client_timeout=self.timeout)
+        except Exception as exc:
+            raise VCError.from_exception(exc) from exc
+        return _result(res, time.perf_counter() - t0)
+
+    def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
+                seed: int | None = None, parameters: Mapping[str, Any] | None = None,
+                encoded: bool = False) -> VCResult:
+        """Convert ``source`` into the voice of ``prompt``: paths, encoded bytes, or samples with ``*_sr``.
+        ``encoded=True`` sends files as they are (the server decodes them) instead of decoding them here."""
+        return self.infer_raw(self._inputs(source, prompt, source_sr, prompt_sr, seed, encoded),
+                              parameters=parameters)
+
+    def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None) -> list[VCResult | VCError]:
+        """Many conversions in flight at once (up to ``concurrency``); results in order, a failed one as its
+        :class:`VCError`. Each pair: ``(source, prompt)`` or a dict of :meth:`convert`'s arguments."""
+        jobs = [_pair_args(p) for p in pairs]
+        out: list[VCResult | VCError | None] = [None] * len(jobs)
+        for start in range(0, len(jobs), self.concurrency):
+            window = range(start, min(start + self.concurrency, len(jobs)))
+            pending: dict[int, tuple[Any, float]] = {}
+            for i in window:
+                job = {"seed": seed, **jobs[i]}
+                try:
+                    inputs = self._inputs(job["source"], job["prompt"], job.get("source_sr"), job.get("prompt_sr"),
+                                          job.get("seed"), job.get("encoded", False))
+                except Exception as exc:
+                    out[i] = VCError(str(exc), "client")
+                    continue
+                pending[i] = (self._submit(inputs, job.get("parameters")), time.perf_counter())
+            for i, (handle, t0) in pending.items():
+                try:
+                    res = handle.get_result() if self.protocol == "http" else handle.result()
+                    if isinstance(res, Exception):
+                        raise res
+                    out[i] = _result(res, time.perf_counter() - t0)
+                except Exception as exc:
+                    out[i] = VCError.from_exception(exc)
+        return out  # type: ignore[return-value]
+
+    def _submit(self, inputs, parameters):
+        if self.protocol == "http":
+            return self._client.async_infer(self.model, inputs, parameters=parameters)
+        fut: Future = Future()
+
+        def done(result, error):
+            fut.set_result(error if error is not None else result)
+
+        self._client.async_infer(self.model, inputs, done, parameters=parameters, client_timeout=self.timeout)
+        return fut
+
+
+class AsyncVCClient:
+    """asyncio client (``tritonclient.http.aio`` / ``tritonclient.grpc.aio``); one session reused."""
+
+    def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
+                 timeout: float = 300.0, concurrency: int = 8):
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
+        self.protocol, self.model, self.timeout = protocol, model, float(timeout)
+        self.url = url or DEFAULT_URLS[protocol]
+        self.concurrency = max(1, int(concurrency))
+        if protocol == "http":
+            import tritonclient.http as module
+            import tritonclient.http.aio as aio
+
+            self._client = aio.InferenceServerClient(self.url, conn_limit=self.concurrency,
+                                                     conn_timeout=self.timeout)
+        else:
+            import tritonclient.grpc as module
+            import tritonclient.grpc.aio as aio
+
+            self._client = aio.InferenceServerClient(self.url)
+        self._module = module
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> AsyncVCClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def statistics(self, model: str = "") -> dict:
+        if self.protocol == "http":
+            return await self._client.get_inference_statistics(model)
+        return await self._client.get_inference_statistics(model, as_json=True)
+
+    async def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
+                      seed: int | None = None, parameters: Mapping[str, Any] | None = None,
+                      encoded: bool = False) -> VCResult:
+        src, s_sr = _payload(source, source_sr, "source", encoded)
+        prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
+        inputs = build_inputs(self._module, src, s_sr, prm, p_sr, seed)
+        t0 = time.perf_counter()
+        try:
+            if self.protocol == "http":
+                res = await self._client.infer(self.model, inputs, parameters=parameters)
+            else:
+                res = await self._client.infer(self.model, inputs, parameters=parameters,
+                                               client_timeout=self.timeout)
+        except Exception as exc:
+            raise VCError.from_exception(exc) from exc
+        return _result(res, time.perf_counter() - t0)
+
+    async def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None) -> list[VCResult | VCError]:
+        sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(job):
+            async with sem:
+                try:
+                    return await self.convert(**{"seed": seed, **job})
+                except VCError as exc:
+                    return exc
+                except Exception as exc:
+                    return VCError(str(exc), "client")
+
+        return list(await asyncio.gather(*(one(_pair_args(p)) for p in pairs)))

@@ -1,0 +1,197 @@
+"""The served demo, end to end, and a foreground server.
+
+``python -m cosyvoice_triton.serve_demo demo``: demo model (if missing) -> ONNX export (if missing) -> render
+``build/model_repository`` (flavor ``local``) -> start the ``tritonserver`` of the ``nvidia-pytriton`` wheel
+-> convert the bundled sample through the ``cosyvoice_vc`` ensemble with the client -> write the result ->
+print the latency and per-stage figures from Triton's statistics API -> stop the server.
+
+``python -m cosyvoice_triton.serve_demo serve``: the same preparation, then serve in the foreground on fixed
+ports until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .shapes import GRAPHS
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DemoReport", "format_statistics", "main", "prepare", "run_demo", "serve"]
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_DIR = "models/cosyvoice2-demo-tiny"
+DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "source_en_5s.wav"
+DEFAULT_PROMPT = ROOT / "tests" / "fixtures" / "prompt_en_3s.wav"
+
+
+@dataclass
+class DemoReport:
+    output: Path
+    seconds: float  # audio produced
+    latencies: list[float]  # per conversion, first (cold) included
+    server_start_s: float
+    statistics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def warm_latency(self) -> float:
+        warm = self.latencies[1:] or self.latencies
+        return sorted(warm)[len(warm) // 2]
+
+
+def prepare(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
+            repository: str | Path = "build/model_repository", flavor: str = "local", precision: str = "fp32",
+            demo_size: str = "tiny", **tunables) -> Path:
+    """Make sure the model folder and its ONNX export exist, then render the repository. Returns its path."""
+    from .repository import render_repository
+
+    model_dir, onnx_dir = Path(model_dir), Path(onnx_dir)
+    if not (model_dir / "flow.pt").is_file():
+        if "demo" not in model_dir.name:
+            raise FileNotFoundError(f"{model_dir}/flow.pt not found: point --model-dir at a CosyVoice2 folder")
+        from .demo import write_demo_model
+
+        print(f"== writing the {demo_size} demo model (random weights) to {model_dir}")
+        write_demo_model(model_dir, size=demo_size)
+    missing = [g for g in GRAPHS if not (onnx_dir / precision / f"{g}.onnx").is_file()]
+    if missing and flavor != "trt":
+        from .onnx_export import export_onnx
+
+        print(f"== exporting ONNX graphs to {onnx_dir / 'fp32'} (missing: {', '.join(missing)})")
+        export_onnx(model_dir, onnx_dir / "fp32")
+    report = render_repository(flavor, repository, model_dir=model_dir, onnx_dir=onnx_dir, precision=precision,
+                               **tunables)
+    print(report.describe())
+    return Path(repository)
+
+
+def format_statistics(stats: dict) -> str:
+    """Per-model table from Triton's statistics (``get_inference_statistics`` as a dict)."""
+    rows = [f"  {'model':<18} {'requests':>8} {'executions':>10} {'avg batch':>9} {'queue ms':>9} "
+            f"{'compute ms':>10} {'request ms':>10}"]
+    for s in sorted(stats.get("model_stats", []), key=lambda s: s["name"]):
+        inf, ex = int(s.get("inference_count", 0)), int(s.get("execution_count", 0))
+        st = s.get("inference_stats", {})
+
+        def ms(key, st=st):
+            d = st.get(key, {})
+            n = int(d.get("count", 0))
+            return int(d.get("ns", 0)) / n / 1e6 if n else 0.0
+
+        compute = ms("compute_input") + ms("compute_infer") + ms("compute_output")
+        rows.append(f"  {s['name']:<18} {inf:>8} {ex:>10} {inf / ex if ex else 0:>9.2f} {ms('queue'):>9.1f} "
+                    f"{compute:>10.1f} {ms('success'):>10.1f}")
+    return "\n".join(rows)
+
+
+def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = DEFAULT_SOURCE,
+             prompt: str | Path = DEFAULT_PROMPT, output: str | Path = "build/vc_served_demo.wav",
+             onnx_dir: str | Path = "build/onnx", repository: str | Path = "build/model_repository",
+             protocol: str = "http", repeats: int = 3, seed: int = 0, startup_timeout: float = 300.0,
+             **tunables) -> DemoReport:
+    """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
+    from .client import VCClient
+    from .server import TritonServer
+
+    repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, **tunables)
+    server = TritonServer(repo, exit_timeout=10)
+    print("== starting tritonserver")
+    server.start(timeout=startup_timeout)
+    print(f"   ready in {server.start_seconds:.1f} s: http {server.http_url}, grpc {server.grpc_url}, "
+          f"metrics {server.metrics_url}; log {server.log_path}")
+    try:
+        url = server.http_url if protocol == "http" else server.grpc_url
+        with VCClient(url, protocol=protocol) as client:
+            latencies, result = [], None
+            print(f"== converting {source} in the voice of {prompt} over {protocol} ({max(1, repeats)} runs)")
+            for _ in range(max(1, repeats)):
+                result = client.convert(source, prompt, seed=seed)
+                latencies.append(result.latency_s)
+            out = result.write(output)
+            stats = client.statistics()
+    finally:
+        server.stop()
+    report = DemoReport(Path(out), result.seconds, latencies, server.start_seconds or 0.0, stats)
+    print(f"wrote {out}: {report.seconds:.2f} s at {result.sample_rate} Hz")
+    print(f"latency: first {latencies[0] * 1000:.0f} ms, warm median {report.warm_latency * 1000:.0f} ms "
+          f"(real-time factor {report.warm_latency / max(report.seconds, 1e-9):.3f})")
+    print("per-model statistics (Triton statistics API; graphs count batch rows):")
+    print(format_statistics(stats))
+    return report
+
+
+def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
+          repository: str | Path = "build/model_repository", http_port: int = 8000, grpc_port: int = 8001,
+          metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", **tunables) -> int:
+    """Render and serve in the foreground until SIGINT / SIGTERM."""
+    from .server import TritonServer
+
+    repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, flavor=flavor, **tunables)
+    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
+    server.start(timeout=600)
+    print(f"serving {repo}: http {server.http_url}, grpc {server.grpc_url}, metrics {server.metrics_url} "
+          f"(log {server.log_path}); Ctrl-C stops")
+    stop = {"now": False}
+
+    def handler(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        while not stop["now"] and server.running:
+            time.sleep(0.5)
+    finally:
+        code = server.stop()
+    print(f"tritonserver stopped (exit code {code})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serve_demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("demo", "serve"):
+        s = sub.add_parser(name)
+        s.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+        s.add_argument("--onnx-dir", default="build/onnx")
+        s.add_argument("--repository", default="build/model_repository")
+        if name == "demo":
+            s.add_argument("--source", default=str(DEFAULT_SOURCE))
+            s.add_argument("--prompt", default=str(DEFAULT_PROMPT))
+            s.add_argument("-o", "--output", default="build/vc_served_demo.wav")
+            s.add_argument("--protocol", choices=("http", "grpc"), default="http")
+            s.add_argument("--repeats", type=int, default=3)
+            s.add_argument("--seed", type=int, default=0)
+        else:
+            s.add_argument("--host", default="127.0.0.1")
+            s.add_argument("--http-port", type=int, default=8000)
+            s.add_argument("--grpc-port", type=int, default=8001)
+            s.add_argument("--metrics-port", type=int, default=8002)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .errors import CosyVoiceError
+    from .server import ServerError, TritonNotInstalled
+
+    try:
+        if args.command == "demo":
+            run_demo(args.model_dir, source=args.source, prompt=args.prompt, output=args.output,
+                     onnx_dir=args.onnx_dir, repository=args.repository, protocol=args.protocol,
+                     repeats=args.repeats, seed=args.seed)
+            return 0
+        return serve(args.model_dir, onnx_dir=args.onnx_dir, repository=args.repository, host=args.host,
+                     http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+    except (TritonNotInstalled, ServerError, CosyVoiceError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

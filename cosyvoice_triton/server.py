@@ -1,0 +1,362 @@
+"""Run NVIDIA Triton Inference Server from the ``nvidia-pytriton`` wheel, without Docker and without PyTriton.
+
+The PyPI wheel ``nvidia-pytriton==0.7.0`` carries a real ``tritonserver`` (Triton 2.51.0), the Python backend,
+one ``triton_python_backend_stub`` per Python version and the shared libraries they need. This module lays
+out a backend folder from it (the backend files plus the stub of *this* interpreter's Python version), then
+starts the binary on loopback ports with the environment the stub needs: ``LD_LIBRARY_PATH`` on the wheel's
+libraries and this environment's ``bin/`` first on ``PATH`` (the stub's embedded interpreter finds this
+environment's site-packages through it).
+
+    with TritonServer("build/model_repository") as server:   # free ports, waits until ready
+        print(server.http_url, server.grpc_url)
+
+:class:`TritonServer` starts the server in its own process group, captures its log to a file, waits for
+readiness with a timeout (failing early, with the log's tail, when the process exits), and stops it with
+SIGINT (Triton unloads its models and its Python stubs exit), then SIGKILL of the whole group after a grace
+period, so that no stub process outlives it. Nothing here imports ``tritonclient``: readiness is polled with
+plain HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PYTRITON_REQUIREMENT",
+    "ServerError",
+    "TritonInstallation",
+    "TritonNotInstalled",
+    "TritonServer",
+    "find_installation",
+    "free_ports",
+    "prepare_backends",
+]
+
+#: What provides the server binary (install with ``pip install --no-deps``: its Python API is not used).
+PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
+TRITON_VERSION = "2.51.0"
+
+
+class TritonNotInstalled(RuntimeError):
+    """The ``tritonserver`` binary of the ``nvidia-pytriton`` wheel is not available here."""
+
+
+class ServerError(RuntimeError):
+    """The server did not start, did not become ready in time, or exited; ``log_tail`` has its last lines."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message + (f"\n--- tritonserver log (tail) ---\n{log_tail}" if log_tail else ""))
+        self.log_tail = log_tail
+
+
+@dataclass(frozen=True)
+class TritonInstallation:
+    """Paths inside an installed ``nvidia-pytriton`` wheel."""
+
+    root: Path  # site-packages/pytriton/tritonserver
+    binary: Path
+    backends: Path
+    stub: Path  # the triton_python_backend_stub of this Python version
+    libs: Path  # site-packages/nvidia_pytriton.libs
+
+    @property
+    def python_version(self) -> str:
+        return self.stub.parent.name
+
+
+def find_installation(python_version: str | None = None) -> TritonInstallation:
+    """Locate the wheel's ``tritonserver``, backends, Python stub and libraries, or raise
+    :class:`TritonNotInstalled` saying what is missing and how to install it."""
+    import importlib.util
+
+    how = f"install it with `pip install --no-deps {PYTRITON_REQUIREMENT}`"
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonNotInstalled(f"the tritonserver binary comes from the {PYTRITON_REQUIREMENT} wheel, which is "
+                                 f"not installed in {sys.prefix}: {how}")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    root = pkg / "tritonserver"
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    inst = TritonInstallation(root=root, binary=root / "bin" / "tritonserver", backends=root / "backends",
+                              stub=root / "python_backend_stubs" / version / "triton_python_backend_stub",
+                              libs=pkg.parent / "nvidia_pytriton.libs")
+    for what, path in (("tritonserver binary", inst.binary), ("Python backend", inst.backends / "python"),
+                       (f"Python {version} backend stub", inst.stub), ("shared libraries", inst.libs)):
+        if not path.exists():
+            raise TritonNotInstalled(f"{PYTRITON_REQUIREMENT}: no {what} at {path}; {how}")
+    return inst
+
+
+def prepare_backends(out_dir: str | Path, installation: TritonInstallation | None = None) -> Path:
+    """Copy the wheel's backends to ``out_dir`` and put the stub of this Python version into ``python/``.
+
+    Idempotent (files are copied again only when their size or time differ). Returns ``out_dir``.
+    """
+    inst = installation or find_installation()
+    out = Path(out_dir)
+    shutil.copytree(inst.backends, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    stub = out / "python" / inst.stub.name
+    if not stub.exists() or stub.stat().st_size != inst.stub.stat().st_size:
+        shutil.copy2(inst.stub, stub)
+    stub.chmod(0o755)
+    return out
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that are free on ``host`` right now (bound to port 0 and released)."""
+    socks, ports = [], []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class TritonServer:
+    """One ``tritonserver`` process on loopback ports.
+
+    Args:
+        model_repository: the rendered repository (see :mod:`cosyvoice_triton.repository`).
+        work_dir: where the backend folder and the log go (default: ``<repository>/../triton``).
+        http_port, grpc_port, metrics_port: 0 picks free ports at start.
+        host: the address every endpoint binds to (loopback by default).
+        model_control: ``"none"`` (load everything at start) or ``"explicit"``.
+        load_models: with ``"explicit"``, the models to load at start (``["*"]`` for all).
+        log_verbose: Triton's ``--log-verbose`` level.
+        exit_timeout: Triton's ``--exit-timeout-secs``: how long a stop waits for in-flight requests and open
+            HTTP connections before unloading anyway.
+        extra_args: more ``tritonserver`` flags.
+        env: extra environment variables for the server and its stubs.
+    """
+
+    def __init__(self, model_repository: str | Path, *, work_dir: str | Path | None = None, http_port: int = 0,
+                 grpc_port: int = 0, metrics_port: int = 0, host: str = "127.0.0.1", model_control: str = "none",
+                 load_models: Sequence[str] = (), log_verbose: int = 0, exit_timeout: int = 10,
+                 extra_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None):
+        self.model_repository = Path(model_repository).resolve()
+        if not self.model_repository.is_dir():
+            raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")
+        if model_control not in ("none", "explicit", "poll"):
+            raise ValueError(f"model_control must be none, explicit or poll, got {model_control!r}")
+        self.work_dir = Path(work_dir) if work_dir else self.model_repository.parent / "triton"
+        self.host = host
+        self.ports = {"http": int(http_port), "grpc": int(grpc_port), "metrics": int(metrics_port)}
+        self.model_control = model_control
+        self.load_models = list(load_models)
+        self.log_verbose = int(log_verbose)
+        self.exit_timeout = int(exit_timeout)
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.installation = installation
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.work_dir / "tritonserver.log"
+        self._log_file = None
+        self.start_seconds: float | None = None
+
+    # ----------------------------------------------------------------------------------------- urls
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports['metrics']}/metrics"
+
+    # -------------------------------------------------------------------------------------- command
+
+    def environment(self) -> dict[str, str]:
+        inst = self.installation or find_installation()
+        env = dict(os.environ)
+        env.update(self.extra_env)
+        venv_bin = str(Path(sys.prefix) / "bin")
+        env["PATH"] = os.pathsep.join([venv_bin, *[p for p in env.get("PATH", "").split(os.pathsep) if p]])
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            [str(inst.libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        # Every stub is a process of its own: one BLAS/OpenMP thread each unless a model asks for more.
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env.setdefault(var, "1")
+        return env
+
+    def command(self) -> list[str]:
+        inst = self.installation or find_installation()
+        cmd = [str(inst.binary), f"--model-repository={self.model_repository}",
+               f"--backend-directory={self.work_dir / 'backends'}",
+               f"--http-address={self.host}", f"--http-port={self.ports['http']}",
+               f"--grpc-address={self.host}", f"--grpc-port={self.ports['grpc']}",
+               f"--metrics-address={self.host}", f"--metrics-port={self.ports['metrics']}",
+               "--allow-metrics=true", "--allow-gpu-metrics=false",
+               "--disable-auto-complete-config", "--strict-readiness=true", "--exit-on-error=true",
+               f"--model-control-mode={self.model_control}", f"--log-verbose={self.log_verbose}",
+               f"--exit-timeout-secs={self.exit_timeout}"]
+        cmd += [f"--load-model={m}" for m in self.load_models]
+        return cmd + self.extra_args
+
+    # ---------------------------------------------------------------------------------- life cycle
+
+    def start(self, timeout: float = 120.0) -> TritonServer:
+        """Start the server and wait until it is ready (all models loaded); raise :class:`ServerError`
+        with the log's tail when it exits or is not ready within ``timeout`` seconds."""
+        if self.process is not None:
+            raise ServerError("server already started")
+        inst = self.installation = self.installation or find_installation()
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        prepare_backends(self.work_dir / "backends", inst)
+        wanted = [k for k, v in self.ports.items() if v == 0]
+        for k, p in zip(wanted, free_ports(len(wanted), self.host), strict=True):
+            self.ports[k] = p
+        self._log_file = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
+        t0 = time.perf_counter()
+        log.info("starting tritonserver (http %s, grpc %s, metrics %s), log %s", self.ports["http"],
+                 self.ports["grpc"], self.ports["metrics"], self.log_path)
+        self.process = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=self.environment(), cwd=self.work_dir,
+                                        start_new_session=True)
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+        log.info("tritonserver ready in %.1f s", self.start_seconds)
+        return self
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        conn = http.client.HTTPConnection(self.host, self.ports["http"], timeout=timeout)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    def is_ready(self) -> bool:
+        try:
+            return self._get("/v2/health/ready") == 200
+        except OSError:
+            return False
+
+    def is_model_ready(self, model: str) -> bool:
+        try:
+            return self._get(f"/v2/models/{model}/ready") == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process is None:
+                raise ServerError("server not started")
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"tritonserver exited with code {code} before it was ready "
+                                  f"(log: {self.log_path})", _tail(self.log_path))
+            if self.is_ready():
+                return
+            if time.monotonic() > deadline:
+                raise ServerError(f"tritonserver not ready after {timeout:.0f} s (log: {self.log_path})",
+                                  _tail(self.log_path))
+            time.sleep(0.2)
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """SIGINT (Triton unloads its models, stubs exit), then SIGKILL of the process group after ``grace``
+        seconds (default: the exit timeout + 20 s); also kills any process left in the group. Returns the exit
+        code (None if never started)."""
+        grace = self.exit_timeout + 20.0 if grace is None else grace
+        proc, self.process = self.process, None
+        code = None
+        if proc is not None:
+            pgid = proc.pid  # start_new_session: the server leads its own group, stubs are in it
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    log.warning("tritonserver did not stop within %.0f s of SIGINT: killing it", grace)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pgid, signal.SIGKILL)
+                    proc.wait()
+            code = proc.returncode
+            _reap_group(pgid)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return code
+
+    def __enter__(self) -> TritonServer:
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_members(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == pgid:
+                pids.append(int(entry.name))
+        except (ProcessLookupError, PermissionError):
+            continue
+    return pids
+
+
+def _reap_group(pgid: int, wait: float = 5.0) -> None:
+    """Wait for the processes left in the server's group (its Python stubs) to exit; kill them after ``wait``."""
+    deadline = time.monotonic() + wait
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _group_members(pgid)
+    if left:
+        log.warning("killing %d process(es) left behind by tritonserver: %s", len(left), left)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)

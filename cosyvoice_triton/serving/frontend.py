@@ -1,0 +1,163 @@
+"""``preprocess``: decode (when sent as file bytes) and validate the two utterances, resample them, and
+compute the features of every graph.
+
+Exactly what :meth:`CosyVoice2.frontend_vc <cosyvoice_triton.pipeline.CosyVoice2.frontend_vc>` computes before
+its ONNX calls, per request: the source at 16 kHz (Whisper 128-bin log-mel for the tokenizer), the prompt
+validated once and resampled to 16 kHz (Whisper log-mel; Kaldi fbank, mean-normalised as CAM++ wants) and to
+24 kHz (the CosyVoice mel the flow is conditioned on). Bad audio raises
+:class:`~cosyvoice_triton.errors.AudioError` whose message starts with the tensor's name (``source_audio``,
+``prompt_sample_rate``...), which the server answers with HTTP 400 / gRPC INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import audio, features
+from ..config import MelConfig
+from ..errors import AudioError
+from ..shapes import VC_UTTERANCE_INPUTS
+from .batching import ItemResult, run_per_item
+
+__all__ = ["FrontendFeatures", "Preprocessor"]
+
+
+@dataclass
+class FrontendFeatures:
+    """One request's features, without batch axis (the adapter adds it)."""
+
+    source_whisper_mel: np.ndarray  # [128, Ts] float32
+    prompt_whisper_mel: np.ndarray  # [128, Tp] float32
+    prompt_fbank: np.ndarray  # [Tf, 80] float32, mean over time subtracted
+    prompt_mel: np.ndarray  # [Tm, 80] float32 (24 kHz CosyVoice mel)
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        """The ``preprocess`` outputs of :data:`~cosyvoice_triton.shapes.STAGES`, with batch axis 1."""
+        return {
+            "source_whisper_mel": self.source_whisper_mel[None],
+            "source_whisper_mel_len": np.array([[self.source_whisper_mel.shape[1]]], np.int32),
+            "prompt_whisper_mel": self.prompt_whisper_mel[None],
+            "prompt_whisper_mel_len": np.array([[self.prompt_whisper_mel.shape[1]]], np.int32),
+            "prompt_fbank": self.prompt_fbank[None],
+            "prompt_mel": self.prompt_mel[None],
+        }
+
+
+def _scalar_rate(x, name: str):
+    """A ``[1, 1]`` (or ``[1]``, or scalar) sample-rate tensor -> the number, checked by the audio module."""
+    arr = np.asarray(x)
+    if arr.size != 1:
+        raise AudioError(f"{name}: expected one sample rate per utterance, got shape {list(arr.shape)}")
+    if arr.dtype.kind not in "iuf":
+        raise AudioError(f"{name}: sample rate must be a number of Hz, got dtype {arr.dtype}")
+    return arr.reshape(()).item()
+
+
+def _encoded(x, name: str) -> bytes:
+    """A ``[1, 1]`` BYTES tensor (numpy object array) or bytes -> the file's bytes."""
+    if isinstance(x, (bytes, bytearray, memoryview)):
+        return bytes(x)
+    arr = np.asarray(x, dtype=object)
+    if arr.size != 1:
+        raise AudioError(f"{name}: expected one encoded file per request, got shape {list(arr.shape)}")
+    item = arr.reshape(-1)[0]
+    if not isinstance(item, (bytes, bytearray)):
+        raise AudioError(f"{name}: expected the bytes of a wav/flac/ogg file, got {type(item).__name__}")
+    return bytes(item)
+
+
+def _samples(x, name: str) -> np.ndarray:
+    """A ``[1, N]`` request tensor (batch 1) or ``[N]`` -> ``[N]``."""
+    arr = np.asarray(x)
+    if arr.ndim == 2 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 1:
+        raise AudioError(f"{name}: expected one mono waveform [1, N] per request, got shape {list(arr.shape)}")
+    return arr
+
+
+class Preprocessor:
+    """The front end of the served pipeline.
+
+    Args:
+        mel: the model's mel settings (``ModelConfig.mel``).
+        sample_rate: the model's output / prompt-mel rate (``ModelConfig.sample_rate``, 24 kHz).
+        min_seconds, max_seconds: accepted duration of each utterance (the tokenizer's limit is 30 s).
+        vad_trim: cut non-speech at both ends of source and prompt (Silero VAD, :mod:`.enhance`).
+        denoise_prompt: stationary spectral gating of the prompt (:func:`.enhance.spectral_gate`).
+    """
+
+    def __init__(self, mel: MelConfig, *, sample_rate: int = audio.MEL_SR, min_seconds: float = audio.MIN_SECONDS,
+                 max_seconds: float = audio.MAX_SECONDS, vad_trim: bool = False, denoise_prompt: bool = False):
+        if not 0 < min_seconds <= max_seconds <= audio.MAX_SECONDS:
+            raise ValueError(f"need 0 < min_seconds <= max_seconds <= {audio.MAX_SECONDS:g}, got "
+                             f"{min_seconds}, {max_seconds}")
+        self.mel, self.sample_rate = mel, int(sample_rate)
+        self.min_seconds, self.max_seconds = float(min_seconds), float(max_seconds)
+        self.vad = None
+        if vad_trim:
+            from .enhance import VadTrimmer
+
+            self.vad = VadTrimmer()
+        self.denoise_prompt = bool(denoise_prompt)
+        features.mel_basis(mel)  # build the filter banks now, not in the first request
+        features.whisper_mel_filters(128)
+
+    def _utterance(self, which: str, samples, rate, encoded) -> tuple[np.ndarray, int]:
+        """One utterance from samples + rate or from encoded bytes: (validated mono float32, its rate)."""
+        a, r, b = VC_UTTERANCE_INPUTS[which]
+        limits = {"min_seconds": self.min_seconds, "max_seconds": self.max_seconds}
+        if encoded is not None:
+            given = [n for n, v in ((a, samples), (r, rate)) if v is not None]
+            if given:
+                raise AudioError(f"{which}: send either {a} with {r}, or {b}; got {b} and {', '.join(given)}")
+            y, sr = audio.decode_audio(_encoded(encoded, b), name=b, max_seconds=self.max_seconds)
+            return audio.validate_audio(y, sample_rate=sr, name=b, **limits), sr
+        missing = [n for n, v in ((a, samples), (r, rate)) if v is None]
+        if missing:
+            raise AudioError(f"{which}: missing input {' and '.join(missing)}: send {a} with {r}, or {b}")
+        sr = audio.validate_sample_rate(_scalar_rate(rate, r), name=r)
+        return audio.validate_audio(_samples(samples, a), sample_rate=sr, name=a, **limits), sr
+
+    def one(self, source_audio=None, source_sample_rate=None, prompt_audio=None, prompt_sample_rate=None, *,
+            source_audio_bytes=None, prompt_audio_bytes=None) -> FrontendFeatures:
+        """Features of one request from its tensors (``[1, N]`` float audio with ``[1, 1]`` rates, or ``[1, 1]``
+        encoded files)."""
+        limits = {"min_seconds": self.min_seconds, "max_seconds": self.max_seconds}
+        src, src_sr = self._utterance("source", source_audio, source_sample_rate, source_audio_bytes)
+        prompt, p_sr = self._utterance("prompt", prompt_audio, prompt_sample_rate, prompt_audio_bytes)
+        if self.vad is not None:  # optional clean-up (off by default), then the length limits again
+            src = audio.validate_audio(self.vad.trim(src, src_sr, name="source_audio"), sample_rate=src_sr,
+                                       name="source_audio (speech found by VAD)", **limits)
+            prompt = audio.validate_audio(self.vad.trim(prompt, p_sr, name="prompt_audio"), sample_rate=p_sr,
+                                          name="prompt_audio (speech found by VAD)", **limits)
+        if self.denoise_prompt:
+            from .enhance import spectral_gate
+
+            prompt = audio.validate_audio(spectral_gate(prompt, p_sr), sample_rate=p_sr,
+                                          name="prompt_audio (denoised)", **limits)
+        src16 = audio.resample(src, orig_sr=src_sr, target_sr=audio.TOKENIZER_SR)
+        p16 = audio.resample(prompt, orig_sr=p_sr, target_sr=audio.TOKENIZER_SR)
+        p24 = audio.resample(prompt, orig_sr=p_sr, target_sr=self.sample_rate)
+        whisper, whisper_len = features.whisper_log_mel_batch([src16, p16])
+        fbank, fbank_len = features.kaldi_fbank_batch([p16])
+        fbank = fbank[0, : int(fbank_len[0])]
+        # SpeakerEncoder.embed subtracts the mean once more (harmless, but it rounds): do the same, for parity
+        fbank = fbank - fbank.mean(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
+        prompt_mel = features.cosyvoice_mel(p24, sample_rate=self.sample_rate, config=self.mel)
+        if prompt_mel.shape[0] < 1:
+            raise AudioError("prompt_audio: too short for one mel frame")
+        return FrontendFeatures(
+            source_whisper_mel=np.ascontiguousarray(whisper[0, :, : int(whisper_len[0])]),
+            prompt_whisper_mel=np.ascontiguousarray(whisper[1, :, : int(whisper_len[1])]),
+            prompt_fbank=np.ascontiguousarray(fbank, dtype=np.float32),
+            prompt_mel=np.ascontiguousarray(prompt_mel, dtype=np.float32),
+        )
+
+    def batch(self, requests: Sequence[Mapping[str, np.ndarray | None]]) -> list[ItemResult[FrontendFeatures]]:
+        """Each request: its input tensors by name (absent ones None). A bad request fails alone."""
+        names = [n for group in VC_UTTERANCE_INPUTS.values() for n in group]
+        return run_per_item(requests, lambda req: self.one(**{n: req.get(n) for n in names}))

@@ -1,0 +1,269 @@
+"""One exported graph as a batched stage: requests of different lengths in, one call per batch, exact results.
+
+:class:`GraphRunner` runs a graph of :data:`~cosyvoice_triton.shapes.GRAPHS` on onnxruntime (the file from
+``build/onnx/<precision>``) or, for the four neural graphs, on its PyTorch module (``runtime="torch"``, e.g. on
+CUDA where there is a GPU but no TensorRT). :meth:`GraphRunner.run_items` takes the requests of one Triton
+``execute()`` (each a dict of the graph's inputs with its own batch and lengths) and batches them the way
+the graph allows without changing any result:
+
+* ``pad``: the graph masks padding (``speech_tokenizer`` with ``whisper_mel_len``, ``flow_encoder`` with
+  ``speech_token_len``, ``flow_estimator`` with ``mask``), so every request is zero-padded to the longest and
+  all go in one call (chunked by the graph's maximum batch).
+* ``group``: the graph sees padding (``speaker_encoder`` pools over all frames; HiFT's non-causal convolutions
+  reach ~12 frames into it), so only requests of equal lengths share a call.
+
+Outputs are split per request and cropped to the request's own lengths (from the spec's axis names).
+``speech_tokenizer`` is ``pad`` only when a probe at load time shows that a padded batch gives the per-item
+tokens (the shipped graph is not ours); otherwise it is ``group``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..shapes import GRAPHS, GraphSpec
+from ..speech_models import speech_token_count
+from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BATCH_POLICY", "RUNTIMES", "GraphRunner", "axis_sizes"]
+
+#: How each graph batches requests of different lengths (see the module docstring).
+BATCH_POLICY: Mapping[str, str] = {
+    "speech_tokenizer": "auto",  # pad if the load-time probe passes, else group
+    "speaker_encoder": "group",
+    "flow_encoder": "pad",
+    "flow_estimator": "pad",
+    "hift_source": "group",
+    "hift_decoder": "group",
+}
+RUNTIMES = ("onnxruntime", "torch")
+_TORCH_GRAPHS = ("flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
+
+
+def axis_sizes(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """Axis sizes of one request from its input shapes (checking rank, fixed dims and consistency);
+    raises :class:`RequestError` naming the tensor."""
+    sizes: dict[str, int] = {}
+    for t in spec.inputs:
+        if t.name not in feeds:
+            raise RequestError(f"{spec.name}: missing input {t.name!r}")
+        shape = feeds[t.name].shape
+        if len(shape) != len(t.shape):
+            raise RequestError(f"{spec.name}: input {t.name!r} has shape {list(shape)}, expected rank "
+                               f"{len(t.shape)} ({t.dim_names()})")
+        for got, d in zip(shape, t.shape, strict=True):
+            if isinstance(d, int):
+                if got != d:
+                    raise RequestError(f"{spec.name}: input {t.name!r} has shape {list(shape)}, expected "
+                                       f"{t.dim_names()}")
+                continue
+            axis, factor = (d, 1) if isinstance(d, str) else d
+            if got % factor:
+                raise RequestError(f"{spec.name}: input {t.name!r} dim {got} is not a multiple of {factor}")
+            n = got // factor
+            if sizes.setdefault(axis, n) != n:
+                raise RequestError(f"{spec.name}: input {t.name!r} has {axis} = {n}, other inputs have "
+                                   f"{sizes[axis]}")
+    return sizes
+
+
+def _cast(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for t in spec.inputs:
+        x = np.asarray(feeds[t.name])
+        if x.dtype != np.dtype(t.dtype):
+            raise RequestError(f"{spec.name}: input {t.name!r} is {x.dtype}, expected {t.dtype}")
+        out[t.name] = np.ascontiguousarray(x)
+    return out
+
+
+class GraphRunner:
+    """One graph of :data:`GRAPHS`: ``run`` (one call) and ``run_items`` (a batch of requests).
+
+    Args:
+        name: the graph.
+        onnx_path: the ONNX file (``runtime="onnxruntime"``).
+        runtime: ``"onnxruntime"`` or ``"torch"`` (the four neural graphs, from ``model_dir``'s checkpoints).
+        model_dir: the CosyVoice2 folder (``runtime="torch"``).
+        device: ``"cpu"`` or ``"cuda"`` (torch device; onnxruntime uses its CUDA provider when available).
+        intra_op_threads: onnxruntime intra-op threads (0: its default).
+        policy: ``"pad"``, ``"group"`` or ``"auto"`` (default: :data:`BATCH_POLICY`).
+    """
+
+    def __init__(self, name: str, *, onnx_path: str | Path | None = None, runtime: str = "onnxruntime",
+                 model_dir: str | Path | None = None, device: str = "cpu", intra_op_threads: int = 1,
+                 policy: str | None = None):
+        if name not in GRAPHS:
+            raise ValueError(f"unknown graph {name!r} (one of {', '.join(GRAPHS)})")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+        self.name, self.spec, self.runtime, self.device = name, GRAPHS[name], runtime, device
+        self.max_batch = self.spec.max_batch_size
+        self._session = self._module = None
+        if runtime == "torch":
+            if name not in _TORCH_GRAPHS:
+                raise ValueError(f"{name}: runtime 'torch' exists for {', '.join(_TORCH_GRAPHS)} only; "
+                                 "the shipped graphs run on onnxruntime")
+            if model_dir is None:
+                raise ValueError(f"{name}: runtime 'torch' needs model_dir")
+            self._load_torch(Path(model_dir))
+        else:
+            if onnx_path is None:
+                raise ValueError(f"{name}: runtime 'onnxruntime' needs onnx_path")
+            self._load_onnx(Path(onnx_path), intra_op_threads)
+        policy = policy or BATCH_POLICY[name]
+        if policy not in ("pad", "group", "auto"):
+            raise ValueError(f"{name}: policy must be pad, group or auto, got {policy!r}")
+        self.policy = self._probe() if policy == "auto" else policy
+        log.info("%s: %s on %s, %s batching", name, runtime, device, self.policy)
+
+    # ------------------------------------------------------------------------------------------ load
+
+    def _load_onnx(self, path: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.name}: {path} not found (run `make export` first)")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(threads)
+        opts.inter_op_num_threads = 1
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        providers = ["CPUExecutionProvider"]
+        if self.device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        self._session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        names = {i.name for i in self._session.get_inputs()}
+        want = {t.name for t in self.spec.inputs}
+        if names != want:
+            raise ValueError(f"{path}: inputs {sorted(names)} are not the spec's {sorted(want)} for {self.name}")
+
+    def _load_torch(self, model_dir: Path) -> None:
+        import torch
+
+        from ..onnx_export import load_source_models
+
+        flow = self.name.startswith("flow")
+        models = load_source_models(model_dir, flow=flow, hift=not flow)
+        self._module = models.wrapper(self.name).to(torch.device(self.device)).eval()
+
+    # ------------------------------------------------------------------------------------------- run
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One call on an already batched input (spec names and dtypes); outputs by spec name."""
+        feeds = _cast(self.spec, feeds)
+        if self._session is not None:
+            outs = self._session.run([t.name for t in self.spec.outputs], feeds)
+        else:
+            import torch
+
+            dev = torch.device(self.device)
+            with torch.inference_mode():
+                res = self._module(*[torch.from_numpy(feeds[t.name]).to(dev) for t in self.spec.inputs])
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            outs = [r.detach().cpu().numpy() for r in res]
+        return {t.name: np.asarray(o).astype(t.dtype, copy=False) for t, o in zip(self.spec.outputs, outs,
+                                                                                    strict=True)}
+
+    def _output_sizes(self, sizes: dict[str, int], feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+        if self.name == "speech_tokenizer":  # the one output-only axis: tokens of the item's frames
+            sizes = {**sizes, "tokens": int(speech_token_count(sizes["whisper_frames"]))}
+        return sizes
+
+    def run_items(self, items: Sequence[Mapping[str, np.ndarray]]) -> list[ItemResult[dict[str, np.ndarray]]]:
+        """Each item: one request's inputs (batch b_i >= 1, its own lengths). Returns, per item, its outputs
+        (batch b_i, cropped to its lengths) or the error of that item alone."""
+        results: list[ItemResult] = [ItemResult() for _ in items]
+        sizes: list[dict[str, int] | None] = []
+        feeds: list[dict[str, np.ndarray] | None] = []
+        for i, item in enumerate(items):
+            try:
+                s = axis_sizes(self.spec, item)
+                f = _cast(self.spec, item)
+                if s["batch"] > self.max_batch:
+                    raise RequestError(f"{self.name}: batch {s['batch']} exceeds the maximum {self.max_batch}")
+                sizes.append(s)
+                feeds.append(f)
+            except RequestError as exc:
+                results[i] = ItemResult(error=exc)
+                sizes.append(None)
+                feeds.append(None)
+        good = [i for i, s in enumerate(sizes) if s is not None]
+        if self.policy == "pad":
+            groups = [good]
+        else:  # equal lengths (every non-batch axis) per call
+            groups = list(group_by(tuple(sorted((k, v) for k, v in sizes[i].items() if k != "batch"))
+                                   for i in good).values())
+            groups = [[good[j] for j in g] for g in groups]
+        rows = [s["batch"] if s else 0 for s in sizes]
+        for group in groups:
+            for chunk in chunks_by_rows(group, rows, self.max_batch):
+                try:
+                    outs = self._run_chunk([feeds[i] for i in chunk], [sizes[i] for i in chunk])
+                except Exception as exc:  # a failed call fails its own requests, not the others
+                    log.exception("%s: batched call failed", self.name)
+                    for i in chunk:
+                        results[i] = ItemResult(error=exc)
+                    continue
+                for i, out in zip(chunk, outs, strict=True):
+                    results[i] = ItemResult(out)
+        return results
+
+    def _run_chunk(self, feeds: list[dict[str, np.ndarray]], sizes: list[dict[str, int]]
+                   ) -> list[dict[str, np.ndarray]]:
+        spec = self.spec
+        if len(feeds) == 1:
+            out = self.run(feeds[0])
+            return [self._crop(out, sizes[0], feeds[0])]
+        top = {k: max(s[k] for s in sizes) for k in sizes[0] if k != "batch"}
+        batched = {}
+        for t in spec.inputs:
+            parts = [pad_to(f[t.name], spec.resolve(t, {**top, "batch": s["batch"]})) for f, s in
+                     zip(feeds, sizes, strict=True)]
+            batched[t.name] = np.concatenate(parts, axis=0)
+        out = self.run(batched)
+        res, start = [], 0
+        for f, s in zip(feeds, sizes, strict=True):
+            b = s["batch"]
+            res.append(self._crop({k: v[start:start + b] for k, v in out.items()}, s, f))
+            start += b
+        return res
+
+    def _crop(self, out: dict[str, np.ndarray], sizes: dict[str, int], feeds: Mapping[str, np.ndarray]
+              ) -> dict[str, np.ndarray]:
+        sizes = self._output_sizes(sizes, feeds)
+        cropped = {}
+        for t in self.spec.outputs:
+            shape = self.spec.resolve(t, sizes)
+            cropped[t.name] = np.ascontiguousarray(out[t.name][tuple(slice(0, n) for n in shape)])
+        return cropped
+
+    # ----------------------------------------------------------------------------------------- probe
+
+    def _probe(self) -> str:
+        """``pad`` when two items of different lengths, padded with noise, give their solo outputs."""
+        rng = np.random.default_rng(1234)
+        spec = self.spec
+        if self.name != "speech_tokenizer":
+            return "group"
+        items = []
+        for n in (23, 150):
+            items.append({"whisper_mel": rng.normal(0, 0.5, (1, 128, n)).astype(np.float32),
+                          "whisper_mel_len": np.array([n], np.int32)})
+        try:
+            alone = [self.run(x)["speech_tokens"] for x in items]
+            mel = rng.normal(0, 0.5, (2, 128, 150)).astype(np.float32)
+            mel[0, :, :23] = items[0]["whisper_mel"][0]
+            mel[1] = items[1]["whisper_mel"][0]
+            out = self.run({"whisper_mel": mel, "whisper_mel_len": np.array([23, 150], np.int32)})["speech_tokens"]
+        except Exception as exc:
+            log.info("%s: padded probe failed (%s); batching equal lengths only", spec.name, exc)
+            return "group"
+        same = all(np.array_equal(out[i, : a.shape[1]], a[0]) for i, a in enumerate(alone))
+        return "pad" if same else "group"
+

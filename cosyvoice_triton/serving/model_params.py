@@ -1,0 +1,62 @@
+"""The config ``parameters`` each served model reads: one declaration for the renderer and the adapters.
+
+The renderer (:mod:`cosyvoice_triton.repository`) writes exactly these keys into each ``config.pbtxt``, and
+each ``model.py`` reads them with :func:`~.params.read_parameters` in ``initialize()``, which refuses unknown
+keys and values of the wrong type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from .params import Param
+
+__all__ = ["MODEL_PARAMS"]
+
+_THREADS = Param("intra_op_threads", int, 1, "onnxruntime intra-op threads of this instance (0: all cores)")
+_TORCH_THREADS = Param("torch_threads", int, 1, "torch intra-op threads of this instance")
+_BLS_TIMEOUT = Param("bls_timeout_us", int, 0, "timeout of each BLS call in microseconds (0: none)")
+
+MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
+    "graph": (
+        Param("graph", str, None, "the graph of cosyvoice_triton.shapes.GRAPHS this model runs"),
+        Param("runtime", str, "onnxruntime", "onnxruntime (the ONNX file) or torch (the checkpoint's module)",
+              ("onnxruntime", "torch")),
+        Param("onnx_path", str, "", "the graph's ONNX file (runtime onnxruntime)"),
+        Param("model_dir", str, "", "the CosyVoice2 folder (runtime torch)"),
+        Param("device", str, "cpu", "cpu or cuda[:N]"),
+        _THREADS,
+        _TORCH_THREADS,
+    ),
+    "preprocess": (
+        Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: mel settings, sample rate)"),
+        Param("min_seconds", float, 0.1, "shortest accepted source / prompt"),
+        Param("max_seconds", float, 30.0, "longest accepted source / prompt (the tokenizer's limit is 30 s)"),
+        Param("vad_trim", bool, False, "trim non-speech at both ends of source and prompt (needs silero-vad)"),
+        Param("denoise_prompt", bool, False, "stationary spectral-gating noise reduction of the prompt"),
+    ),
+    "flow": (
+        Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: CFM settings)"),
+        Param("n_timesteps", int, 0, "Euler steps (0: the model's, 10)"),
+        Param("encoder_model", str, "flow_encoder", "the Triton model of the flow_encoder graph"),
+        Param("estimator_model", str, "flow_estimator", "the Triton model of the flow_estimator graph"),
+        _BLS_TIMEOUT,
+        _TORCH_THREADS,
+    ),
+    "hift": (
+        Param("source_model", str, "hift_source", "the Triton model of the hift_source graph"),
+        Param("decoder_model", str, "hift_decoder", "the Triton model of the hift_decoder graph"),
+        Param("default_seed", int, 0, "seed of the NSF noise when a request gives none"),
+        _BLS_TIMEOUT,
+        _TORCH_THREADS,
+    ),
+    "postprocess": (
+        Param("model_sample_rate", int, 24000, "rate of the vocoder's waveform"),
+        Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
+        Param("loudness_lufs", float, 0.0, "integrated loudness target in LUFS (0: off)"),
+        Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
+        Param("output_format", str, "", "'' (no bytes), wav or flac: 16-bit file bytes in audio_bytes",
+              ("", "wav", "flac")),
+    ),
+})

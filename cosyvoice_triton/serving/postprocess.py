@@ -1,0 +1,122 @@
+"""``postprocess``: the served waveform's rate, optional loudness normalisation, optional encoded bytes.
+
+All switched by the model's config parameters (read once): ``output_sample_rate`` (0: the model's 24 kHz),
+``loudness_lufs`` (0: off; else the ITU-R BS.1770-4 integrated loudness is brought to that target, the gain
+capped so that the peak stays at or below ``peak_dbfs``), ``output_format`` (``""``: no bytes; ``wav`` /
+``flac``: 16-bit PCM file bytes in the extra output ``audio_bytes``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import soundfile
+from scipy import signal
+
+from .. import audio
+from .batching import ItemResult, RequestError, run_per_item
+
+__all__ = ["OUTPUT_FORMATS", "Postprocessor", "integrated_loudness"]
+
+OUTPUT_FORMATS = ("", "wav", "flac")
+
+
+def _k_weighting(sr: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """BS.1770 K-weighting (high shelf + high pass) for any rate, from the analog prototypes
+    (the 48 kHz coefficients of the standard are reproduced to ~1e-8)."""
+    out = []
+    # stage 1: high shelf, +4 dB above ~1.5 kHz
+    f0, gain_db, q = 1681.974450955533, 3.999843853973347, 0.7071752369554196
+    k = math.tan(math.pi * f0 / sr)
+    vh = 10 ** (gain_db / 20)
+    vb = vh**0.4996667741545416
+    a0 = 1 + k / q + k * k
+    out.append((np.array([(vh + vb * k / q + k * k) / a0, 2 * (k * k - vh) / a0, (vh - vb * k / q + k * k) / a0]),
+                np.array([1.0, 2 * (k * k - 1) / a0, (1 - k / q + k * k) / a0])))
+    # stage 2: RLB high pass at ~38 Hz
+    f0, q = 38.13547087602444, 0.5003270373238773
+    k = math.tan(math.pi * f0 / sr)
+    a0 = 1 + k / q + k * k
+    out.append((np.array([1.0, -2.0, 1.0]), np.array([1.0, 2 * (k * k - 1) / a0, (1 - k / q + k * k) / a0])))
+    return out
+
+
+def integrated_loudness(y: np.ndarray, sr: int) -> float:
+    """BS.1770-4 integrated loudness (LUFS) of a mono signal; ``-inf`` for silence or < 0.4 s."""
+    y = np.asarray(y, dtype=np.float64)
+    for b, a in _k_weighting(sr):
+        y = signal.lfilter(b, a, y)
+    block, hop = round(0.4 * sr), round(0.1 * sr)
+    if y.size < block:
+        return float("-inf")
+    starts = np.arange(0, y.size - block + 1, hop)
+    power = np.array([np.mean(y[s:s + block] ** 2) for s in starts])
+    with np.errstate(divide="ignore"):
+        loud = -0.691 + 10 * np.log10(power)
+    keep = loud > -70.0
+    if not keep.any():
+        return float("-inf")
+    rel = -0.691 + 10 * np.log10(np.mean(power[keep])) - 10.0
+    keep &= loud > rel
+    if not keep.any():
+        return float("-inf")
+    return float(-0.691 + 10 * np.log10(np.mean(power[keep])))
+
+
+class Postprocessor:
+    def __init__(self, *, model_sample_rate: int = audio.MEL_SR, output_sample_rate: int = 0,
+                 loudness_lufs: float = 0.0, peak_dbfs: float = -1.0, output_format: str = ""):
+        self.model_sample_rate = int(model_sample_rate)
+        self.output_sample_rate = int(output_sample_rate) or self.model_sample_rate
+        audio.validate_sample_rate(self.output_sample_rate, name="output_sample_rate")
+        if loudness_lufs > 0 or (loudness_lufs and not -70 < loudness_lufs < 0):
+            raise ValueError(f"loudness_lufs must be 0 (off) or in (-70, 0), got {loudness_lufs}")
+        if peak_dbfs > 0:
+            raise ValueError(f"peak_dbfs must be <= 0, got {peak_dbfs}")
+        if output_format not in OUTPUT_FORMATS:
+            raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
+        self.loudness_lufs, self.peak = float(loudness_lufs), 10 ** (peak_dbfs / 20)
+        self.output_format = output_format
+
+    def waveform(self, wave: np.ndarray) -> np.ndarray:
+        """The model's 24 kHz waveform -> the served one (float32, output rate, loudness)."""
+        y = np.asarray(wave, dtype=np.float32).reshape(-1)
+        if self.output_sample_rate != self.model_sample_rate:
+            y = audio.resample(y, orig_sr=self.model_sample_rate, target_sr=self.output_sample_rate)
+        if self.loudness_lufs:
+            loud = integrated_loudness(y, self.output_sample_rate)
+            if math.isfinite(loud):
+                gain = 10 ** ((self.loudness_lufs - loud) / 20)
+                peak = float(np.max(np.abs(y))) if y.size else 0.0
+                if peak * gain > self.peak:
+                    gain = self.peak / peak
+                y = (y * gain).astype(np.float32)
+        return np.ascontiguousarray(y, dtype=np.float32)
+
+    def batch(self, waves) -> list[ItemResult[dict[str, np.ndarray]]]:
+        """The ``postprocess`` outputs of each request: ``waveform [1, N]``, ``sample_rate [1, 1]`` and, with an
+        ``output_format``, ``audio_bytes [1, 1]``."""
+        def one(w):
+            if w is None:
+                raise RequestError("postprocess: missing input 'waveform'")
+            w = np.asarray(w)
+            if w.ndim != 2 or w.shape[0] != 1 or w.dtype.kind != "f":
+                raise RequestError(f"postprocess: waveform must be [1, N] float, got {w.dtype} {list(w.shape)}")
+            y = self.waveform(w)
+            out = {"waveform": y[None], "sample_rate": np.array([[self.output_sample_rate]], np.int32)}
+            if self.output_format:
+                out["audio_bytes"] = np.array([[self.encode(y)]], dtype=object)
+            return out
+
+        return run_per_item(waves, one)
+
+    def encode(self, y: np.ndarray) -> bytes:
+        """16-bit PCM file bytes of ``y`` (``output_format``), or b'' when no format is set."""
+        if not self.output_format:
+            return b""
+        buf = io.BytesIO()
+        soundfile.write(buf, np.clip(y, -1.0, 1.0), self.output_sample_rate, subtype="PCM_16",
+                        format=self.output_format.upper())
+        return buf.getvalue()

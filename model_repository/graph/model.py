@@ -1,0 +1,28 @@
+"""Triton Python-backend adapter of one exported graph (flavor ``local``): tensors in, one
+``GraphRunner.run_items`` call for all the requests of the batch, tensors out."""
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.graphs import GraphRunner
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["graph"], model=args["model_name"])
+        if p["runtime"] == "torch":
+            import torch
+
+            torch.set_num_threads(p["torch_threads"])
+        self.runner = GraphRunner(p["graph"], onnx_path=p["onnx_path"] or None, runtime=p["runtime"],
+                                  model_dir=p["model_dir"] or None, device=p["device"],
+                                  intra_op_threads=p["intra_op_threads"])
+        self.names = [t.name for t in self.runner.spec.inputs]
+
+    def execute(self, requests):
+        spec = self.runner.spec
+        items = [triton_io.from_request(spec, triton_io.read_inputs(pb_utils, r, self.names)) for r in requests]
+        results = self.runner.run_items(items)
+        return triton_io.responses(pb_utils, results, lambda out: triton_io.to_request(spec, out))

@@ -1,0 +1,27 @@
+"""Triton Python-backend adapter of ``hift`` (BLS): tensors in, one ``HiftRunner.run`` call for all the requests
+of the batch (equal mel lengths share hift_source / hift_decoder calls), tensors out."""
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.vocoder import HiftRunner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["hift"], model=args["model_name"])
+        torch.set_num_threads(p["torch_threads"])
+        self.default_seed = p["default_seed"]
+        self.runner = HiftRunner()
+        self.source = triton_io.BlsGraph(pb_utils, p["source_model"], "hift_source", timeout_us=p["bls_timeout_us"])
+        self.decoder = triton_io.BlsGraph(pb_utils, p["decoder_model"], "hift_decoder",
+                                          timeout_us=p["bls_timeout_us"])
+
+    def execute(self, requests):
+        items = [{**triton_io.read_inputs(pb_utils, r, ("mel", "seed")),
+                  "parameters": triton_io.request_parameters(r)} for r in requests]
+        results = self.runner.run_tensors(items, self.source, self.decoder, default_seed=self.default_seed)
+        return triton_io.responses(pb_utils, results, lambda wave: {"waveform": wave[None]})

@@ -1,0 +1,25 @@
+"""Triton Python-backend adapter of ``preprocess``: tensors in, one ``Preprocessor.batch`` call, tensors out."""
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.config import ModelConfig
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.frontend import Preprocessor
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.shapes import STAGES
+
+INPUTS = [t.name for t in STAGES["preprocess"].inputs]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["preprocess"], model=args["model_name"])
+        config = ModelConfig.from_yaml(f"{p['model_dir']}/cosyvoice2.yaml")
+        self.pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=p["min_seconds"],
+                                max_seconds=p["max_seconds"], vad_trim=p["vad_trim"],
+                                denoise_prompt=p["denoise_prompt"])
+
+    def execute(self, requests):
+        results = self.pre.batch([triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests])
+        return triton_io.responses(pb_utils, results, lambda features: features.tensors())

@@ -1,0 +1,265 @@
+"""Rendering build/model_repository from model_repository/ (cosyvoice_triton.repository), every flavor.
+
+Structural: each config.pbtxt parses with Triton's own ModelConfig schema (tritonclient ships it), names / dims
+/ max batch sizes come from the shape spec, parameters are what the adapters read, templates are strict.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from cosyvoice_triton.repository import (
+    MARKER,
+    RenderError,
+    graph_warmup_samples,
+    render_repository,
+    render_template,
+)
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import ParameterError, read_parameters
+from cosyvoice_triton.shapes import GRAPHS, STAGES, VC_INPUTS, VC_MODEL, VC_OUTPUTS
+from cosyvoice_triton.trt import EXCLUDED
+
+STAGE_NAMES = ("preprocess", "flow", "hift", "postprocess")
+
+
+def _parse(path: Path):
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    text_format = pytest.importorskip("google.protobuf.text_format")
+    return text_format.Parse(path.read_text(), pb2.ModelConfig())
+
+
+def _config_dict(cfg) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(cfg, preserving_proto_field_name=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from cosyvoice_triton.demo import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "cosyvoice2-demo-tiny", size="tiny")
+
+
+@pytest.fixture(scope="module", params=["local", "onnx", "trt"])
+def rendered(request, model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param) / "model_repository"
+    report = render_repository(request.param, out, model_dir=model_dir, onnx_dir=tmp_path_factory.mktemp("x"),
+                               allow_missing=True)
+    return request.param, out, report
+
+
+def test_every_model_has_a_config_that_triton_parses(rendered):
+    flavor, out, report = rendered
+    expected = {*GRAPHS, *STAGE_NAMES, VC_MODEL}
+    assert set(report.models) == expected
+    assert {p.name for p in out.iterdir() if p.is_dir()} == expected
+    for name in expected:
+        cfg = _parse(out / name / "config.pbtxt")
+        assert cfg.name == name
+        assert (out / name / "1").is_dir()
+    assert json.loads((out / MARKER).read_text())["flavor"] == flavor
+
+
+def test_graph_configs_follow_the_shape_spec(rendered):
+    flavor, out, _ = rendered
+    for name, spec in GRAPHS.items():
+        cfg = _parse(out / name / "config.pbtxt")
+        assert cfg.max_batch_size == spec.max_batch_size
+        assert [i.name for i in cfg.input] == [t.name for t in spec.inputs]
+        assert [o.name for o in cfg.output] == [t.name for t in spec.outputs]
+        for t, i in zip(spec.inputs, cfg.input, strict=True):
+            want = spec.triton_dims(t) or [1]
+            assert list(i.dims) == want, (name, t.name)
+            assert i.HasField("reshape") == (len(t.shape) == 1)
+            assert i.allow_ragged_batch == (flavor == "local")
+        assert cfg.dynamic_batching.default_queue_policy.max_queue_size > 0
+        if flavor == "local":
+            assert cfg.backend == "python" and (out / name / "1" / "model.py").is_file()
+            params = {k: v.string_value for k, v in cfg.parameters.items()}
+            assert params["graph"] == name and params["onnx_path"].endswith(f"fp32/{name}.onnx")
+        elif flavor == "onnx" or name in EXCLUDED:
+            assert cfg.backend == "onnxruntime" and (out / name / "1" / "model.onnx").exists()
+        else:
+            assert cfg.platform == "tensorrt_plan" and (out / name / "1" / "model.plan").exists()
+        assert len(cfg.model_warmup) == 1 and cfg.model_warmup[0].batch_size == spec.axes["batch"].min
+        for key, inp in cfg.model_warmup[0].inputs.items():
+            data = (out / name / "warmup" / inp.input_data_file).read_bytes()
+            n = 1
+            for d in inp.dims:
+                n *= d
+            assert len(data) == n * (1 if spec.tensor(key).dtype == "bool" else 4)
+
+
+def test_stage_configs_and_parameters_are_what_the_adapters_read(rendered):
+    _, out, _ = rendered
+    for name in STAGE_NAMES:
+        cfg = _parse(out / name / "config.pbtxt")
+        stage = STAGES[name]
+        assert cfg.backend == "python" and cfg.max_batch_size == stage.max_batch_size
+        assert [i.name for i in cfg.input] == [t.name for t in stage.inputs]
+        assert all(i.allow_ragged_batch for i in cfg.input)
+        assert {i.name for i in cfg.input if i.optional} == set(stage.optional)
+        source = ROOT / "model_repository" / name / "model.py"
+        assert (out / name / "1" / "model.py").read_text() == source.read_text()
+        read_parameters(_config_dict(cfg), MODEL_PARAMS[name], model=name)  # every key known and typed
+        assert bool(cfg.model_warmup) == (name in ("preprocess", "postprocess"))
+
+
+def test_ensemble_wires_the_public_api(rendered):
+    _, out, _ = rendered
+    cfg = _parse(out / VC_MODEL / "config.pbtxt")
+    assert cfg.platform == "ensemble" and cfg.max_batch_size == 1
+    assert [i.name for i in cfg.input] == [t.name for t in VC_INPUTS] + ["seed", "source_audio_bytes",
+                                                                         "prompt_audio_bytes"]
+    assert all(i.optional for i in cfg.input)  # samples + rate or bytes: preprocess checks each request
+    assert [o.name for o in cfg.output] == [t.name for t in VC_OUTPUTS]
+    steps = [s.model_name for s in cfg.ensemble_scheduling.step]
+    assert steps == ["preprocess", "speech_tokenizer", "speech_tokenizer", "speaker_encoder", "flow", "hift",
+                     "postprocess"]
+    produced = set(t.name for t in cfg.input)
+    for s in cfg.ensemble_scheduling.step:  # every step reads what an earlier step (or the client) produced
+        assert set(s.input_map.values()) <= produced, s.model_name
+        produced |= set(s.output_map.values())
+    assert {t.name for t in cfg.output} <= produced
+
+
+def test_tunables_reach_the_configs(model_dir, tmp_path):
+    out = tmp_path / "repo"
+    render_repository("local", out, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
+                      instances={"flow": 2, "flow_estimator": 3}, max_queue_delay_us=1234, max_queue_size=7,
+                      queue_timeout_us=5_000_000, n_timesteps=4, output_format="wav", output_sample_rate=16000,
+                      loudness_lufs=-23.0, warmup=False, runtime="torch", device="cpu")
+    flow = _parse(out / "flow" / "config.pbtxt")
+    assert flow.instance_group[0].count == 2 and flow.dynamic_batching.max_queue_delay_microseconds == 1234
+    assert flow.dynamic_batching.default_queue_policy.max_queue_size == 7
+    assert flow.dynamic_batching.default_queue_policy.default_timeout_microseconds == 5_000_000
+    assert flow.parameters["n_timesteps"].string_value == "4"
+    assert _parse(out / "flow_estimator" / "config.pbtxt").instance_group[0].count == 3
+    est = _parse(out / "flow_estimator" / "config.pbtxt")
+    assert est.parameters["runtime"].string_value == "torch" and est.parameters["model_dir"].string_value
+    assert _parse(out / "speech_tokenizer" / "config.pbtxt").parameters["runtime"].string_value == "onnxruntime"
+    post = _parse(out / "postprocess" / "config.pbtxt")
+    assert post.parameters["output_format"].string_value == "wav"
+    assert [o.name for o in post.output] == ["waveform", "sample_rate", "audio_bytes"]
+    ens = _parse(out / VC_MODEL / "config.pbtxt")
+    assert [o.name for o in ens.output][-1] == "audio_bytes"
+    assert not any(_parse(out / m / "config.pbtxt").model_warmup for m in (*GRAPHS, *STAGE_NAMES))
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"no_such_tunable": 1}, "unknown tunable"),
+    ({"instances": {"nope": 2}}, "unknown model"),
+    ({"instances": {"flow": 0}}, ">= 1"),
+    ({"output_format": "mp3"}, "output_format"),
+    ({"runtime": "tensorflow"}, "runtime"),
+    ({"max_queue_size": 0}, "max_queue_size"),
+])
+def test_bad_tunables_are_refused(model_dir, tmp_path, bad, words):
+    with pytest.raises(RenderError, match=words):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True, **bad)
+
+
+def test_missing_files_and_bad_flavor_are_refused(model_dir, tmp_path):
+    with pytest.raises(RenderError, match="make export"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path / "none")
+    with pytest.raises(RenderError, match="make export / make engines"):
+        render_repository("trt", tmp_path / "r2", model_dir=model_dir, onnx_dir=tmp_path / "none")
+    with pytest.raises(RenderError, match="flavor"):
+        render_repository("docker", tmp_path / "r3", model_dir=model_dir)
+
+
+def test_never_deletes_a_folder_it_did_not_render(model_dir, tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep.txt").write_text("x")
+    with pytest.raises(RenderError, match="refusing"):
+        render_repository("local", precious, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True)
+    assert (precious / "keep.txt").is_file()
+    render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True)
+    render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True)  # again
+
+
+def test_templates_are_strict():
+    assert render_template("a ${x} b ${y}", {"x": 1, "y": "z"}) == "a 1 b z"
+    with pytest.raises(RenderError, match="no value for placeholder"):
+        render_template("${x} ${y}", {"x": 1})
+    with pytest.raises(RenderError, match="no placeholder"):
+        render_template("${x}", {"x": 1, "extra": 2})
+    for bad in ("$x", "${X}", "${a-b}", "cost: 5$", "${x"):
+        with pytest.raises(RenderError, match="placeholder"):
+            render_template(bad + " ${x}", {"x": 1})
+
+
+def test_every_template_placeholder_is_used_by_some_render():
+    """No dead placeholders or stray '$' in the source templates (rendering every flavor reads all of them)."""
+    for path in (ROOT / "model_repository").rglob("*.pbtxt.in"):
+        text = path.read_text()
+        assert "$" not in text.replace("${", ""), path
+
+
+def test_warmup_samples_are_in_range():
+    for name, spec in GRAPHS.items():
+        samples, batch = graph_warmup_samples(name)
+        assert batch == spec.axes["batch"].min
+        assert set(samples) == {t.name for t in spec.inputs}
+
+
+def test_read_parameters_is_typed_and_strict():
+    params = MODEL_PARAMS["postprocess"]
+    cfg = {"parameters": {"output_sample_rate": {"string_value": "16000"}, "loudness_lufs": {"string_value": "-20"}}}
+    got = read_parameters(cfg, params)
+    assert got["output_sample_rate"] == 16000 and got["loudness_lufs"] == -20.0 and got["output_format"] == ""
+    with pytest.raises(ParameterError, match="unknown parameter"):
+        read_parameters({"parameters": {"typo": {"string_value": "1"}}}, params)
+    with pytest.raises(ParameterError, match="not a int"):
+        read_parameters({"parameters": {"output_sample_rate": {"string_value": "fast"}}}, params)
+    with pytest.raises(ParameterError, match="not one of"):
+        read_parameters({"parameters": {"output_format": {"string_value": "mp3"}}}, params)
+    with pytest.raises(ParameterError, match="required"):
+        read_parameters(json.dumps({"parameters": {}}), MODEL_PARAMS["flow"])
+
+
+def test_render_script(model_dir, tmp_path):
+    out = tmp_path / "repo"
+    proc = subprocess.run([sys.executable, str(ROOT / "model_repository" / "render.py"), "--flavor", "onnx",
+                           "--out", str(out), "--model-dir", str(model_dir), "--onnx-dir", str(tmp_path),
+                           "--allow-missing", "--set", "instances=flow:2", "--set", "max_queue_size=9"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "onnxruntime" in proc.stdout
+    assert _parse(out / "flow" / "config.pbtxt").instance_group[0].count == 2
+    proc = subprocess.run([sys.executable, str(ROOT / "model_repository" / "render.py"), "--out", str(out),
+                           "--model-dir", str(model_dir), "--onnx-dir", str(tmp_path / "none")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "make export" in proc.stderr
+
+
+def test_container_start_renders_and_serves():
+    start = (ROOT / "export" / "container_start.sh").read_text()
+    assert 'model_repository/render.py --flavor "$SERVE_FLAVOR"' in start
+    assert 'exec tritonserver --model-repository="$REPO"' in start
+    docker = (ROOT / "Dockerfile.triton").read_text()
+    assert "COPY model_repository/ model_repository/" in docker and "EXPOSE 8000 8001 8002" in docker
+
+
+def test_onnx_files_must_keep_the_spec_io_types(model_dir, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    fp16 = tmp_path / "onnx" / "fp16"
+    fp16.mkdir(parents=True)
+    graph = helper.make_graph([helper.make_node("Identity", ["fbank"], ["speaker_embedding"])], "g",
+                              [helper.make_tensor_value_info("fbank", TensorProto.FLOAT16, ["b", "t", 80])],
+                              [helper.make_tensor_value_info("speaker_embedding", TensorProto.FLOAT16, ["b", 192])])
+    onnx.save(helper.make_model(graph), fp16 / "speaker_encoder.onnx")
+    with pytest.raises(RenderError, match="keep_io_types"):
+        render_repository("onnx", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path / "onnx", precision="fp16",
+                          allow_missing=True)

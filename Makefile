@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e ".[dev]"
-	# tritonserver 2.51 + its Python backend ship in this wheel; its Python API (and deps) are unused
+	@# tritonserver 2.51 + its Python backend ship in this wheel; its Python API (and deps) are unused
 	$(VENV)/bin/pip install --quiet --no-deps nvidia-pytriton==0.7.0
 	touch $@
 

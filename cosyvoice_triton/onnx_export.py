@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import hashlib
 import io
 import json
 import logging
@@ -66,6 +65,7 @@ from . import features
 from .checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .config import MelConfig, ModelConfig
 from .errors import CheckpointError
+from .hashing import file_sha256
 from .models.estimator import CausalConditionalDecoder
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator, fold_weight_norm
@@ -1038,14 +1038,6 @@ class ExportReport:
         return format_table(self.rows)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _io_entry(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
     def one(v) -> dict[str, Any]:
         tt = v.type.tensor_type
@@ -1100,7 +1092,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, graphs: str | Ite
     def source_entry(file: str) -> dict[str, Any]:
         if file not in source_hashes:
             p = model_dir / file
-            source_hashes[file] = {"file": file, "sha256": _sha256(p), "bytes": p.stat().st_size}
+            source_hashes[file] = {"file": file, "sha256": file_sha256(p), "bytes": p.stat().st_size}
         return source_hashes[file]
 
     reports: dict[str, GraphReport] = {}
@@ -1142,7 +1134,7 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, graphs: str | Ite
                 notes.append(HIFT_PADDING_NOTE)
         export_s = time.perf_counter() - t0
         size = path.stat().st_size
-        report = GraphReport(name, path, _sha256(path), size, _opset(model), batch_dynamic, export_s, notes=notes)
+        report = GraphReport(name, path, file_sha256(path), size, _opset(model), batch_dynamic, export_s, notes=notes)
         io_entry = _io_entry(model)
         log.info("  wrote %s: %.1f MB in %.1f s", path, size / 1e6, export_s)
         del model
@@ -1197,7 +1189,7 @@ def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping
         for name, e in (old.get("graphs") or {}).items():
             f = out_dir / str(e.get("file", ""))
             if name in GRAPHS and name not in entries and e.get("source_model_dir") == src and f.is_file() \
-                    and _sha256(f) == e.get("sha256"):
+                    and file_sha256(f) == e.get("sha256"):
                 graphs[name] = e
     graphs.update(entries)
     import onnxruntime

@@ -8,7 +8,9 @@
 #
 # Environment: MODEL_DIR (default /models/CosyVoice2-0.5B), PRECISION (fp32|fp16|int8, default fp16),
 # BUILD_DIR (default /workspace/build), BUILDER (trtexec|python, default trtexec), REEXPORT=1 to export
-# again over existing ONNX files, QUANTIZE_CMD (a command that writes $BUILD_DIR/onnx/int8 or fp16 files),
+# again over existing ONNX files, REQUANTIZE=1 to convert fp16 / int8 again (export/quantize.py;
+# CALIBRATION_UTTERANCES default 50, CALIBRATION_METHOD default recorded), QUANTIZE_CMD (a command of your
+# own that writes $BUILD_DIR/onnx/int8 or fp16 files instead),
 # PYTHON (default python3), SERVE_FLAVOR (trt|onnx|local, default trt), SERVE=0 to stop after the builds,
 # RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2").
 set -euo pipefail
@@ -39,11 +41,18 @@ else
   "$PYTHON" export/export_onnx.py --model-dir "$MODEL_DIR" --out "$ONNX_DIR/fp32"
 fi
 
-echo "== 2/4 quantisation"
+echo "== 2/4 reduced precision: $PRECISION"
 if [ -n "${QUANTIZE_CMD:-}" ]; then
   bash -c "$QUANTIZE_CMD"
+elif [ "$PRECISION" = fp32 ]; then
+  echo "fp32: nothing to convert"
+elif [ "${REQUANTIZE:-0}" != 1 ] && [ -f "$ONNX_DIR/$PRECISION/manifest.json" ]; then
+  echo "$ONNX_DIR/$PRECISION already has graphs (REQUANTIZE=1 to convert again)"
 else
-  echo "no QUANTIZE_CMD: graphs without a $PRECISION ONNX file are built from fp32"
+  # int8: explicit Q/DQ calibrated on espeak-ng speech run through this checkpoint; fp16: converted graphs.
+  "$PYTHON" export/quantize.py --model-dir "$MODEL_DIR" --onnx-root "$ONNX_DIR" --precisions "$PRECISION" \
+    --calibration-utterances "${CALIBRATION_UTTERANCES:-50}" --calibration-method "${CALIBRATION_METHOD:-recorded}" \
+    --cache-dir "$BUILD_DIR/quantize"
 fi
 
 echo "== 3/4 TensorRT engines ($PRECISION, $BUILDER)"

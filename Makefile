@@ -13,7 +13,8 @@ OUT         ?= build/vc_demo.wav
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc demo test lint bench-core export engines engines-dry-run render serve clean
+.PHONY: help install demo-model vc demo test lint bench-core bench-preprocess export quantize quality bench-export engines engines-dry-run \
+        render serve clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -60,9 +61,33 @@ bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dim
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
 
+bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
+	$(PY) -m cosyvoice_triton bench-preprocess
+
 export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
 	$(PY) export/export_onnx.py --model-dir $(MODEL_DIR) --out build/onnx/fp32
+
+ONNX_ROOT   ?= build/onnx
+CALIBRATION ?= 50
+quantize: $(VENV)/.installed ## INT8 Q/DQ (TensorRT), INT8 for CPU and fp16 graphs from ONNX_ROOT/fp32, calibrated on espeak-ng speech
+	@if [ ! -f $(ONNX_ROOT)/fp32/flow_estimator.onnx ]; then $(MAKE) --no-print-directory export; fi
+	$(PY) export/quantize.py --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --calibration-utterances $(CALIBRATION)
+
+quality: $(VENV)/.installed ## error of each precision against the fp32 pipeline on held-out speech + CPU speed per stage
+	@if [ ! -d $(ONNX_ROOT)/int8_cpu ]; then $(MAKE) --no-print-directory quantize; fi
+	$(PY) export/quality_report.py --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --out build/quality
+
+FULL_DIR  := models/cosyvoice2-demo-full
+FULL_ONNX := build/onnx-full
+bench-export: $(VENV)/.installed ## full dims: export, quantize, then fp32 vs fp16/INT8 error and CPU time per stage (long)
+	@if [ ! -f $(FULL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
+	@if [ ! -f $(FULL_ONNX)/fp32/flow_estimator.onnx ]; then \
+	  $(PY) export/export_onnx.py --model-dir $(FULL_DIR) --out $(FULL_ONNX)/fp32; fi
+	@if [ ! -f $(FULL_ONNX)/int8_cpu/hift_decoder.onnx ]; then \
+	  $(PY) export/quantize.py --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --calibration-utterances $(CALIBRATION) \
+	    --calibration-method recorded --threads 2; fi
+	$(PY) export/quality_report.py --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --threads 2 --out build/quality-full
 
 PRECISION ?= fp16
 engines: $(VENV)/.installed ## TensorRT plans from build/onnx (PRECISION=fp32|fp16|int8); needs trtexec: NGC container
@@ -70,6 +95,14 @@ engines: $(VENV)/.installed ## TensorRT plans from build/onnx (PRECISION=fp32|fp
 
 engines-dry-run: $(VENV)/.installed ## print the trtexec commands `make engines` would run
 	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
+
+.PHONY: loadtest loadtest-full
+LOADTEST_ARGS ?=
+loadtest: $(VENV)/.installed ## Locust: plain separate calls vs the integrated ensemble, tiny model, CPU -> build/loadtest/tiny/report.md
+	$(PY) loadtest/run.py --config tiny $(LOADTEST_ARGS)
+
+loadtest-full: $(VENV)/.installed ## the same at CosyVoice2-0.5B dims (long; loadtest/README.md) -> build/loadtest/full/report.md
+	$(PY) loadtest/run.py --config full $(LOADTEST_ARGS)
 
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

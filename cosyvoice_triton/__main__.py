@@ -1,4 +1,4 @@
-"""Command line: ``python -m cosyvoice_triton {vc,demo-model,bench} ...`` (also ``cosyvoice-triton``)."""
+"""Command line: ``python -m cosyvoice_triton {vc,demo-model,bench,bench-preprocess} ...`` (``cosyvoice-triton``)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_preprocess(args: argparse.Namespace) -> int:
+    from .bench import run_preprocess_bench
+
+    run_preprocess_bench(args.model_dir, source=args.source, prompt=args.prompt, repeats=args.repeats,
+                         warmup=args.warmup, threads=args.threads)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -83,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=0)
     b.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
     b.set_defaults(func=_cmd_bench)
+
+    bp = sub.add_parser("bench-preprocess", help="cost of the preprocess stage's optional VAD trim and prompt denoise")
+    bp.add_argument("--model-dir", default=None, help="whose mel settings (default: the release's)")
+    bp.add_argument("--source", default=None, help="default: the bundled 5 s sample")
+    bp.add_argument("--prompt", default=None, help="default: the bundled 3 s sample")
+    bp.add_argument("--repeats", type=int, default=20, help="timed calls per variant after the warm-up")
+    bp.add_argument("--warmup", type=int, default=2)
+    bp.add_argument("--threads", type=int, default=1, help="torch intra-op threads (Silero VAD runs on them)")
+    bp.set_defaults(func=_cmd_bench_preprocess)
     return p
 
 

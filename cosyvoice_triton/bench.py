@@ -1,4 +1,5 @@
-"""``make bench-core``: where the time of one in-process VC utterance goes, on this machine.
+"""``make bench-core``: where the time of one in-process VC utterance goes, on this machine; ``make
+bench-preprocess``: what the optional clean-up of the ``preprocess`` stage (VAD trim, prompt denoise) costs.
 
 Prints per-stage wall-clock times (median of the timed runs after one warm-up), the estimator's achieved
 GFLOP/s next to a fp32 GEMM ceiling measured in the same process, the real-time factor and peak RSS.
@@ -120,4 +121,88 @@ def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: 
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(result, indent=1))
     print(f"  written: {out_json}")
+    return result
+
+
+# ------------------------------------------------------------------------------------ bench-preprocess
+
+#: The ``preprocess`` variants timed by :func:`run_preprocess_bench`: label -> (vad_trim, denoise_prompt).
+PREPROCESS_VARIANTS = {"plain": (False, False), "+vad": (True, False), "+denoise": (False, True),
+                       "+vad+denoise": (True, True)}
+
+
+def run_preprocess_bench(model_dir: str | Path | None = None, *, source: str | None = None,
+                         prompt: str | None = None, repeats: int = 20, warmup: int = 2, threads: int = 1,
+                         out_json: str | Path | None = "build/bench-preprocess.json") -> dict:
+    """Wall time of the served ``preprocess`` stage (:class:`~cosyvoice_triton.serving.frontend.Preprocessor`,
+    one request: validation, resampling, Whisper log-mel, fbank, prompt mel) per variant of the optional
+    clean-up (``vad_trim``, ``denoise_prompt``), median of ``repeats`` calls after ``warmup`` calls (the
+    variants interleaved), plus the samples Silero VAD trims from each end of source and prompt. ``model_dir``:
+    whose mel settings (default: the release's, which every CosyVoice2 folder shares). Figures, not assertions."""
+    from .config import ModelConfig
+    from .serving.enhance import VadTrimmer, spectral_gate
+    from .serving.frontend import Preprocessor
+
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"bench-preprocess: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if threads:
+        torch.set_num_threads(threads)
+    config = ModelConfig.from_yaml(Path(model_dir) / "cosyvoice2.yaml") if model_dir else ModelConfig.full()
+    source = source or str(FIXTURES / "source_en_5s.wav")
+    prompt = prompt or str(FIXTURES / "prompt_en_3s.wav")
+    src, src_sr = audio.decode_audio(source)
+    prm, prm_sr = audio.decode_audio(prompt)
+    request = {"source_audio": np.asarray(src, np.float32)[None], "source_sample_rate": np.array([[src_sr]], np.int32),
+               "prompt_audio": np.asarray(prm, np.float32)[None], "prompt_sample_rate": np.array([[prm_sr]], np.int32)}
+    print(f"bench-preprocess: source {len(src) / src_sr:.2f} s at {src_sr} Hz, prompt {len(prm) / prm_sr:.2f} s at "
+          f"{prm_sr} Hz; torch {torch.get_num_threads()} thread(s); median of {repeats} after {warmup} warm-up")
+
+    def timed(fn) -> list[float]:
+        times = []
+        for i in range(warmup + repeats):
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        return times
+
+    pres = {label: Preprocessor(config.mel, sample_rate=config.sample_rate, vad_trim=vad, denoise_prompt=denoise)
+            for label, (vad, denoise) in PREPROCESS_VARIANTS.items()}
+    times: dict[str, list[float]] = {label: [] for label in pres}
+    for i in range(warmup + repeats):  # interleaved, so that background load hits every variant alike
+        for label, pre in pres.items():
+            t0 = time.perf_counter()
+            pre.one(**request)
+            if i >= warmup:
+                times[label].append(time.perf_counter() - t0)
+    rows = {label: {"median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3} for label, t in times.items()}
+    base = rows["plain"]["median_ms"]
+    # the pieces on their own
+    vad = VadTrimmer()
+    parts = {"vad source": timed(lambda: vad.speech_span(src, src_sr)),
+             "vad prompt": timed(lambda: vad.speech_span(prm, prm_sr)),
+             "denoise prompt": timed(lambda: spectral_gate(prm, prm_sr))}
+    part_ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
+    trimmed = {}
+    for name, y, sr in (("source", src, src_sr), ("prompt", prm, prm_sr)):
+        span = vad.speech_span(y, sr)
+        start, end = span if span is not None else (len(y), len(y))
+        trimmed[name] = {"samples": len(y), "sample_rate": sr, "lead": int(start), "tail": int(len(y) - end),
+                         "kept_seconds": (end - start) / sr}
+
+    print(f"  {'variant':<14}{'median ms':>11}{'min ms':>9}{'extra ms':>10}")
+    for label, r in rows.items():
+        print(f"  {label:<14}{r['median_ms']:>11.1f}{r['min_ms']:>9.1f}{r['median_ms'] - base:>+10.1f}")
+    print("  alone: " + ", ".join(f"{k} {v:.1f} ms" for k, v in part_ms.items()))
+    for name, t in trimmed.items():
+        print(f"  VAD trims {name}: {t['lead']} samples at the start, {t['tail']} at the end "
+              f"({t['lead'] / t['sample_rate'] * 1e3:.0f} + {t['tail'] / t['sample_rate'] * 1e3:.0f} ms of "
+              f"{t['samples'] / t['sample_rate']:.2f} s at {t['sample_rate']} Hz; {t['kept_seconds']:.2f} s kept)")
+    result = {"source": str(source), "prompt": str(prompt), "threads": torch.get_num_threads(), "repeats": repeats,
+              "warmup": warmup, "variants": rows, "parts_median_ms": part_ms, "vad_trimmed": trimmed}
+    if out_json:
+        out_json = Path(out_json)
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(result, indent=1))
+        print(f"  written: {out_json}")
     return result

@@ -21,6 +21,15 @@ Flavors:
 
 The stages (``preprocess``, ``flow``, ``hift``, ``postprocess``) and the ``cosyvoice_vc`` ensemble are the same
 in every flavor; ``flow`` and ``hift`` reach the graphs by BLS.
+
+Precision (``precision=``, :func:`precision_plan`): one of :data:`PRECISIONS` for every graph (``int8_cpu``, the
+onnxruntime CPU INT8 graphs, in flavor ``local`` only), ``cpu-choice`` (per graph, the CPU decision of the quality
+report, ``make quality``) or ``GRAPH=PRECISION,...``. The configs' comments and the marker's ``graph_precisions``
+record what each graph got.
+
+Profiles (``profile=``, ``render.py --profile``) are named sets of tunables: ``plain`` (:data:`PLAIN_TUNABLES`) is
+the baseline deployment of the load tests, flavor ``local`` without dynamic batching and with the PyTorch fp32
+graphs, whose client calls the stages one request at a time (:mod:`cosyvoice_triton.plain`).
 """
 
 from __future__ import annotations
@@ -34,17 +43,22 @@ import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from .serving.model_params import MODEL_PARAMS
 from .shapes import GRAPHS, STAGES, VC_INPUTS, VC_MODEL, VC_OPTIONAL_INPUTS, VC_OUTPUTS, TensorSpec
-from .trt import EXCLUDED, ONNX_FALLBACK, PRECISIONS
+from .trt import EXCLUDED
+from .trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
+from .trt import PRECISIONS as TRT_PRECISIONS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FLAVORS", "MARKER", "RenderError", "RenderReport", "Tunables", "default_templates_dir",
+__all__ = ["CPU_CHOICE", "DEFAULT_QUALITY_REPORT", "FLAVORS", "FLAVOR_PRECISIONS", "MARKER", "PLAIN_TUNABLES",
+           "PRECISIONS", "PROFILES", "PrecisionPlan", "RenderError", "RenderReport", "Tunables",
+           "default_templates_dir", "parse_precision_mapping", "precision_plan", "read_cpu_choice",
            "render_repository", "render_template"]
 
 FLAVORS = ("local", "onnx", "trt")
@@ -109,6 +123,9 @@ class Tunables:
     output_format: str = ""
     bls_timeout_us: int = 0
     warmup: bool = True
+    #: Triton's dynamic batcher on every graph and stage (off: the default scheduler, one request per execution,
+    #: and no queue policy: max_queue_delay_us, max_queue_size and queue_timeout_us then have no effect)
+    dynamic_batching: bool = True
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -131,15 +148,28 @@ class Tunables:
                 raise RenderError(f"tunable instances[{model!r}] must be >= 1, got {n}")
 
 
+#: The "plain" deployment: what a team that wraps the official code would serve. No dynamic batching (one request
+#: per execution) and the graphs as the checkpoint's PyTorch fp32 modules inside the Python backend (flavor
+#: ``local``, precision ``fp32``; the shipped ``speech_tokenizer`` / ``speaker_encoder`` ONNX files stay on
+#: onnxruntime). Its client runs the stages one request at a time: :class:`cosyvoice_triton.plain.PlainPipeline`.
+PLAIN_TUNABLES: Mapping[str, Any] = MappingProxyType({"dynamic_batching": False, "runtime": "torch"})
+#: Named tunable sets of :func:`render_repository` (``profile=``) and ``render.py --profile``.
+PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"plain": PLAIN_TUNABLES})
+_PROFILE_NOTES = {"plain": "no dynamic batching, PyTorch fp32 graphs; client: cosyvoice_triton.plain.PlainPipeline"}
+
+
 @dataclass
 class RenderReport:
     flavor: str
     out_dir: Path
     models: dict[str, str]  # model -> backend / platform
     files: list[Path]
+    profile: str = ""  # a name of PROFILES, or "" (the tunables as given)
 
     def describe(self) -> str:
-        lines = [f"rendered {self.out_dir} (flavor {self.flavor}):"]
+        what = f"flavor {self.flavor}" + (f", profile {self.profile}: {_PROFILE_NOTES[self.profile]}"
+                                          if self.profile else "")
+        lines = [f"rendered {self.out_dir} ({what}):"]
         lines += [f"  {m:<18} {b}" for m, b in self.models.items()]
         return "\n".join(lines)
 
@@ -191,6 +221,17 @@ def _warmup_block(samples: Mapping[str, np.ndarray], batch: int) -> str:
                       f'input_data_file: "{name}" }} }}')
     return ("model_warmup [\n  {\n    name: \"sample\"\n    batch_size: " + str(batch) + "\n"
             + "\n".join(inputs) + "\n  }\n]")
+
+
+def _dynamic_batching_block(tun: Tunables) -> str:
+    """The ``dynamic_batching`` block of a graph or stage config, or (batching off) a comment saying so."""
+    if not tun.dynamic_batching:
+        return ("# no dynamic_batching (tunable dynamic_batching=false): the default scheduler runs one request per\n"
+                "# execution; queued requests wait without a delay, size or timeout policy")
+    return (f"dynamic_batching {{\n  max_queue_delay_microseconds: {tun.max_queue_delay_us}\n"
+            f"  default_queue_policy {{\n    timeout_action: REJECT\n"
+            f"    default_timeout_microseconds: {tun.queue_timeout_us}\n    allow_timeout_override: true\n"
+            f"    max_queue_size: {tun.max_queue_size}\n  }}\n}}")
 
 
 def _write_warmup(model_dir: Path, samples: Mapping[str, np.ndarray]) -> list[Path]:
@@ -248,9 +289,145 @@ def stage_warmup_samples(name: str, seconds: float = 1.0) -> dict[str, np.ndarra
 
 
 # ------------------------------------------------------------------------------------------- rendering
+# precision per graph
+
+#: Precisions a graph can be served in: the TensorRT ones (:data:`cosyvoice_triton.trt.PRECISIONS`) and
+#: ``int8_cpu``, onnxruntime's CPU INT8 kernels (``build/onnx/int8_cpu``: MatMulInteger, QLinearConv), which only
+#: the ``local`` flavor serves (on a GPU, TensorRT takes the explicit Q/DQ ``int8`` graphs instead).
+PRECISIONS = (*TRT_PRECISIONS, "int8_cpu")
+FLAVOR_PRECISIONS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "local": PRECISIONS, "onnx": TRT_PRECISIONS, "trt": TRT_PRECISIONS})
+#: ONNX folders tried, in order, when one precision is asked for every graph (an explicit per-graph choice
+#: takes its own folder or fails). ``int8_cpu`` falls back to fp32 only: fp16 runs slower on a CPU.
+ONNX_FALLBACK: Mapping[str, tuple[str, ...]] = MappingProxyType({**TRT_ONNX_FALLBACK, "int8_cpu": ("int8_cpu", "fp32")})
+#: ``precision`` value that reads the CPU precision per graph from the quality report's decisions.
+CPU_CHOICE = "cpu-choice"
+DEFAULT_QUALITY_REPORT = "build/quality/report.json"
+#: Graphs whose ONNX file is always the fp32 one, whatever the precision (phase accumulation in float64/32).
+FP32_ONLY = ("hift_source",)
+#: Graphs that ``runtime=torch`` (flavor local) runs as the checkpoint's PyTorch modules instead of ONNX.
+TORCH_GRAPHS = ("flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
-def _onnx_file(onnx_dir: Path, graph: str, precision: str) -> Path:
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The precision asked of each graph: ``graphs`` (graph -> precision); ``strict``: a per-graph choice, whose
+    file must exist (no fallback); ``source``: where the choice comes from, for the configs' notes."""
+
+    graphs: Mapping[str, str]
+    strict: bool
+    source: str
+
+    def describe(self, graph: str) -> str:
+        return f"{self.graphs[graph]} ({self.source})"
+
+
+def _check_allowed(graph: str, precision: str, flavor: str) -> None:
+    if precision not in PRECISIONS:
+        raise RenderError(f"precision of {graph}: {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision not in FLAVOR_PRECISIONS[flavor]:
+        raise RenderError(f"precision {precision} ({graph}): int8_cpu is onnxruntime's CPU INT8, served by the local "
+                          f"flavor only; flavor {flavor} serves {', '.join(FLAVOR_PRECISIONS[flavor])} (int8: the "
+                          "Q/DQ graphs)")
+
+
+def _per_graph(choice: Mapping[str, str], flavor: str, source: str) -> PrecisionPlan:
+    from .quantize import FP32_ONLY as NOT_CONVERTED  # why each graph has no reduced-precision file
+
+    unknown = sorted(set(choice) - set(GRAPHS))
+    if unknown:
+        raise RenderError(f"precision ({source}): unknown graph(s) {', '.join(unknown)}; graphs: {', '.join(GRAPHS)}")
+    for graph, p in choice.items():
+        _check_allowed(graph, p, flavor)
+        if p != "fp32" and (graph in FP32_ONLY or graph in NOT_CONVERTED):
+            why = NOT_CONVERTED.get(graph, "float64 phase accumulation")
+            raise RenderError(f"precision ({source}): {graph} is served in fp32 only, got {p} ({why})")
+    return PrecisionPlan(MappingProxyType({g: choice.get(g, "fp32") for g in GRAPHS}), True, source)
+
+
+def parse_precision_mapping(text: str) -> dict[str, str]:
+    """``"flow_encoder=int8_cpu,flow_estimator=fp32"`` -> a dict (graphs not named: fp32)."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        graph, sep, p = (s.strip() for s in part.partition("="))
+        if not sep or not graph or not p:
+            raise RenderError(f"precision mapping {text!r}: expected GRAPH=PRECISION[,GRAPH=PRECISION...], got "
+                              f"{part!r}")
+        if graph in out and out[graph] != p:
+            raise RenderError(f"precision mapping {text!r}: {graph} given twice")
+        out[graph] = p
+    if not out:
+        raise RenderError(f"precision mapping {text!r} names no graph")
+    return out
+
+
+def read_cpu_choice(report: str | Path) -> dict[str, str]:
+    """Graph -> CPU precision from a quality report's ``decisions`` (``export/quality_report.py``, ``make
+    quality``: ``build/quality/report.json``)."""
+    path = Path(report)
+    if not path.is_file():
+        raise RenderError(f"precision {CPU_CHOICE}: quality report {path} not found (make quality writes it, or "
+                          "give --quality-report PATH, or name the precisions: GRAPH=PRECISION,...)")
+    try:
+        doc = json.loads(path.read_text())
+        decisions = doc["decisions"]
+        choice = {str(d["stage"]): str(d["cpu_precision"]) for d in decisions}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RenderError(f"precision {CPU_CHOICE}: {path} is not a quality report with decisions "
+                          f"[{{stage, cpu_precision}}, ...] ({type(exc).__name__}: {exc})") from exc
+    if not choice:
+        raise RenderError(f"precision {CPU_CHOICE}: {path} has no decisions")
+    return choice
+
+
+def precision_plan(precision: str | Mapping[str, str], flavor: str, *,
+                   quality_report: str | Path = DEFAULT_QUALITY_REPORT) -> PrecisionPlan:
+    """What each graph is asked to be served in. ``precision``: one of :data:`PRECISIONS` for every graph (the
+    :data:`FP32_ONLY` graphs stay fp32; a missing file falls back along :data:`ONNX_FALLBACK`); ``cpu-choice``:
+    the quality report's CPU decision per graph (flavor ``local``); ``GRAPH=PRECISION,...`` or a mapping: those
+    graphs in those precisions, the others fp32. Per-graph choices need their files."""
+    if flavor not in FLAVOR_PRECISIONS:
+        raise RenderError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
+    if isinstance(precision, Mapping):
+        return _per_graph(dict(precision), flavor, "per graph")
+    if precision == CPU_CHOICE:
+        if flavor != "local":
+            raise RenderError(f"precision {CPU_CHOICE} is the quality report's CPU choice (onnxruntime on the CPU, "
+                              f"flavor local); flavor {flavor} runs the graphs on the GPU: give fp16 / int8 or "
+                              "GRAPH=PRECISION,...")
+        return _per_graph(read_cpu_choice(quality_report), flavor, f"{CPU_CHOICE} of {quality_report}")
+    if "=" in precision:
+        return _per_graph(parse_precision_mapping(precision), flavor, "per graph")
+    if precision not in PRECISIONS:
+        raise RenderError(f"precision must be one of {', '.join(PRECISIONS)}, {CPU_CHOICE} or GRAPH=PRECISION,..., "
+                          f"got {precision!r}")
+    _check_allowed("every graph", precision, flavor)
+    return PrecisionPlan(MappingProxyType({g: "fp32" if g in FP32_ONLY else precision for g in GRAPHS}), False,
+                         f"{precision} for every graph" + (f"; {', '.join(FP32_ONLY)} fp32 only" if precision != "fp32"
+                                                           else ""))
+
+
+def _check_plan(plan: PrecisionPlan, flavor: str, onnx_dir: Path, tun: Tunables, allow_missing: bool) -> None:
+    """A per-graph choice needs its ONNX file (where the flavor reads one); ``runtime=torch`` graphs are fp32."""
+    for name, asked in plan.graphs.items():
+        torch_run = flavor == "local" and tun.runtime == "torch" and name in TORCH_GRAPHS
+        if torch_run and asked != "fp32":
+            raise RenderError(f"{name}: runtime=torch runs the checkpoint's fp32 modules; precision "
+                              f"{plan.describe(name)} applies to ONNX graphs (runtime=onnxruntime)")
+        path = _onnx_file(onnx_dir, name, asked, strict=True)
+        needs_file = not torch_run and (flavor != "trt" or name in EXCLUDED)
+        if plan.strict and needs_file and not allow_missing and not path.is_file():
+            raise RenderError(f"{path} not found: {name} is to be served in {plan.describe(name)} "
+                              f"({'make quantize' if asked != 'fp32' else 'make export'} first)")
+
+
+def _onnx_file(onnx_dir: Path, graph: str, precision: str, *, strict: bool = False) -> Path:
+    """``<onnx_dir>/<precision>/<graph>.onnx``; not strict: the first that exists along :data:`ONNX_FALLBACK`
+    (else the fp32 path, missing)."""
+    if strict:
+        return onnx_dir / precision / f"{graph}.onnx"
     for p in ONNX_FALLBACK[precision]:
         path = onnx_dir / p / f"{graph}.onnx"
         if path.is_file():
@@ -258,8 +435,6 @@ def _onnx_file(onnx_dir: Path, graph: str, precision: str) -> Path:
     return onnx_dir / "fp32" / f"{graph}.onnx"
 
 
-#: Graphs whose ONNX file is always the fp32 one, whatever the precision (phase accumulation in float64/32).
-FP32_ONLY = ("hift_source",)
 _ONNX_ELEM = {1: "float32", 6: "int32", 7: "int64", 9: "bool", 10: "float16"}
 
 
@@ -305,8 +480,9 @@ def _clean(out: Path) -> None:
 
 def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path,
                       onnx_dir: str | Path = "build/onnx", engine_dir: str | Path = "build/engines",
-                      precision: str = "fp32", templates_dir: str | Path | None = None,
-                      allow_missing: bool = False, **tunables: Any) -> RenderReport:
+                      precision: str | Mapping[str, str] = "fp32", templates_dir: str | Path | None = None,
+                      allow_missing: bool = False, profile: str = "",
+                      quality_report: str | Path = DEFAULT_QUALITY_REPORT, **tunables: Any) -> RenderReport:
     """Render the repository of ``flavor`` into ``out_dir`` (deleted and rewritten).
 
     Args:
@@ -314,35 +490,45 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         model_dir: the CosyVoice2 folder (the stages read its ``cosyvoice2.yaml``).
         onnx_dir: the export's root (``<onnx_dir>/<precision>/<graph>.onnx``, falling back like the engines).
         engine_dir: TensorRT plans (``<engine_dir>/<precision>/<graph>.plan``), flavor ``trt``.
-        precision: ``fp32``, ``fp16`` or ``int8``.
+        precision: ``fp32``, ``fp16``, ``int8`` or (flavor ``local``) ``int8_cpu`` for every graph (the
+            :data:`FP32_ONLY` graphs stay fp32; a missing file falls back along :data:`ONNX_FALLBACK`);
+            ``cpu-choice``: the CPU precision per graph of ``quality_report``'s decisions (flavor ``local``);
+            ``"GRAPH=PRECISION,..."`` or a mapping: those graphs in those precisions, the others fp32. A
+            per-graph choice needs its file. The configs' notes and the marker record what each graph got.
+        quality_report: the quality report JSON that ``cpu-choice`` reads (``make quality``).
         templates_dir: the ``model_repository/`` source (default: this source tree's).
         allow_missing: write empty placeholders for missing ONNX / plan files (structural checks only).
+        profile: a name of :data:`PROFILES` (``plain``: :data:`PLAIN_TUNABLES`, flavor ``local`` and precision
+            ``fp32`` only); ``tunables`` may add to it but not contradict it.
         tunables: fields of :class:`Tunables`.
     """
     if flavor not in FLAVORS:
         raise RenderError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
-    if precision not in PRECISIONS:
-        raise RenderError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    plan = precision_plan(precision, flavor, quality_report=quality_report)
     known = {f.name for f in fields(Tunables)}
     unknown = sorted(set(tunables) - known)
     if unknown:
         raise RenderError(f"unknown tunable(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    if profile:
+        tunables = _apply_profile(profile, flavor, plan, tunables)
     tun = Tunables(**tunables)
     templates = Path(templates_dir) if templates_dir else default_templates_dir()
     model_dir = Path(model_dir).resolve()
     onnx_dir, engine_dir = Path(onnx_dir).resolve(), Path(engine_dir).resolve()
     if not (model_dir / "cosyvoice2.yaml").is_file() and not allow_missing:
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
+    _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
+    if precision == CPU_CHOICE:
+        _warn_foreign_report(quality_report, model_dir, onnx_dir)
     out = Path(out_dir)
     _clean(out)
     files: list[Path] = []
     models: dict[str, str] = {}
     note = ("generated by cosyvoice_triton.repository from {src} (flavor " + flavor
-            + "): do not edit, edit the template and render again")
+            + (f", profile {profile}" if profile else "") + "): do not edit, edit the template and render again")
 
     def common(name: str) -> dict[str, Any]:
-        return {"max_queue_delay_us": tun.max_queue_delay_us, "queue_timeout_us": tun.queue_timeout_us,
-                "max_queue_size": tun.max_queue_size, "instance_count": int(tun.instances.get(name, 1))}
+        return {"dynamic_batching": _dynamic_batching_block(tun), "instance_count": int(tun.instances.get(name, 1))}
 
     def write(name: str, template: str, values: Mapping[str, Any]) -> None:
         src = templates / template
@@ -365,38 +551,46 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         files.append(dst)
 
     # --- the six graphs
+    graph_precisions: dict[str, str] = {}
     for name, spec in GRAPHS.items():
-        onnx_path = _onnx_file(onnx_dir, name, "fp32" if name in FP32_ONLY else precision)
+        asked = plan.graphs[name]
+        onnx_path = _onnx_file(onnx_dir, name, asked, strict=plan.strict)
+        served = onnx_path.parent.name if onnx_path.is_file() else asked
         if onnx_path.is_file() and not (flavor == "trt" and name not in EXCLUDED):
             check_onnx_io(onnx_path, name)
         params: dict[str, Any] = {}
         ragged = False
         if flavor == "local":
             backend, kind, ragged = 'backend: "python"', "KIND_CPU", True
-            runtime = tun.runtime if name in ("flow_encoder", "flow_estimator", "hift_source",
-                                              "hift_decoder") else "onnxruntime"
+            runtime = tun.runtime if name in TORCH_GRAPHS else "onnxruntime"
             if runtime == "onnxruntime" and not onnx_path.is_file() and not allow_missing:
                 raise RenderError(f"{onnx_path} not found (make export first)")
+            if runtime == "torch":
+                served = "fp32 (torch)"
             params = {"graph": name, "runtime": runtime, "onnx_path": str(onnx_path) if runtime == "onnxruntime"
                       else "", "model_dir": str(model_dir) if runtime == "torch" else "", "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads}
             python_code(name, "graph")
-            runtime_note = f"Python backend, {runtime} on {tun.device} (model_repository/graph/model.py)"
-            models[name] = f"python ({runtime})"
+            runtime_note = (f"Python backend, {runtime} on {tun.device}, precision {served}"
+                            + (f" of {onnx_path}" if runtime == "onnxruntime" else "")
+                            + f" (asked: {plan.describe(name)}) (model_repository/graph/model.py)")
+            models[name] = f"python ({runtime}, {served})"
         elif flavor == "trt" and name not in EXCLUDED:
             backend = 'platform: "tensorrt_plan"\ndefault_model_filename: "model.plan"'
             kind = tun.instance_kind or "KIND_GPU"
-            files.append(_place(engine_dir / precision / f"{name}.plan", out / name / "1" / "model.plan",
+            served = asked
+            files.append(_place(engine_dir / asked / f"{name}.plan", out / name / "1" / "model.plan",
                                 allow_missing))
-            runtime_note = f"TensorRT engine {engine_dir / precision / (name + '.plan')}"
-            models[name] = "tensorrt_plan"
+            runtime_note = f"TensorRT engine {engine_dir / asked / (name + '.plan')} (precision {plan.describe(name)})"
+            models[name] = f"tensorrt_plan ({served})"
         else:
             backend = 'backend: "onnxruntime"\ndefault_model_filename: "model.onnx"'
             kind = tun.instance_kind or "KIND_GPU"
             files.append(_place(onnx_path, out / name / "1" / "model.onnx", allow_missing))
             why = f" ({EXCLUDED[name].reason})" if flavor == "trt" else ""
-            runtime_note = f"onnxruntime backend, {onnx_path}{why}"
-            models[name] = "onnxruntime"
+            runtime_note = f"onnxruntime backend, precision {served} of {onnx_path} (asked: {plan.describe(name)}){why}"
+            models[name] = f"onnxruntime ({served})"
+        graph_precisions[name] = served
         warmup = ""
         if tun.warmup:
             samples, batch = graph_warmup_samples(name)
@@ -451,12 +645,44 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     (out / VC_MODEL / "1").mkdir(parents=True, exist_ok=True)  # an ensemble needs an (empty) version folder
     models[VC_MODEL] = "ensemble"
 
-    marker = {"flavor": flavor, "precision": precision, "model_dir": str(model_dir), "onnx_dir": str(onnx_dir),
-              "engine_dir": str(engine_dir), "templates": str(templates.resolve()), "models": models,
+    marker = {"flavor": flavor, "profile": profile,
+              "precision": dict(precision) if isinstance(precision, Mapping) else precision,
+              "precision_source": plan.source, "graph_precisions": graph_precisions, "model_dir": str(model_dir),
+              "onnx_dir": str(onnx_dir), "engine_dir": str(engine_dir), "templates": str(templates.resolve()),
+              "models": models,
               "tunables": {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(tun).items()}}
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     log.info("rendered %s (%s, %d models)", out, flavor, len(models))
-    return RenderReport(flavor, out, models, files)
+    return RenderReport(flavor, out, models, files, profile)
+
+
+def _warn_foreign_report(report: str | Path, model_dir: Path, onnx_dir: Path) -> None:
+    """Log a warning when the quality report behind ``cpu-choice`` judged another model or other graphs."""
+    try:
+        doc = json.loads(Path(report).read_text())
+    except (OSError, ValueError):
+        return
+    for key, ours in (("model_dir", model_dir), ("onnx_root", onnx_dir)):
+        theirs = doc.get(key)
+        if theirs and Path(theirs).resolve() != ours:
+            log.warning("precision %s: %s was measured with %s %s, this render uses %s: its decisions may not hold "
+                        "for these graphs (make quality MODEL_DIR=... to measure them)", CPU_CHOICE, report, key,
+                        theirs, ours)
+
+
+def _apply_profile(profile: str, flavor: str, plan: PrecisionPlan, tunables: Mapping[str, Any]) -> dict[str, Any]:
+    """``tunables`` on top of the named profile; refuses a flavor, precision or tunable that contradicts it."""
+    if profile not in PROFILES:
+        raise RenderError(f"profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    not_fp32 = {g: p for g, p in plan.graphs.items() if p != "fp32"}
+    if profile == "plain" and (flavor != "local" or not_fp32):
+        raise RenderError(f"profile plain is the PyTorch fp32 deployment: flavor local and precision fp32 only, "
+                          f"got flavor {flavor}" + (f", precision {plan.source}" if not_fp32 else ""))
+    clash = sorted(k for k, v in PROFILES[profile].items() if k in tunables and tunables[k] != v)
+    if clash:
+        raise RenderError(f"profile {profile} sets {', '.join(f'{k}={PROFILES[profile][k]!r}' for k in clash)}; "
+                          f"got {', '.join(f'{k}={tunables[k]!r}' for k in clash)}")
+    return {**PROFILES[profile], **tunables}
 
 
 def _model_sample_rate(model_dir: Path) -> int:

@@ -60,7 +60,7 @@ def prepare(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path =
 
         print(f"== writing the {demo_size} demo model (random weights) to {model_dir}")
         write_demo_model(model_dir, size=demo_size)
-    missing = [g for g in GRAPHS if not (onnx_dir / precision / f"{g}.onnx").is_file()]
+    missing = [g for g in GRAPHS if not (onnx_dir / "fp32" / f"{g}.onnx").is_file()]  # every precision's fallback
     if missing and flavor != "trt":
         from .onnx_export import export_onnx
 

@@ -166,7 +166,8 @@ class TritonServer:
             raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")
         if model_control not in ("none", "explicit", "poll"):
             raise ValueError(f"model_control must be none, explicit or poll, got {model_control!r}")
-        self.work_dir = Path(work_dir) if work_dir else self.model_repository.parent / "triton"
+        # absolute: the server runs with this folder as its working directory
+        self.work_dir = (Path(work_dir) if work_dir else self.model_repository.parent / "triton").resolve()
         self.host = host
         self.ports = {"http": int(http_port), "grpc": int(grpc_port), "metrics": int(metrics_port)}
         self.model_control = model_control

@@ -2,7 +2,9 @@
 """Render build/model_repository from these templates: ``python model_repository/render.py --flavor local``.
 
 A thin command line over :func:`cosyvoice_triton.repository.render_repository`; ``--set NAME=VALUE`` sets a
-tunable (see ``cosyvoice_triton.repository.Tunables``; ``--set instances=flow:2,hift:2``).
+tunable (see ``cosyvoice_triton.repository.Tunables``; ``--set instances=flow:2,hift:2``); ``--profile plain`` (or
+``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32 graphs (flavor
+local, precision fp32; ``cosyvoice_triton.repository.PLAIN_TUNABLES``), for ``cosyvoice_triton.plain.PlainPipeline``.
 """
 
 import argparse
@@ -14,7 +16,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from cosyvoice_triton.repository import FLAVORS, RenderError, Tunables, render_repository  # noqa: E402
+from cosyvoice_triton.repository import (  # noqa: E402
+    CPU_CHOICE,
+    DEFAULT_QUALITY_REPORT,
+    FLAVORS,
+    FP32_ONLY,
+    PRECISIONS,
+    PROFILES,
+    RenderError,
+    Tunables,
+    render_repository,
+)
 
 
 def tunable(text: str) -> tuple[str, object]:
@@ -39,14 +51,24 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", default="models/cosyvoice2-demo-tiny")
     p.add_argument("--onnx-dir", default="build/onnx")
     p.add_argument("--engine-dir", default="build/engines")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "fp16", "int8"))
+    p.add_argument("--precision", default="fp32", metavar="PRECISION",
+                   help=f"{', '.join(PRECISIONS)} (int8_cpu: local flavor only) for every graph "
+                        f"({', '.join(FP32_ONLY)} stays fp32); {CPU_CHOICE}: the CPU precision per graph decided by "
+                        "--quality-report (local flavor); or per graph, e.g. flow_encoder=int8_cpu,flow_estimator=fp32 "
+                        "(graphs not named: fp32)")
+    p.add_argument("--quality-report", default=DEFAULT_QUALITY_REPORT,
+                   help=f"the quality report JSON that --precision {CPU_CHOICE} reads (make quality)")
     p.add_argument("--allow-missing", action="store_true", help="placeholders for missing ONNX/plan files")
+    p.add_argument("--profile", choices=tuple(PROFILES), default="",
+                   help="a named set of tunables (plain: no dynamic batching, PyTorch fp32 graphs)")
+    p.add_argument("--plain", dest="profile", action="store_const", const="plain", help="same as --profile plain")
     p.add_argument("--set", dest="tunables", action="append", type=tunable, default=[], metavar="NAME=VALUE")
     args = p.parse_args(argv)
     try:
         report = render_repository(args.flavor, args.out, model_dir=args.model_dir, onnx_dir=args.onnx_dir,
                                    engine_dir=args.engine_dir, precision=args.precision, templates_dir=HERE,
-                                   allow_missing=args.allow_missing, **dict(args.tunables))
+                                   allow_missing=args.allow_missing, profile=args.profile,
+                                   quality_report=args.quality_report, **dict(args.tunables))
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ with a clear reason where a clone does not have it."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -65,25 +66,36 @@ def serving_assets(tmp_path_factory):
     return {"root": root, "model_dir": Path(model_dir), "onnx_dir": root / "onnx"}
 
 
-@pytest.fixture(scope="session")
-def triton_server(serving_assets):
-    """The local-flavor repository served by the nvidia-pytriton wheel's tritonserver, once per session."""
+@contextlib.contextmanager
+def served(repo: Path, **server_kw):
+    """A real tritonserver (nvidia-pytriton wheel) on ``repo`` with free ports, stopped on exit; skips the test
+    with the reason where tritonclient or the server is not installed."""
     try:
         import tritonclient.grpc
         import tritonclient.http  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"tritonclient is not installed ({exc}): pip install 'tritonclient[http,grpc]==2.51.0'")
-    from cosyvoice_triton.repository import render_repository
     from cosyvoice_triton.server import TritonNotInstalled, TritonServer, find_installation
 
     try:
         find_installation()
     except TritonNotInstalled as exc:
         pytest.skip(str(exc))
+    server = TritonServer(repo, exit_timeout=5, **server_kw)
+    server.start(timeout=240)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def triton_server(serving_assets):
+    """The local-flavor repository served by the nvidia-pytriton wheel's tritonserver, once per session."""
+    from cosyvoice_triton.repository import render_repository
+
     repo = serving_assets["root"] / "model_repository"
     render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                       max_queue_delay_us=20000)
-    server = TritonServer(repo, exit_timeout=5)
-    server.start(timeout=240)
-    yield server
-    server.stop()
+    with served(repo) as server:
+        yield server

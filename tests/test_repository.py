@@ -7,6 +7,7 @@ Structural: each config.pbtxt parses with Triton's own ModelConfig schema (trito
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -263,3 +264,180 @@ def test_onnx_files_must_keep_the_spec_io_types(model_dir, tmp_path):
     with pytest.raises(RenderError, match="keep_io_types"):
         render_repository("onnx", tmp_path / "r", model_dir=model_dir, onnx_dir=tmp_path / "onnx", precision="fp16",
                           allow_missing=True)
+
+
+# ============================================================================= precision per graph
+
+QUANTIZED = ("flow_encoder", "flow_estimator", "hift_decoder")
+_ONNX_TYPES = {"float32": 1, "int32": 6, "int64": 7, "bool": 9}
+
+
+def _stub_graph(path: Path, graph: str) -> None:
+    """An ONNX file with the spec's inputs and outputs (what rendering reads of it; never run)."""
+    import onnx
+    from onnx import helper
+
+    spec = GRAPHS[graph]
+    vi = [[helper.make_tensor_value_info(t.name, _ONNX_TYPES[t.dtype], [str(d) for d in t.shape]) for t in ts]
+          for ts in (spec.inputs, spec.outputs)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(helper.make_model(helper.make_graph([], graph, *vi)), path)
+
+
+@pytest.fixture(scope="module")
+def onnx_tree(tmp_path_factory) -> Path:
+    """fp32 files of every graph, int8_cpu and int8 of the three converted graphs, fp16 of none."""
+    root = tmp_path_factory.mktemp("onnx-precisions")
+    for g in GRAPHS:
+        _stub_graph(root / "fp32" / f"{g}.onnx", g)
+    for p in ("int8_cpu", "int8"):
+        for g in QUANTIZED:
+            _stub_graph(root / p / f"{g}.onnx", g)
+    return root
+
+
+def _served(out: Path) -> dict[str, str]:
+    """graph -> the precision folder of the ONNX file its config points at (local flavor)."""
+    return {g: Path(_parse(out / g / "config.pbtxt").parameters["onnx_path"].string_value).parent.name
+            for g in GRAPHS}
+
+
+def _marker(out: Path) -> dict:
+    return json.loads((out / MARKER).read_text())
+
+
+def test_int8_cpu_for_every_graph_serves_the_cpu_int8_files(model_dir, onnx_tree, tmp_path):
+    out = tmp_path / "r"
+    report = render_repository("local", out, model_dir=model_dir, onnx_dir=onnx_tree, precision="int8_cpu")
+    want = {g: "int8_cpu" if g in QUANTIZED else "fp32" for g in GRAPHS}
+    assert _served(out) == want == _marker(out)["graph_precisions"]
+    assert _marker(out)["precision"] == "int8_cpu" and "hift_source fp32 only" in _marker(out)["precision_source"]
+    assert report.models["flow_estimator"] == "python (onnxruntime, int8_cpu)"
+    note = (out / "flow_estimator" / "config.pbtxt").read_text().splitlines()[2]
+    assert note.startswith("# flavor local:") and "precision int8_cpu of " in note and "int8_cpu/flow_estimator" in note
+
+
+def test_one_precision_falls_back_per_graph_and_records_it(model_dir, onnx_tree, tmp_path):
+    """A graph without a file of the precision asked for every graph gets the next one (int8_cpu -> fp32, not fp16)."""
+    root = tmp_path / "onnx"
+    shutil.copytree(onnx_tree, root)
+    (root / "int8_cpu" / "hift_decoder.onnx").unlink()
+    _stub_graph(root / "fp16" / "hift_decoder.onnx", "hift_decoder")
+    render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=root, precision="int8_cpu")
+    assert _served(tmp_path / "r")["hift_decoder"] == "fp32" == _marker(tmp_path / "r")["graph_precisions"][
+        "hift_decoder"]
+    render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=root, precision="fp16")
+    assert _served(tmp_path / "r") == {g: "fp16" if g == "hift_decoder" else "fp32" for g in GRAPHS}
+
+
+@pytest.mark.parametrize("precision", ["flow_encoder=int8_cpu,flow_estimator=fp32",
+                                       {"flow_encoder": "int8_cpu", "flow_estimator": "fp32"}])
+def test_explicit_precision_per_graph(model_dir, onnx_tree, tmp_path, precision):
+    out = tmp_path / "r"
+    render_repository("local", out, model_dir=model_dir, onnx_dir=onnx_tree, precision=precision)
+    assert _served(out) == {g: "int8_cpu" if g == "flow_encoder" else "fp32" for g in GRAPHS}
+    marker = _marker(out)
+    assert marker["precision"] == precision and marker["precision_source"] == "per graph"
+    assert "asked: int8_cpu (per graph)" in (out / "flow_encoder" / "config.pbtxt").read_text()
+
+
+def _quality_report(path: Path, choice: dict[str, str]) -> Path:
+    decisions = [{"stage": g, "cpu_precision": p, "reason": "test", "candidates": [], "gpu_note": ""}
+                 for g, p in choice.items()]
+    path.write_text(json.dumps({"model_dir": "m", "decisions": decisions}))
+    return path
+
+
+def test_cpu_choice_reads_the_quality_report(model_dir, onnx_tree, tmp_path):
+    report = _quality_report(tmp_path / "report.json", {"flow_encoder": "int8_cpu", "flow_estimator": "fp32",
+                                                        "hift_decoder": "int8_cpu"})
+    out = tmp_path / "r"
+    render_repository("local", out, model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                      quality_report=report)
+    want = {g: "int8_cpu" if g in ("flow_encoder", "hift_decoder") else "fp32" for g in GRAPHS}
+    assert _served(out) == want == _marker(out)["graph_precisions"]
+    assert _marker(out)["precision_source"] == f"cpu-choice of {report}"
+    assert f"cpu-choice of {report}" in (out / "hift_decoder" / "config.pbtxt").read_text()
+
+
+def test_cpu_choice_warns_when_the_report_judged_another_model(model_dir, onnx_tree, tmp_path, caplog):
+    report = _quality_report(tmp_path / "report.json", {"flow_encoder": "int8_cpu"})
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.repository"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                          quality_report=report)
+    assert "was measured with model_dir m" in caplog.text
+    doc = json.loads(report.read_text())
+    report.write_text(json.dumps({**doc, "model_dir": str(model_dir), "onnx_root": str(onnx_tree)}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.repository"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                          quality_report=report)
+    assert "was measured with" not in caplog.text
+
+
+@pytest.mark.parametrize("flavor, precision, words", [
+    ("trt", "int8_cpu", "local flavor only"),
+    ("onnx", "flow_estimator=int8_cpu", "local flavor only"),
+    ("onnx", "cpu-choice", "flavor onnx runs the graphs on the GPU"),
+    ("local", "int4", "precision must be one of"),
+    ("local", "flow_encoder", "precision must be one of"),
+    ("local", "flow_encoder=", "GRAPH=PRECISION"),
+    ("local", "flow_encoder=int8_cpu,flow_encoder=fp32", "given twice"),
+    ("local", "vocoder=int8_cpu", "unknown graph"),
+    ("local", "flow_encoder=int4", "not one of"),
+    ("local", "hift_source=int8_cpu", "fp32 only"),
+    ("local", "speech_tokenizer=fp16", "fp32 only"),
+    ("local", "hift_decoder=fp16", "make quantize"),  # a per-graph choice needs its file: no fallback
+])
+def test_bad_precisions_are_refused(model_dir, onnx_tree, tmp_path, flavor, precision, words):
+    with pytest.raises(RenderError, match=words):
+        render_repository(flavor, tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision=precision)
+
+
+def test_cpu_choice_needs_a_report_with_decisions(model_dir, onnx_tree, tmp_path):
+    with pytest.raises(RenderError, match="not found.*make quality"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                          quality_report=tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text('{"errors": []}')
+    with pytest.raises(RenderError, match="not a quality report"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                          quality_report=tmp_path / "bad.json")
+    report = _quality_report(tmp_path / "report.json", {"flow_encoder": "fp16"})  # no fp16 file in the tree
+    with pytest.raises(RenderError, match="fp16/flow_encoder.onnx not found"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
+                          quality_report=report)
+
+
+def test_torch_runtime_refuses_reduced_precision(model_dir, onnx_tree, tmp_path):
+    with pytest.raises(RenderError, match="runtime=torch"):
+        render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree,
+                          precision="flow_estimator=int8_cpu", runtime="torch")
+    render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, runtime="torch")
+    assert _marker(tmp_path / "r")["graph_precisions"]["flow_estimator"] == "fp32 (torch)"
+
+
+def test_trt_engines_per_graph(model_dir, onnx_tree, tmp_path):
+    out = tmp_path / "r"
+    render_repository("trt", out, model_dir=model_dir, onnx_dir=onnx_tree, engine_dir=tmp_path / "engines",
+                      precision="flow_estimator=int8,flow_encoder=fp16", allow_missing=True)
+    assert _marker(out)["graph_precisions"] == {**{g: "fp32" for g in GRAPHS}, "flow_estimator": "int8",
+                                               "flow_encoder": "fp16"}
+    assert f"TensorRT engine {tmp_path / 'engines' / 'int8' / 'flow_estimator.plan'}" in (
+        out / "flow_estimator" / "config.pbtxt").read_text()
+
+
+def test_render_script_precision_options(model_dir, onnx_tree, tmp_path):
+    report = _quality_report(tmp_path / "report.json", {"flow_encoder": "int8_cpu", "hift_decoder": "fp32"})
+    script = [sys.executable, str(ROOT / "model_repository" / "render.py"), "--model-dir", str(model_dir),
+              "--onnx-dir", str(onnx_tree)]
+    proc = subprocess.run([*script, "--out", str(tmp_path / "a"), "--precision", "cpu-choice", "--quality-report",
+                           str(report)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "flow_encoder       python (onnxruntime, int8_cpu)" in proc.stdout
+    proc = subprocess.run([*script, "--out", str(tmp_path / "b"), "--precision", "hift_decoder=int8_cpu"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert _marker(tmp_path / "b")["graph_precisions"]["hift_decoder"] == "int8_cpu"
+    proc = subprocess.run([*script, "--out", str(tmp_path / "c"), "--flavor", "trt", "--precision", "int8_cpu",
+                           "--allow-missing"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2 and "local flavor only" in proc.stderr

@@ -1,0 +1,72 @@
+"""The report's plots (matplotlib, Agg backend, PNG): latency CDF per column, and throughput and p95 latency
+against the number of concurrent users."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .report import RunSummary
+
+__all__ = ["plot_latency_cdf", "plot_sweep"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], path: str | Path, *, title: str = "") -> Path:
+    """One CDF line per label (e.g. ``"integrated grpc"``), latencies in seconds."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, values in sorted(latencies.items()):
+        x = np.sort(np.asarray(values, np.float64)) * 1000.0
+        if x.size:
+            ax.step(x, np.arange(1, x.size + 1) / x.size, where="post", label=f"{label} (n={x.size})")
+    ax.set_xlabel("end-to-end latency (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.01)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(title or "Latency CDF")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(summaries: Sequence[RunSummary], path: str | Path, *, title: str = "") -> Path:
+    """Throughput (audio s/s) and p95 latency against concurrent users, one line per column and protocol."""
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[str, list[RunSummary]] = {}
+    for s in summaries:
+        groups.setdefault(f"{s.column} {s.protocol}", []).append(s)
+    for label, runs in sorted(groups.items()):
+        runs = sorted(runs, key=lambda s: s.users)
+        users = [s.users for s in runs]
+        a1.plot(users, [s.audio_s_per_s for s in runs], marker="o", label=label)
+        a2.plot(users, [s.p95_ms for s in runs], marker="o", label=label)
+    ticks = sorted({s.users for s in summaries})
+    for ax, ylabel in ((a1, "throughput (audio seconds / second)"), (a2, "p95 latency (ms)")):
+        ax.set_xlabel("concurrent users")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(ticks)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title or "Throughput and p95 latency against concurrency")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

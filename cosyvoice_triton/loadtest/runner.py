@@ -1,0 +1,570 @@
+"""The whole comparison: prepare the model, render a repository per column, serve each in turn, load it with
+Locust (both protocols, then a concurrency sweep), run perf_analyzer on the ensemble, and write the report.
+
+Per column, one ``tritonserver`` (:class:`~cosyvoice_triton.server.TritonServer`, free ports, stopped at the end
+whatever happens) with a :class:`~.sampler.ServerSampler` on it. Before the measured runs, each protocol converts
+a few sources sequentially (warm-up) and one conversion is profiled: the increase of every model's success
+counter gives the calls one conversion makes, for the cross-check. Each Locust run is a subprocess
+(``locust -f loadtest/locustfile.py --headless``) described by a :class:`~.recording.RunConfig` file; it writes a
+:class:`~.recording.RunResult` that is summarised here with the sampler's figures over the measured window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import COLUMNS, PROTOCOLS
+from .metrics import settled_snapshot, success_delta
+from .recording import ENV_VAR, RunConfig, RunResult
+from .report import RunSummary, render_markdown, summarize_run, write_report
+from .sampler import ServerSampler, sample_tree
+from .workload import Workload, cached_workload, load_workload
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CONFIGS", "Options", "main", "run"]
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
+SWEEP = (1, 2, 4, 8, 10, 16)
+#: Models whose time contains other models' (left out when naming the slowest stage).
+COMPOSITE = ("cosyvoice_vc", "flow", "hift")
+
+
+@dataclass
+class Options:
+    name: str = "tiny"
+    model_dir: str = "models/cosyvoice2-demo-tiny"
+    demo_size: str = "tiny"
+    onnx_dir: str = "build/onnx"
+    out_dir: str = "build/loadtest/tiny"
+    columns: tuple[str, ...] = COLUMNS
+    protocols: tuple[str, ...] = PROTOCOLS
+    users: int = 10
+    requests: int = 200  # measured requests per column and protocol at ``users``
+    warmup_requests: int = -1  # completions left out at the start of each run (-1: as many as users)
+    sweep: tuple[int, ...] = SWEEP
+    sweep_protocol: str = "grpc"
+    sweep_requests: int = 12  # measured requests per sweep level: at least this, and 3 per user
+    perf_protocols: tuple[str, ...] = ("grpc",)
+    perf_requests: int = 20  # perf_analyzer's requests per measurement window (3 windows at most)
+    precision: str = "auto"  # integrated column: auto = the quality report's CPU choice if it fits, else fp32
+    quality_report: str = "build/quality/report.json"
+    device: str = "cpu"  # cuda: both columns run the neural graphs as PyTorch modules on the GPU
+    n_sources: int = 16
+    max_run_s: float = 1800.0  # a Locust run stops here even short of its requests (noted in the report)
+    startup_timeout_s: float = 600.0
+    seed: int = 0
+    dry_run: bool = False  # prepare and render, print what would run; no server
+    profile: bool = True  # after the columns: profile the integrated column's slowest graph (profile.py)
+    profile_only: bool = False  # only the profile, from an existing <out_dir>/report.json; rewrites the report
+    profile_graph: str = ""  # the graph to profile (empty: the slowest of profile.PROFILED_GRAPHS)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def warmup(self) -> int:
+        return self.users if self.warmup_requests < 0 else self.warmup_requests
+
+
+CONFIGS = {
+    "tiny": Options(),
+    "full": Options(name="full", model_dir="models/cosyvoice2-demo-full", demo_size="full",
+                    onnx_dir="build/onnx-full", out_dir="build/loadtest/full", requests=100, sweep_requests=8,
+                    perf_requests=10, max_run_s=3600.0, quality_report="build/quality-full/report.json"),
+}
+
+
+# ------------------------------------------------------------------------------------------- preparation
+
+
+def ensure_assets(opts: Options, graphs: Sequence[str]) -> None:
+    """The model folder (the demo model is written when missing) and the fp32 ONNX files of ``graphs``."""
+    from ..shapes import GRAPHS
+
+    model_dir, onnx_dir = Path(opts.model_dir), Path(opts.onnx_dir)
+    if not (model_dir / "flow.pt").is_file():
+        if "demo" not in model_dir.name:
+            raise FileNotFoundError(f"{model_dir}/flow.pt not found: point --model-dir at a CosyVoice2 folder")
+        from ..demo import write_demo_model
+
+        print(f"== writing the {opts.demo_size} demo model (random weights) to {model_dir}", flush=True)
+        write_demo_model(model_dir, size=opts.demo_size)
+    missing = [g for g in graphs if g in GRAPHS and not (onnx_dir / "fp32" / f"{g}.onnx").is_file()]
+    if missing:
+        from ..onnx_export import export_onnx
+
+        print(f"== exporting fp32 ONNX of {', '.join(missing)} to {onnx_dir / 'fp32'}", flush=True)
+        export_onnx(model_dir, onnx_dir / "fp32", graphs=missing, verify=False)
+
+
+def integrated_precision(opts: Options) -> str:
+    """``auto``: the quality report's CPU choice when the report is about this model and this export, else fp32."""
+    if opts.precision != "auto":
+        return opts.precision
+    if opts.device != "cpu":
+        opts.notes.append("integrated precision: fp32 PyTorch on the GPU (the CPU choice is for onnxruntime on CPU)")
+        return "fp32"
+    path = Path(opts.quality_report)
+    try:
+        doc = json.loads(path.read_text())
+        same = (Path(doc["model_dir"]).resolve() == Path(opts.model_dir).resolve()
+                and Path(doc["onnx_root"]).resolve() == Path(opts.onnx_dir).resolve())
+    except (OSError, ValueError, KeyError, TypeError):
+        same = False
+    if same:
+        return "cpu-choice"
+    opts.notes.append(f"integrated precision: fp32 (no quality report for {opts.model_dir} / {opts.onnx_dir} at "
+                      f"{path}: make quality, or make bench-export for the full dims, writes the CPU choice)")
+    return "fp32"
+
+
+def render(column: str, opts: Options, out: Path) -> tuple[Path, dict[str, Any]]:
+    """Render the column's repository into ``out``; returns it and what was rendered (for the report)."""
+    from ..repository import render_repository
+
+    gpu = {"runtime": "torch", "device": opts.device} if opts.device != "cpu" else {}
+    if column == "plain":
+        report = render_repository("local", out, model_dir=opts.model_dir, onnx_dir=opts.onnx_dir, precision="fp32",
+                                   profile="plain", **gpu)
+        what = {"profile": "plain", "precision": "fp32", **gpu}
+    else:
+        precision = integrated_precision(opts)
+        try:
+            report = render_repository("local", out, model_dir=opts.model_dir, onnx_dir=opts.onnx_dir,
+                                       precision=precision, quality_report=opts.quality_report, **gpu)
+        except Exception as exc:  # e.g. a reduced-precision file the choice names is missing
+            if precision == "fp32":
+                raise
+            opts.notes.append(f"integrated precision {precision} could not be rendered ({exc}); fp32 used")
+            precision = "fp32"
+            report = render_repository("local", out, model_dir=opts.model_dir, onnx_dir=opts.onnx_dir,
+                                       precision=precision, **gpu)
+        what = {"precision": precision, "dynamic_batching": True, **gpu}
+    marker = json.loads((out / "cosyvoice_repository.json").read_text())
+    what["models"] = report.models
+    what["graph_precision"] = marker.get("precision")
+    print(report.describe(), flush=True)
+    return out, what
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+
+def locust_command(cfg_path: Path, users: int, csv_prefix: Path, max_run_s: float,
+                   locustfile: Path = LOCUSTFILE) -> list[str]:
+    exe = Path(sys.executable).parent / "locust"
+    base = [str(exe)] if exe.is_file() else [sys.executable, "-m", "locust"]
+    return [*base, "-f", str(locustfile), "--headless", "-u", str(users), "-r", str(users),
+            "--run-time", f"{max(1, int(max_run_s))}s", "--stop-timeout", "600", "--only-summary",
+            "--csv", str(csv_prefix), "--exit-code-on-error", "0"]
+
+
+def run_locust(cfg: RunConfig, work: Path, max_run_s: float) -> RunResult:
+    """One Locust run in a subprocess; returns what the locustfile recorded."""
+    tag = f"{cfg.column}_{cfg.protocol}_u{cfg.users}"
+    cfg_path = cfg.save(work / f"{tag}.config.json")
+    Path(cfg.out).unlink(missing_ok=True)
+    cmd = locust_command(cfg_path, cfg.users, work / f"locust_{tag}", max_run_s)
+    env = {**os.environ, ENV_VAR: str(cfg_path), "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
+    t0 = time.time()
+    with open(work / f"locust_{tag}.log", "wb") as logf:
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              timeout=max_run_s + 900, check=False)
+    if not Path(cfg.out).is_file():
+        tail = (work / f"locust_{tag}.log").read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"Locust run {tag} wrote no result (exit code {proc.returncode}):\n" + "\n".join(tail))
+    result = RunResult.load(cfg.out)
+    print(f"   {tag}: {len(result.records)} measured requests ({sum(not r.ok for r in result.records)} failed) in "
+          f"{result.duration_s:.1f} s (run {time.time() - t0:.0f} s)", flush=True)
+    return result
+
+
+def server_figures(sampler: ServerSampler, t0: float, t1: float) -> dict[str, float]:
+    gpu, device = sampler.peak_gpu_mb(t0, t1)
+    return {"peak_rss_mb": sampler.peak_rss_mb(t0, t1), "cpu_triton": sampler.mean_cpu_utilization(t0, t1),
+            "cpu_server": sampler.process_cpu(t0, t1), "peak_gpu_mb": gpu, "peak_gpu_device_mb": device}
+
+
+def warm_up(column: str, protocol: str, url: str, http_url: str, metrics_url: str, workload: Workload,
+            model_dir: str, n: int = 2) -> dict[str, float]:
+    """Convert ``n`` sources one after the other (first calls load and warm the models), then profile one
+    conversion: the increase of each model's success counter (calls per conversion)."""
+    from .callers import make_converter
+
+    conv = make_converter(column, protocol, url, model_dir=model_dir)
+    try:
+        for i in range(n):
+            conv.convert(workload.item(i))
+        before = settled_snapshot(http_url, metrics_url, statistics=False)
+        conv.convert(workload.item(n))
+        after = settled_snapshot(http_url, metrics_url, statistics=False)
+    finally:
+        conv.close()
+    return {m: d for m, d in success_delta(before, after).items() if d > 0}
+
+
+def check_model(column: str) -> str:
+    """The model whose success counter counts the conversions: the ensemble, or the plain client's last call."""
+    if column == "integrated":
+        from ..shapes import VC_MODEL
+
+        return VC_MODEL
+    from ..plain import PLAIN_MODELS
+
+    return PLAIN_MODELS[-1]
+
+
+def run_column(column: str, opts: Options, workload_path: Path, workload: Workload) -> dict[str, Any]:
+    from ..server import TritonServer
+
+    work = Path(opts.out_dir) / column
+    work.mkdir(parents=True, exist_ok=True)
+    repo, rendered = render(column, opts, work / "model_repository")
+    out: dict[str, Any] = {"rendered": rendered, "runs": [], "sweep": [], "perf": [], "latencies": {}}
+    print(f"== {column}: starting tritonserver", flush=True)
+    # absolute: TritonServer runs tritonserver inside work_dir, so a relative one would not be found there
+    server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10)
+    server.start(timeout=opts.startup_timeout_s)
+    with server:
+        server_start = server.start_seconds
+        print(f"   ready in {server_start:.1f} s (http {server.http_url}, grpc {server.grpc_url})", flush=True)
+        urls = {"http": server.http_url, "grpc": server.grpc_url}
+        sampler = ServerSampler(server.process.pid, server.metrics_url, gpu=opts.device != "cpu").start()
+        try:
+            idle_rss = sample_tree(server.process.pid).rss_bytes / 2**20
+            target = check_model(column)
+            profile: dict[str, float] = {}
+            for protocol in opts.protocols:
+                profile = warm_up(column, protocol, urls[protocol], server.http_url, server.metrics_url, workload,
+                                  opts.model_dir)
+            out["calls_per_conversion"] = profile
+            calls = round(profile.get(target, 1))
+            print(f"   calls per conversion: {profile}", flush=True)
+
+            def one(protocol: str, users: int, requests: int) -> tuple[RunSummary, RunResult]:
+                cfg = RunConfig(column=column, protocol=protocol, url=urls[protocol], http_url=server.http_url,
+                                metrics_url=server.metrics_url, workload=str(workload_path),
+                                out=str(work / f"result_{protocol}_u{users}.json"), users=users,
+                                target_requests=requests, warmup_requests=users if users != opts.users
+                                else opts.warmup, seed=opts.seed, check_model=target, calls_per_request=calls,
+                                model_dir=str(opts.model_dir))
+                result = run_locust(cfg, work, opts.max_run_s)
+                t0, t1 = result.window
+                summary = summarize_run(result, server=server_figures(sampler, t0, t1))
+                if not result.target_reached:
+                    opts.notes.append(f"{column} {protocol} x{users}: stopped at --max-run-s {opts.max_run_s:.0f} "
+                                      f"with {len(result.records)} of {requests} requests")
+                return summary, result
+
+            for protocol in opts.protocols:
+                summary, result = one(protocol, opts.users, opts.requests)
+                out["runs"].append(summary)
+                out["latencies"][f"{column} {protocol}"] = [r.latency_s for r in result.records if r.ok]
+            if opts.sweep_protocol in urls:
+                for users in opts.sweep:
+                    done = next((s for s in out["runs"] if s.users == users and s.protocol == opts.sweep_protocol),
+                                None)
+                    if done is None:
+                        done, _ = one(opts.sweep_protocol, users, max(opts.sweep_requests, 3 * users))
+                    out["sweep"].append(done)
+            if column == "integrated":
+                out["perf"] = run_perf(opts, urls, workload, work)
+            out["server"] = {"start_s": server_start, "idle_rss_mb": idle_rss,
+                             "peak_rss_mb": sampler.peak_rss_mb(), "sampler_errors": sampler.errors[:5]}
+        finally:
+            sampler.stop()
+    return out
+
+
+def dry_run(opts: Options, workload_path: Path) -> dict[str, Any]:
+    """Render each column's repository and print the runs that would follow (no server is started)."""
+    plan: dict[str, Any] = {"rendered": {}, "runs": []}
+    for column in opts.columns:
+        work = Path(opts.out_dir) / column
+        _, plan["rendered"][column] = render(column, opts, work / "model_repository")
+        for protocol in opts.protocols:
+            plan["runs"].append(f"{column} {protocol}: {opts.users} users, {opts.requests} measured requests")
+        for users in opts.sweep:
+            if users != opts.users or opts.sweep_protocol not in opts.protocols:
+                plan["runs"].append(f"{column} {opts.sweep_protocol}: {users} users, "
+                                    f"{max(opts.sweep_requests, 3 * users)} measured requests")
+        cfg = RunConfig(column=column, protocol=opts.sweep_protocol, url="HOST:PORT", http_url="HOST:PORT",
+                        metrics_url="http://HOST:PORT/metrics", workload=str(workload_path),
+                        out=str(work / "result.json"), users=opts.users)
+        plan["runs"].append("  " + " ".join(locust_command(work / "run.config.json", cfg.users, work / "locust",
+                                                           opts.max_run_s)))
+    if "integrated" in opts.columns:
+        plan["runs"] += [f"perf_analyzer {p}: concurrency {opts.users}, 3 windows of {opts.perf_requests} requests"
+                         for p in opts.perf_protocols]
+    print("== dry run: would run\n" + "\n".join(plan["runs"]), flush=True)
+    if opts.notes:
+        print("notes: " + "; ".join(opts.notes))
+    return plan
+
+
+def run_perf(opts: Options, urls: dict[str, str], workload: Workload, work: Path) -> list[dict[str, Any]]:
+    from .perf import input_data, run_perf_analyzer
+
+    if not opts.perf_protocols:
+        return []
+    data = input_data(workload, work / "perf_analyzer_input.json", seed=opts.seed)
+    out = []
+    for protocol in opts.perf_protocols:
+        print(f"   perf_analyzer {protocol} at concurrency {opts.users}", flush=True)
+        r = run_perf_analyzer(urls[protocol], protocol, opts.users, data, work, requests_per_window=opts.perf_requests,
+                              timeout_s=max(300.0, opts.max_run_s))
+        print(f"   -> {r.get('throughput', 'n/a')} req/s, mean {r.get('mean_ms', 'n/a')} ms {r.get('note', '')}",
+              flush=True)
+        out.append(r)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    return f"{cpu}, {os.cpu_count()} logical CPUs, load average at start {load}"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("locust", "tritonclient", "nvidia-pytriton", "torch", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "absent"
+    return out
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Run the comparison described by ``opts``; write ``report.md`` / ``report.json`` and the plots into
+    ``opts.out_dir``, print the markdown, and return the report."""
+    from ..repository import PLAIN_TUNABLES, TORCH_GRAPHS
+    from ..shapes import GRAPHS
+    from .plots import plot_latency_cdf, plot_sweep
+
+    for c in opts.columns:
+        if c not in COLUMNS:
+            raise ValueError(f"column must be one of {COLUMNS}, got {c!r}")
+    for p in (*opts.protocols, *opts.perf_protocols):
+        if p not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {p!r}")
+    out_dir = Path(opts.out_dir)
+    if opts.profile_only:
+        return profile_only(opts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    setup = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))}
+    # the graphs served from ONNX: all of them for the integrated column on the CPU; on a GPU both columns run the
+    # TORCH_GRAPHS from the checkpoint (so does the plain column on the CPU)
+    all_onnx = opts.device == "cpu" and "integrated" in opts.columns
+    onnx_graphs = [g for g in GRAPHS if all_onnx or g not in TORCH_GRAPHS]
+    ensure_assets(opts, onnx_graphs)
+    wl_path = out_dir / "workload.npz"
+    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    if workload.descriptions and workload.descriptions[0].startswith("fixture"):
+        opts.notes.append("workload: espeak-ng is not installed, so the test fixtures' speech was used "
+                          "(apt-get install espeak-ng for the 3-7 s multilingual sources)")
+    print(f"== workload: {workload.describe()}", flush=True)
+    if opts.dry_run:
+        return dry_run(opts, wl_path)
+
+    columns: dict[str, dict[str, Any]] = {}
+    for column in opts.columns:
+        columns[column] = run_column(column, opts, wl_path, workload)
+
+    runs = [s for c in columns.values() for s in c["runs"]]
+    sweep = [s for c in columns.values() for s in c["sweep"]]
+    plots = [plot_latency_cdf({k: v for c in columns.values() for k, v in c["latencies"].items()},
+                              out_dir / "latency_cdf.png",
+                              title=f"Latency CDF, {opts.users} concurrent users ({opts.name} config)")]
+    if sweep:
+        plots.append(plot_sweep(sweep, out_dir / "concurrency.png",
+                                title=f"Throughput and p95 against concurrency ({opts.sweep_protocol}, {opts.name})"))
+    setup.update({
+        "config": opts.name, "model": f"{opts.model_dir} ({opts.demo_size} dims; random weights, real shapes)"
+        if "demo" in Path(opts.model_dir).name else opts.model_dir,
+        "workload": workload.describe(), "users": f"{opts.users} (all spawned at once; the first {opts.warmup} "
+        "completions and the ramp-up left out)", "requests per column and protocol": opts.requests,
+        "device": opts.device, "versions": ", ".join(f"{k} {v}" for k, v in _versions().items()),
+        "plain column": f"client-side preprocessing + {', '.join(_plain_models())} one request each; repository "
+        f"profile plain ({dict(PLAIN_TUNABLES)})",
+        "integrated column": f"one request to cosyvoice_vc; dynamic batching; graph precision "
+        f"{columns.get('integrated', {}).get('rendered', {}).get('graph_precision', 'n/a')}",
+        "duration": f"{time.time() - started:.0f} s",
+    })
+    notes = list(dict.fromkeys(opts.notes))
+    notes += [
+        "Locust runs on the same machine as the server and takes CPU time from it (the plain column's client-side "
+        "preprocessing too); nv_cpu_utilization is Triton's whole-machine figure, so other processes count in it.",
+        "Peak server memory: the largest sum of RSS over tritonserver and its Python stub processes, sampled every "
+        "0.25 s over the measured window (shared pages count once per process).",
+        "The cross-check compares Locust's successful conversions with the increase of the checked model's "
+        "nv_inference_request_success between the snapshots taken when Locust's statistics were reset and after "
+        "the last user finished.",
+    ]
+    for column, c in columns.items():
+        if "calls_per_conversion" in c:
+            notes.append(f"{column}: one conversion = " + ", ".join(
+                f"{m} x{n:.0f}" for m, n in sorted(c["calls_per_conversion"].items())) + " (successful requests, BLS "
+                "calls included)")
+        if c.get("server"):
+            s = c["server"]
+            notes.append(f"{column}: server ready in {s['start_s']:.1f} s, RSS at start {s['idle_rss_mb']:.0f} MB, "
+                         f"peak over the whole column {s['peak_rss_mb']:.0f} MB")
+    report = {
+        "config_name": opts.name, "setup": setup, "users": opts.users, "protocols": list(opts.protocols),
+        "columns": list(opts.columns), "options": asdict(opts),
+        "rendered": {k: v["rendered"] for k, v in columns.items()},
+        "calls_per_conversion": {k: v.get("calls_per_conversion", {}) for k, v in columns.items()},
+        "runs": [s.to_json() for s in runs], "sweep": [s.to_json() for s in sweep],
+        "perf_analyzer": [p for c in columns.values() for p in c["perf"]],
+        "composite_models": list(COMPOSITE), "plots": [str(p) for p in plots], "notes": notes,
+    }
+    if opts.profile:
+        report["profile"] = run_profile(opts, report, workload)
+    md, js = write_report(report, out_dir)
+    print(render_markdown(report))
+    print(f"wrote {md}, {js}, " + ", ".join(str(p) for p in plots), flush=True)
+    return report
+
+
+def run_profile(opts: Options, report: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    """The profile of the integrated column's slowest graph (:mod:`.profile`), run with the servers stopped; a
+    failure becomes ``{"error": ...}`` in the report rather than losing the columns' figures."""
+    from .profile import profile_stage
+
+    if "integrated" not in report.get("columns", []):
+        return {"error": "no integrated column in this report"}
+    if opts.device != "cpu":
+        return {"error": f"device {opts.device}: the graphs are served by PyTorch, not from ONNX files on the CPU"}
+    repo = Path(opts.out_dir) / "integrated" / "model_repository"
+    try:
+        return profile_stage(repo, report, source_s=float(np.mean(workload.source_seconds)),
+                             prompt_s=workload.prompt_seconds, graph=opts.profile_graph or None)
+    except Exception as exc:  # reported: the load test's figures stand
+        log.warning("profile failed", exc_info=True)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def profile_only(opts: Options) -> dict[str, Any]:
+    """``--profile-only``: the profile for an existing ``<out_dir>/report.json`` (its rendered integrated
+    repository and workload); the report is rewritten with the new section, which is printed."""
+    from .profile import profile_markdown
+
+    out_dir = Path(opts.out_dir)
+    path = out_dir / "report.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run the load test first (make loadtest)")
+    report = json.loads(path.read_text())
+    opts.device = report.get("options", {}).get("device", opts.device)
+    report["profile"] = run_profile(opts, report, load_workload(out_dir / "workload.npz"))
+    md, js = write_report(report, out_dir)
+    print("\n".join(profile_markdown(report["profile"])))
+    print(f"wrote {md}, {js}", flush=True)
+    return report
+
+
+def _plain_models() -> tuple[str, ...]:
+    try:
+        from ..plain import PLAIN_MODELS
+
+        return PLAIN_MODELS
+    except ImportError:
+        return ()
+
+
+# --------------------------------------------------------------------------------------------------- CLI
+
+
+def _csv(kind, choices=None):
+    def parse(text: str):
+        items = tuple(kind(x) for x in text.split(",") if x.strip())
+        if choices:
+            bad = [x for x in items if x not in choices]
+            if bad:
+                raise argparse.ArgumentTypeError(f"{bad} not in {choices}")
+        return items
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loadtest/run.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
+                   help="tiny: the small demo model (make loadtest); full: CosyVoice2-0.5B dims (make loadtest-full)")
+    p.add_argument("--model-dir")
+    p.add_argument("--onnx-dir")
+    p.add_argument("--out-dir")
+    p.add_argument("--columns", type=_csv(str, COLUMNS))
+    p.add_argument("--protocols", type=_csv(str, PROTOCOLS))
+    p.add_argument("--users", type=int)
+    p.add_argument("--requests", type=int, help="measured requests per column and protocol")
+    p.add_argument("--warmup-requests", type=int)
+    p.add_argument("--sweep", type=_csv(int), help="concurrency levels (empty: no sweep)")
+    p.add_argument("--sweep-protocol", choices=PROTOCOLS)
+    p.add_argument("--sweep-requests", type=int)
+    p.add_argument("--perf-protocols", type=_csv(str, PROTOCOLS), help="perf_analyzer on these (empty: none)")
+    p.add_argument("--perf-requests", type=int)
+    p.add_argument("--precision", help="integrated column: auto, fp32, int8_cpu, cpu-choice, GRAPH=PRECISION,...")
+    p.add_argument("--quality-report")
+    p.add_argument("--device", choices=("cpu", "cuda"))
+    p.add_argument("--max-run-s", type=float, help="cap of each Locust run (a capped run is noted)")
+    p.add_argument("--startup-timeout-s", type=float, help="how long a server may take to load its models")
+    p.add_argument("--n-sources", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--dry-run", action="store_true", default=None,
+                   help="prepare the model, render the repositories and print the runs; start no server")
+    p.add_argument("--no-profile", dest="profile", action="store_false", default=None,
+                   help="skip the profile of the integrated column's slowest graph after the columns")
+    p.add_argument("--profile-only", action="store_true", default=None,
+                   help="only profile, from an existing <out-dir>/report.json (rewrites report.md / report.json)")
+    p.add_argument("--profile-graph", help="the graph to profile (default: the slowest of flow_estimator, "
+                   "hift_decoder, flow_encoder in the integrated column)")
+    return p
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    base = CONFIGS[args.config]
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    opts = Options(**{**asdict(base), **overrides})
+    opts.notes = []
+    return opts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    opts = options_from_args(args)
+    run(opts)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The load-test comparison on one CUDA GPU, for machines without TensorRT or onnxruntime-gpu: both columns serve
+# the four neural graphs (flow encoder/estimator, HiFT source/decoder) as the checkpoint's PyTorch modules on CUDA
+# inside Triton's Python backend (tunables runtime=torch, device=cuda); the shipped speech tokenizer and speaker
+# encoder stay on onnxruntime on the CPU, as does the audio front end. The integrated column keeps dynamic
+# batching; the plain column is the `plain` profile (no dynamic batching) called stage by stage by the client.
+#
+#   loadtest/gpu.sh                 # full dims (CosyVoice2-0.5B), report in build/loadtest/gpu/report.md
+#   CONFIG=tiny loadtest/gpu.sh     # the tiny demo model
+#   DRY_RUN=1 loadtest/gpu.sh       # no GPU needed: prepare, render both repositories, print the runs
+#
+# Needs: `make install` done with a CUDA build of torch (the pinned torch==2.13.0 from PyPI is one on Linux x86-64)
+# and an NVIDIA driver (nvidia-smi). Sized to finish in under 8 minutes on a data-centre GPU: every Locust run
+# stops after its requests or MAX_RUN_S seconds, whichever comes first (a capped run is named in the report's
+# notes), and the whole script is cut at TIME_LIMIT_S. nvidia-smi samples the device's memory every 500 ms into
+# $OUT_DIR/nvidia-smi.csv; its peak is appended to the report next to the sampler's per-run figures.
+# Instance kind: flavor `local` renders KIND_CPU instances; with device=cuda each Python stub places its module on
+# the current CUDA device (cuda:0 on a one-GPU machine), which is what this script is for.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PY:-.venv/bin/python}
+CONFIG=${CONFIG:-full}
+OUT_DIR=${OUT_DIR:-build/loadtest/gpu}
+REQUESTS=${REQUESTS:-100}
+SWEEP_REQUESTS=${SWEEP_REQUESTS:-8}
+PERF_REQUESTS=${PERF_REQUESTS:-10}
+MAX_RUN_S=${MAX_RUN_S:-40}
+TIME_LIMIT_S=${TIME_LIMIT_S:-470}
+DRY_RUN=${DRY_RUN:-0}
+
+args=(--config "$CONFIG" --device cuda --out-dir "$OUT_DIR" --requests "$REQUESTS" --sweep-requests "$SWEEP_REQUESTS"
+      --perf-requests "$PERF_REQUESTS" --max-run-s "$MAX_RUN_S" --startup-timeout-s 240)
+
+if [ "$DRY_RUN" = 1 ]; then
+  exec "$PY" loadtest/run.py "${args[@]}" --dry-run
+fi
+
+if ! command -v nvidia-smi >/dev/null; then
+  echo "loadtest/gpu.sh: no nvidia-smi here: this script needs an NVIDIA GPU (DRY_RUN=1 checks the set-up)" >&2
+  exit 2
+fi
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "loadtest/gpu.sh: $PY's torch sees no CUDA device ($("$PY" -c 'import torch; print(torch.__version__)'))." >&2
+  echo "  Install a CUDA build of torch into the venv (on Linux x86-64 PyPI's torch==2.13.0 is one)." >&2
+  exit 3
+fi
+mkdir -p "$OUT_DIR"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 500 \
+  > "$OUT_DIR/nvidia-smi.csv" &
+smi=$!
+trap 'kill "$smi" 2>/dev/null || true' EXIT
+
+start=$(date +%s)
+status=0
+timeout --signal=INT --kill-after=30 "$TIME_LIMIT_S" "$PY" loadtest/run.py "${args[@]}" || status=$?
+kill "$smi" 2>/dev/null || true
+wait "$smi" 2>/dev/null || true
+
+peak=$(awk -F', *' '$2+0 > m {m = $2+0} END {print m+0}' "$OUT_DIR/nvidia-smi.csv")
+util=$(awk -F', *' '{s += $3; n++} END {if (n) printf "%.0f", s/n; else print "n/a"}' "$OUT_DIR/nvidia-smi.csv")
+summary="GPU: $(head -1 "$OUT_DIR/gpu.txt"); peak device memory over the whole script (nvidia-smi, every 500 ms): ${peak} MiB; mean GPU utilisation ${util}%; $(( $(date +%s) - start )) s"
+echo "$summary"
+if [ -f "$OUT_DIR/report.md" ]; then
+  printf '\n## GPU (loadtest/gpu.sh)\n\n%s\n' "$summary" >> "$OUT_DIR/report.md"
+fi
+exit "$status"

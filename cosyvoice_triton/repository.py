@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CPU_CHOICE", "DEFAULT_QUALITY_REPORT", "FLAVORS", "FLAVOR_PRECISIONS", "MARKER", "PLAIN_TUNABLES",
            "PRECISIONS", "PROFILES", "PrecisionPlan", "RenderError", "RenderReport", "Tunables",
-           "default_templates_dir", "parse_precision_mapping", "precision_plan", "read_cpu_choice",
+           "default_templates_dir", "parse_precision_mapping", "parse_tunable", "precision_plan", "read_cpu_choice",
            "render_repository", "render_template"]
 
 FLAVORS = ("local", "onnx", "trt")
@@ -654,6 +654,26 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     log.info("rendered %s (%s, %d models)", out, flavor, len(models))
     return RenderReport(flavor, out, models, files, profile)
+
+
+def parse_tunable(text: str) -> tuple[str, Any]:
+    """``"NAME=VALUE"`` -> (name, typed value) for a field of :class:`Tunables` (``instances=flow:2,hift:2``,
+    ``warmup=false``, ``max_queue_delay_us=5000``); :class:`RenderError` names the known fields otherwise."""
+    name, sep, value = text.partition("=")
+    types = {f.name: str(f.type) for f in fields(Tunables)}
+    if not sep or name not in types:
+        raise RenderError(f"tunable {text!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(types))}")
+    kind = types[name]
+    try:
+        if "Mapping" in kind:
+            return name, {k: int(v) for k, v in (p.split(":") for p in value.split(",") if p)}
+        if kind == "bool":
+            return name, value.lower() in ("1", "true", "yes", "on")
+        if kind in ("int", "float"):
+            return name, json.loads(value)
+    except ValueError as exc:
+        raise RenderError(f"tunable {text!r}: not a valid {kind} ({exc})") from exc
+    return name, value
 
 
 def _warn_foreign_report(report: str | Path, model_dir: Path, onnx_dir: Path) -> None:

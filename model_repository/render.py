@@ -8,9 +8,7 @@ local, precision fp32; ``cosyvoice_triton.repository.PLAIN_TUNABLES``), for ``co
 """
 
 import argparse
-import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -24,24 +22,16 @@ from cosyvoice_triton.repository import (  # noqa: E402
     PRECISIONS,
     PROFILES,
     RenderError,
-    Tunables,
+    parse_tunable,
     render_repository,
 )
 
 
 def tunable(text: str) -> tuple[str, object]:
-    name, sep, value = text.partition("=")
-    types = {f.name: f.type for f in fields(Tunables)}
-    if not sep or name not in types:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(sorted(types))}")
-    kind = str(types[name])
-    if "Mapping" in kind:
-        return name, {k: int(v) for k, v in (p.split(":") for p in value.split(",") if p)}
-    if kind == "bool":
-        return name, value.lower() in ("1", "true", "yes", "on")
-    if kind in ("int", "float"):
-        return name, json.loads(value)
-    return name, value
+    try:
+        return parse_tunable(text)
+    except RenderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def main(argv=None) -> int:

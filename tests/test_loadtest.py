@@ -332,3 +332,14 @@ def test_live_short_run_counts_agree_with_triton(serving_assets, tmp_path):
     assert "## Profile of the slowest stage" in (out / "report.md").read_text()  # on by default, after the columns
     assert report["profile"].get("graph") == "flow_estimator", report["profile"]
     assert json.loads((out / "report.json").read_text())["runs"]
+
+
+def test_runner_set_passes_tunables_to_the_integrated_column_only(tmp_path):
+    from cosyvoice_triton.loadtest.runner import options_from_args, parser
+
+    opts = options_from_args(parser().parse_args(["--set", "instances=flow:2", "--set", "max_queue_delay_us=500"]))
+    assert opts.integrated_tunables == {"instances": {"flow": 2}, "max_queue_delay_us": 500}
+    assert options_from_args(parser().parse_args([])).integrated_tunables == {"instances": {"flow": 2,
+                                                                                         "flow_estimator": 2}}
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--set", "no_such_tunable=1"])

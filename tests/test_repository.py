@@ -441,3 +441,16 @@ def test_render_script_precision_options(model_dir, onnx_tree, tmp_path):
     proc = subprocess.run([*script, "--out", str(tmp_path / "c"), "--flavor", "trt", "--precision", "int8_cpu",
                            "--allow-missing"], capture_output=True, text=True, check=False)
     assert proc.returncode == 2 and "local flavor only" in proc.stderr
+
+
+def test_parse_tunable_types_each_field_and_names_the_known_ones():
+    from cosyvoice_triton.repository import parse_tunable
+
+    assert parse_tunable("instances=flow:2,flow_estimator:3") == ("instances", {"flow": 2, "flow_estimator": 3})
+    assert parse_tunable("warmup=false") == ("warmup", False)
+    assert parse_tunable("max_queue_delay_us=5000") == ("max_queue_delay_us", 5000)
+    assert parse_tunable("runtime=torch") == ("runtime", "torch")
+    with pytest.raises(RenderError, match="NAME one of .*max_queue_delay_us"):
+        parse_tunable("bogus=1")
+    with pytest.raises(RenderError, match="not a valid"):
+        parse_tunable("instances=flow:two")

@@ -36,6 +36,11 @@ def plot_latency_cdf(latencies: Mapping[str, Sequence[float]], path: str | Path,
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right")
     ax.set_title(title or "Latency CDF")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Lay out ``fig``, write it as a PNG at ``path`` (folders made) and close it."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,9 +69,4 @@ def plot_sweep(summaries: Sequence[RunSummary], path: str | Path, *, title: str 
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title or "Throughput and p95 latency against concurrency")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

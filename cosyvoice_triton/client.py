@@ -34,7 +34,8 @@ from . import audio
 from .errors import AudioError
 from .shapes import VC_MODEL
 
-__all__ = ["AsyncVCClient", "VCClient", "VCError", "VCResult", "build_inputs", "load_input"]
+__all__ = ["AsyncVCClient", "VCClient", "VCError", "VCResult", "build_inputs", "connect", "inference_statistics",
+           "load_input"]
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
@@ -154,6 +155,27 @@ def _pair_args(pair: Pair) -> dict[str, Any]:
     return {"source": source, "prompt": prompt}
 
 
+def connect(url: str, protocol: str, *, timeout: float, concurrency: int = 1, verbose: bool = False):
+    """A synchronous ``tritonclient`` connection: ``(module, InferenceServerClient)`` for ``protocol``; HTTP with
+    ``concurrency`` pooled connections and ``timeout`` seconds to connect and per call (gRPC takes its deadline
+    per call)."""
+    if protocol == "http":
+        import tritonclient.http as module
+
+        return module, module.InferenceServerClient(url, concurrency=concurrency, connection_timeout=timeout,
+                                                    network_timeout=timeout, verbose=verbose)
+    import tritonclient.grpc as module
+
+    return module, module.InferenceServerClient(url, verbose=verbose)
+
+
+def inference_statistics(client, protocol: str, model: str = "") -> dict:
+    """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict."""
+    if protocol == "http":
+        return client.get_inference_statistics(model)
+    return client.get_inference_statistics(model, as_json=True)
+
+
 class VCClient:
     """Synchronous client; one connection (pool) reused for every call. Not for use from several threads
     at once: ``convert_many`` runs requests concurrently itself."""
@@ -165,17 +187,8 @@ class VCClient:
         self.protocol, self.model, self.timeout = protocol, model, float(timeout)
         self.url = url or DEFAULT_URLS[protocol]
         self.concurrency = max(1, int(concurrency))
-        if protocol == "http":
-            import tritonclient.http as module
-
-            self._client = module.InferenceServerClient(self.url, concurrency=self.concurrency,
-                                                        connection_timeout=self.timeout,
-                                                        network_timeout=self.timeout, verbose=verbose)
-        else:
-            import tritonclient.grpc as module
-
-            self._client = module.InferenceServerClient(self.url, verbose=verbose)
-        self._module = module
+        self._module, self._client = connect(self.url, protocol, timeout=self.timeout, concurrency=self.concurrency,
+                                             verbose=verbose)
 
     # ------------------------------------------------------------------------------------- basics
 
@@ -187,9 +200,7 @@ class VCClient:
 
     def statistics(self, model: str = "") -> dict:
         """Triton's per-model statistics (all models when ``model`` is empty), as a dict."""
-        if self.protocol == "http":
-            return self._client.get_inference_statistics(model)
-        return self._client.get_inference_statistics(model, as_json=True)
+        return inference_statistics(self._client, self.protocol, model)
 
     def close(self) -> None:
         self._client.close()

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from . import audio
-from .client import DEFAULT_URLS, PROTOCOLS, VCError
+from .client import DEFAULT_URLS, PROTOCOLS, VCError, connect, inference_statistics
 from .config import ModelConfig
 from .serving.frontend import Preprocessor
 from .serving.postprocess import Postprocessor
@@ -95,19 +95,12 @@ class PlainPipeline:
                                 max_seconds=max_seconds)
         self.post = postprocessor or Postprocessor(model_sample_rate=self.config.sample_rate)
         self.timings: dict[str, float] = {}
-        if protocol == "http":
-            import tritonclient.http as module
-
-            # one connection: the calls are sequential
-            self._client = module.InferenceServerClient(self.url, concurrency=1, connection_timeout=self.timeout_s,
-                                                        network_timeout=self.timeout_s, verbose=verbose)
-        else:
-            import tritonclient.grpc as module
-
-            self._client = module.InferenceServerClient(self.url, verbose=verbose)
+        # one connection: the calls are sequential
+        self._module, self._client = connect(self.url, protocol, timeout=self.timeout_s, concurrency=1,
+                                             verbose=verbose)
         from tritonclient.utils import np_to_triton_dtype
 
-        self._module, self._dtype = module, np_to_triton_dtype
+        self._dtype = np_to_triton_dtype
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ basics
@@ -121,9 +114,7 @@ class PlainPipeline:
 
     def statistics(self, model: str = "") -> dict:
         """Triton's per-model statistics (all models when ``model`` is empty), as a dict."""
-        if self.protocol == "http":
-            return self._client.get_inference_statistics(model)
-        return self._client.get_inference_statistics(model, as_json=True)
+        return inference_statistics(self._client, self.protocol, model)
 
     def close(self) -> None:
         if not self._closed:

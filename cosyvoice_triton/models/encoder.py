@@ -298,7 +298,9 @@ class UpsampleConformerEncoder(nn.Module):
         for layer in self.encoders:
             x = layer(x, mask, pos_emb)
 
-        x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)  # [B, stride*T, D]
+        # contiguous() as the official code does: the up_embed Linear rounds differently on a strided input, and
+        # HiFT's phase accumulation amplifies that ~3000x in the waveform.
+        x = self.up_layer(x.transpose(1, 2).contiguous()).transpose(1, 2).contiguous()  # [B, stride*T, D]
         valid = torch.arange(x.size(1), device=xs.device).unsqueeze(0) < xs_lens * stride
         x, pos_emb = self.up_embed(x)
         mask = chunk_attention_mask(valid, self.static_chunk_size * stride, streaming)

@@ -77,7 +77,7 @@ def test_parity_with_in_process_pipeline(served, speech, serving_assets):
     ref = CosyVoice2.from_pretrained(serving_assets["model_dir"]).convert(src, prm, source_sr=ssr, prompt_sr=psr,
                                                                           seed=3)
     assert served.waveform.shape == ref.shape
-    assert rel_err(served.waveform, ref) < 2e-3  # the fp32 bar of the whole token-to-wav path
+    assert rel_err(served.waveform, ref) < 1e-3  # the fp32 bar of the whole token-to-wav path
 
 
 def test_seed_input_and_parameter(http, speech, served):

@@ -52,7 +52,7 @@ def test_local_pipeline_matches_in_process_cosyvoice2(local, speech, serving_ass
                                                                           seed=5)
     out = local.convert(src, ssr, prm, psr, seed=5)
     assert out.shape == ref.shape
-    assert rel_err(out, ref) < 2e-3
+    assert rel_err(out, ref) < 1e-3  # the fp32 bar of the whole token-to-wav path
 
 
 def test_batch_of_different_lengths_equals_solo_and_bad_fails_alone(local, speech):

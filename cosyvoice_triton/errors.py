@@ -19,3 +19,7 @@ class CheckpointError(CosyVoiceError):
 
 class ConfigError(CosyVoiceError):
     """A ``cosyvoice2.yaml`` whose values cannot be read."""
+
+
+class TextError(CosyVoiceError):
+    """Text that cannot be synthesised: empty, only punctuation, too long, bad UTF-8, an unknown control tag."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,21 +187,41 @@ class CosyVoice2:
         references use a fresh instance, as here). ``hift_noise``: one array per HiFT call, in order.
         """
         ends = self.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens))
-        noises = [None] * (len(ends) + 1) if hift_noise is None else list(hift_noise)
-        if len(noises) <= len(ends):
-            raise ValueError(f"hift_noise: {len(noises)} arrays for a stream of {len(ends) + 1} HiFT calls; "
+        if hift_noise is not None and len(hift_noise) <= len(ends):
+            raise ValueError(f"hift_noise: {len(hift_noise)} arrays for a stream of {len(ends) + 1} HiFT calls; "
                              "pass one per chunk")
+        yield from self.tokens2wav_stream(inputs, inputs.source_tokens.tolist(), seed=seed, hift_noise=hift_noise,
+                                          timer=timer)
+
+    def tokens2wav_stream(self, inputs: VCInputs, tokens: Iterable[int], *, seed: int | None = 0,
+                          hift_noise: Sequence[np.ndarray] | None = None,
+                          timer: StageTimer = _NO_TIMER) -> Iterator[np.ndarray]:
+        """:meth:`token2wav_stream` over speech tokens that arrive one by one (the LM's, in streaming TTS).
+
+        A chunk runs as soon as its hop plus the look-ahead tokens have arrived, so the chunks are those of
+        :meth:`stream_chunk_ends` for the final token count, whatever the arrival times; the last chunk runs
+        when ``tokens`` is exhausted. ``inputs.source_tokens`` is ignored.
+        """
+        la, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
         generator = _generator(seed)
-        tokens, la, ratio = inputs.source_tokens, self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        offset, cache = 0, None
-        for call, end in enumerate(ends):
-            mel = self._flow(inputs, tokens[: end + la], streaming=True, finalize=False,
+        noises = iter(hift_noise) if hift_noise is not None else None
+        pad = -len(inputs.prompt_tokens) % self.TOKEN_HOP  # the first chunk only
+        hop, offset, cache, got = self.TOKEN_HOP, 0, None, []
+        for token in tokens:
+            got.append(int(token))
+            if len(got) - offset < hop + pad + la:
+                continue
+            end = offset + hop + pad
+            mel = self._flow(inputs, np.asarray(got[: end + la], dtype=np.int32), streaming=True, finalize=False,
                              timer=timer)[:, :, offset * ratio:]
-            speech, cache = self._hift_chunk(mel, cache, noises[call], generator, timer, final=False)
-            offset = end
+            speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=False)
+            offset, hop, pad = end, min(self.TOKEN_MAX_HOP, hop * self.STREAM_SCALE), 0
             yield speech
-        mel = self._flow(inputs, tokens, streaming=False, finalize=True, timer=timer)[:, :, offset * ratio:]
-        speech, _ = self._hift_chunk(mel, cache, noises[len(ends)], generator, timer, final=True)
+        if not got:
+            raise ValueError("no speech tokens to synthesise")
+        mel = self._flow(inputs, np.asarray(got, dtype=np.int32), streaming=False, finalize=True,
+                         timer=timer)[:, :, offset * ratio:]
+        speech, _ = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=True)
         yield speech
 
     def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int) -> list[int]:
@@ -251,6 +271,15 @@ class CosyVoice2:
         if stream:
             return np.concatenate(list(self.token2wav_stream(inputs, seed=seed, timer=timer)))
         return self.token2wav(inputs, seed=seed, timer=timer)
+
+
+def _next_noise(noises: Iterator[np.ndarray] | None) -> np.ndarray | None:
+    if noises is None:
+        return None
+    try:
+        return next(noises)
+    except StopIteration:
+        raise ValueError("hift_noise: fewer arrays than HiFT calls in the stream; pass one per chunk") from None
 
 
 def _generator(seed: int | None) -> torch.Generator | None:

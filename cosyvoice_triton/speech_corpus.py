@@ -2,16 +2,19 @@
 
 INT8 calibration and the quality report need speech that the project may not ship in bulk. This module
 stores the *recipe* (texts, voices, prosody), not the audio: :func:`utterances` synthesises a deterministic,
-split-aware list with the ``espeak-ng`` binary (Debian package ``espeak-ng``). The ``calibration`` and
+split-aware list with libespeak-ng from the ``espeakng-loader`` wheel (a dependency: no system package needed;
+the ``espeak-ng`` command is the fallback). The ``calibration`` and
 ``heldout`` splits never share a sentence, so quality is measured on speech the calibrator never heard.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import random
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,14 +89,32 @@ class Utterance:
         return len(self.wave) / self.sample_rate
 
 
+def _wheel_available() -> bool:
+    return importlib.util.find_spec("espeakng_loader") is not None
+
+
 def espeak_available() -> bool:
-    return shutil.which("espeak-ng") is not None
+    """Whether speech can be synthesised: the ``espeakng-loader`` wheel (a dependency) or an ``espeak-ng`` binary."""
+    return _wheel_available() or shutil.which("espeak-ng") is not None
 
 
 def synthesize(text: str, *, voice: str = "en-us", speed_wpm: int = 160, pitch: int = 50) -> tuple[np.ndarray, int]:
-    """Speak ``text`` with espeak-ng: (float32 [N] in [-1, 1], sample rate, 22050 Hz)."""
-    if not espeak_available():
-        raise CosyVoiceError("espeak-ng is not installed (Debian: apt-get install espeak-ng)")
+    """Speak ``text``: (float32 [N] in [-1, 1], sample rate in Hz, 22050).
+
+    Uses libespeak-ng from the ``espeakng-loader`` wheel in a fresh process (:mod:`.espeak_worker`); the
+    ``espeak-ng`` command only where that wheel is missing.
+    """
+    if _wheel_available():
+        proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton.espeak_worker", voice, str(int(speed_wpm)),
+                               str(int(pitch))], input=text.encode("utf-8"), capture_output=True, check=False,
+                              timeout=60)
+        if proc.returncode != 0 or len(proc.stdout) <= 4:
+            raise CosyVoiceError(f"espeak-ng failed for voice {voice!r}: {proc.stderr.decode(errors='replace')[-200:]}")
+        rate = int.from_bytes(proc.stdout[:4], "little")
+        return np.frombuffer(proc.stdout[4:], dtype="<i2").astype(np.float32) / 32768.0, rate
+    if shutil.which("espeak-ng") is None:
+        raise CosyVoiceError("espeak-ng is unavailable: install the espeakng-loader wheel (a dependency of this "
+                             "package) or the espeak-ng system package")
     proc = subprocess.run(
         ["espeak-ng", "-v", voice, "-s", str(speed_wpm), "-p", str(pitch), "--stdout", text],
         capture_output=True, check=False, timeout=60,

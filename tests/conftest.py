@@ -15,6 +15,15 @@ TINY_DIR = REFERENCE_DIR / "cosyvoice2-tiny"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def require_speech() -> None:
+    """Skip the calling test (or fixture) where no speech can be synthesised for the corpus."""
+    from cosyvoice_triton.speech_corpus import espeak_available
+
+    if not espeak_available():
+        pytest.skip("no speech synthesiser: neither the espeakng-loader wheel (a dependency, `make install`) nor an "
+                    "espeak-ng command is installed")
+
+
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
     """``shared/reference`` (the full-size key lists live here)."""

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+from conftest import require_speech
 from test_quantize import export_cli, one_thread, tiny_quantized
 
 from cosyvoice_triton.quality import BAR, Bar, ErrorRow, SpeedRow, decide, logmel_db
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 @pytest.fixture(scope="session")
 def report_run(tmp_path_factory):
     """``export/quality_report.py`` on the tiny model: (tiny, exit status, stdout, report json)."""
+    require_speech()
     tiny, rc, _ = tiny_quantized(str(tmp_path_factory.getbasetemp() / "quant-tiny"))
     assert rc == 0
     out_dir = tmp_path_factory.mktemp("quality")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from conftest import ROOT
+from conftest import ROOT, require_speech
 from onnx import TensorProto
 
 from cosyvoice_triton import quantize as q
@@ -115,11 +115,13 @@ def tiny_quantized(base: str) -> tuple[Tiny, int, str]:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Tiny:
+    require_speech()
     return tiny_build(str(tmp_path_factory.getbasetemp() / "quant-tiny"))
 
 
 @pytest.fixture(scope="session")
 def quantized(tmp_path_factory) -> tuple[Tiny, int, str]:
+    require_speech()
     return tiny_quantized(str(tmp_path_factory.getbasetemp() / "quant-tiny"))
 
 

@@ -133,6 +133,39 @@ class MelConfig:
 
 
 @dataclass(frozen=True)
+class SamplingConfig:
+    """Repetition-aware sampling (``ras_sampling``): nucleus sampling within ``top_p`` mass and ``top_k`` tokens;
+    a token already seen at least ``win_size * tau_r`` times in the last ``win_size`` is re-drawn from the full
+    distribution without it."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """``Qwen2LM``, text tokens to speech tokens. The Qwen2 transformer's own dims come from
+    ``CosyVoice-BlankEN/config.json``; ``llm_input_size`` / ``llm_output_size`` must equal its hidden size."""
+
+    llm_input_size: int = 896
+    llm_output_size: int = 896
+    speech_token_size: int = 6561
+    mix_ratio: tuple[int, ...] = (5, 15)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    @classmethod
+    def full(cls) -> LLMConfig:
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> LLMConfig:
+        """The dims of the tiny Qwen2 stand-in (hidden size 64; the speech vocabulary stays the flow's 6561)."""
+        return cls(llm_input_size=64, llm_output_size=64)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the token-to-waveform path needs; ``ModelConfig()`` is CosyVoice2-0.5B."""
 
@@ -143,6 +176,7 @@ class ModelConfig:
     flow: FlowConfig = field(default_factory=FlowConfig)
     hift: HiftConfig = field(default_factory=HiftConfig)
     mel: MelConfig = field(default_factory=MelConfig)
+    llm: LLMConfig | None = None  # filled when the yaml has an llm section
 
     @classmethod
     def full(cls) -> ModelConfig:
@@ -309,25 +343,35 @@ def _model_config_from_doc(doc: dict[str, Any]) -> ModelConfig:
             f0_predictor=_pick(F0PredictorConfig, hift.get("f0_predictor", {})),
         ),
         mel=_pick(MelConfig, mel),
+        llm=_llm_config_from_doc(doc["llm"]) if "llm" in doc else None,
     )
+
+
+def _llm_config_from_doc(llm: dict[str, Any]) -> LLMConfig:
+    sampling = llm.get("sampling", {})
+    name = sampling.get("__class__", "cosyvoice.utils.common.ras_sampling")
+    if not name.endswith("ras_sampling"):
+        raise ValueError(f"llm.sampling is {name}; only cosyvoice.utils.common.ras_sampling is implemented")
+    return _pick(LLMConfig, llm, sampling=_pick(SamplingConfig, sampling))
 
 
 def write_yaml(config: ModelConfig, path: str | Path) -> None:
     """Write ``config`` as a ``cosyvoice2.yaml`` in the official layout (tags included) for demo models."""
     f, e, d, h = config.flow, config.flow.encoder, config.flow.estimator, config.hift
     seq = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"
+    llm = config.llm or LLMConfig()
     text = f"""\
 # Written by cosyvoice_triton (demo model, random weights). Same structure as the CosyVoice2-0.5B release.
 sample_rate: {config.sample_rate}
-llm_input_size: 896
-llm_output_size: 896
+llm_input_size: {llm.llm_input_size}
+llm_output_size: {llm.llm_output_size}
 spk_embed_dim: {f.spk_embed_dim}
 qwen_pretrain_path: ''
 token_frame_rate: {config.token_frame_rate}
 token_mel_ratio: {config.token_mel_ratio}
 chunk_size: {config.chunk_size}
 num_decoding_left_chunks: {d.num_decoding_left_chunks}
-
+{_llm_yaml(config.llm)}
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {f.input_size}
     output_size: {f.output_size}
@@ -414,3 +458,25 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     center: {config.mel.center}
 """
     Path(path).write_text(text, encoding="utf-8")
+
+
+def _llm_yaml(llm: LLMConfig | None) -> str:
+    if llm is None:
+        return ""
+    s = llm.sampling
+    return f"""
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: {llm.speech_token_size}
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [{", ".join(str(x) for x in llm.mix_ratio)}]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {s.top_p}
+        top_k: {s.top_k}
+        win_size: {s.win_size}
+        tau_r: {s.tau_r}
+"""

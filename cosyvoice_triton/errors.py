@@ -23,3 +23,7 @@ class ConfigError(CosyVoiceError):
 
 class TextError(CosyVoiceError):
     """Text that cannot be synthesised: empty, only punctuation, too long, bad UTF-8, an unknown control tag."""
+
+
+class LLMError(CosyVoiceError):
+    """Input the speech-token LM cannot decode: empty text, token ids outside its vocabularies, too long."""

@@ -1,0 +1,430 @@
+"""Regenerate the CosyVoice2 LM oracle (tests/fixtures/llm_oracle) from a checkout of the official code.
+
+    python tests/oracle/make_llm_oracle.py --official /tmp/cosyvoice_official --out DIR --size tiny|full \
+        [--flow-hift ../shared/reference/cosyvoice2-tiny]
+
+Writes, in the official layout, a random ``llm.pt`` and ``CosyVoice-BlankEN/`` (Qwen2 ``config.json`` and the
+``model.safetensors`` that the official ``Qwen2Encoder.from_pretrained`` needs), reloads ``llm.pt`` strictly through
+the official loader (``CosyVoice2Model.load``), then records what the official ``Qwen2LM.inference`` does with every
+``multinomial`` draw replaced by :func:`pick` on injected uniforms: per-step log-probabilities, the token sequences,
+the draws each step used. With ``--flow-hift`` (tiny only) it also records the official text -> waveform zero-shot
+path (``CosyVoice2Model.tts``, non-streaming and streaming) on the flow and HiFT of that oracle folder.
+
+See tests/oracle/README.md for how the committed files were made. The weight generation
+(:func:`random_llm_state_dict`) does not need the official code: tests regenerate the full-size ``llm.pt`` with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPEECH_TOKEN_SIZE = 6561  # cosyvoice2.yaml llm.speech_token_size; eos = 6561, stop ids 6561..6563
+WEIGHT_SEED = {"tiny": 20250611, "full": 20250612}
+INPUT_SEED = 4242
+HIFT_SEED = 1234
+# Logit scale of the random llm_decoder: logits = W h + b with h RMS-normalised, W ~ N(0, (LOGIT_STD / sqrt(H))^2),
+# so the logits are ~N(0, LOGIT_STD^2): neither uniform nor one-hot; the top-25 / top-p 0.8 nucleus holds a few
+# to 25 tokens. EOS gets EOS_BIAS on top, which lets it into the nucleus now and then, and FAVOURITES random speech
+# tokens get FAVOURITE_BIAS, so that the nucleus often repeats a recent token and the repetition-aware fallback
+# (a second draw from the whole distribution) runs too.
+LOGIT_STD = 2.5
+EOS_BIAS = 6.0
+FAVOURITES = 8
+FAVOURITE_BIAS = 7.0
+LOGP_STEPS = {"tiny": 16, "full": 10}  # per-step log-probabilities kept per case (the first steps)
+
+# Qwen2.5-0.5B, as CosyVoice2-0.5B/CosyVoice-BlankEN/config.json has it.
+QWEN_FULL = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+    "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+    "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+    "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "float32", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+# Tiny: same structure (GQA 2:1, tied embeddings, q/k/v bias), small enough to commit. The text vocabulary is cut to
+# 2048 ids; text token ids of the cases stay below it.
+QWEN_TINY = {**QWEN_FULL, "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 3,
+             "max_window_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048,
+             "bos_token_id": 0, "eos_token_id": 0}
+
+# (name, mode, text length, prompt text length, prompt speech token count). Modes as the official front end feeds the
+# LM: zero_shot (frontend_zero_shot: prompt text + prompt speech tokens), cross_lingual (frontend_cross_lingual: both
+# removed), instruct (frontend_instruct2: the instruct text in place of the prompt text, no prompt speech tokens).
+CASES = {
+    "tiny": [("zero_shot_a", "zero_shot", 7, 5, 20), ("zero_shot_b", "zero_shot", 13, 9, 37),
+             ("zero_shot_short", "zero_shot", 3, 4, 11), ("cross_lingual", "cross_lingual", 10, 0, 0),
+             ("instruct", "instruct", 8, 6, 0)],
+    "full": [("zero_shot_a", "zero_shot", 9, 6, 25), ("cross_lingual", "cross_lingual", 6, 0, 0)],
+}
+# text -> waveform (tiny): text, prompt text and prompt speech token lengths; the prompt mel has 2 frames a token.
+TTS_CASE = {"text": 24, "prompt_text": 5, "prompt_tokens": 25}
+
+
+def qwen_config(size: str) -> dict:
+    if size not in ("tiny", "full"):
+        raise ValueError(f"size must be 'tiny' or 'full', not {size!r}")
+    return dict(QWEN_TINY if size == "tiny" else QWEN_FULL)
+
+
+def write_blank_en_config(folder: Path, size: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.json"
+    path.write_text(json.dumps(qwen_config(size), indent=2) + "\n")
+    return path
+
+
+def _state_shapes(config: dict, speech_token_size: int) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of the official Qwen2LM state_dict (llm.model.* is the transformers Qwen2ForCausalLM)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        qwen = Qwen2ForCausalLM(Qwen2Config(**config))
+    shapes = {f"llm.model.{k}": tuple(v.shape) for k, v in qwen.state_dict().items()}
+    hidden, n_out = config["hidden_size"], speech_token_size + 3
+    shapes.update({"llm_embedding.weight": (2, hidden), "llm_decoder.weight": (n_out, hidden),
+                   "llm_decoder.bias": (n_out,), "speech_embedding.weight": (n_out, hidden)})
+    return shapes
+
+
+def random_llm_state_dict(config: dict, *, seed: int, speech_token_size: int = SPEECH_TOKEN_SIZE
+                          ) -> dict[str, torch.Tensor]:
+    """Seeded random weights in the official ``llm.pt`` format (float32; deterministic on CPU for one torch).
+
+    Every tensor is non-constant: embeddings N(0, 1); linear weights N(0, 1/fan_in); q/k/v biases N(0, 0.02^2);
+    RMSNorm weights 1 + N(0, 0.1^2); ``llm_decoder`` scaled to logits of std :data:`LOGIT_STD` with bias
+    N(0, 0.5^2), :data:`EOS_BIAS` added at the end-of-speech id and :data:`FAVOURITE_BIAS` at a few speech ids.
+    The tied ``lm_head`` shares ``embed_tokens``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _state_shapes(config, speech_token_size)
+    hidden = config["hidden_size"]
+    tied = "llm.model.lm_head.weight" if config.get("tie_word_embeddings") else None
+    state: dict[str, torch.Tensor] = {}
+    for key in sorted(shapes):
+        if key == tied:
+            continue
+        shape = shapes[key]
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if key == "llm_decoder.weight":
+            x *= LOGIT_STD / hidden**0.5
+        elif key == "llm_decoder.bias":
+            x *= 0.5
+            x[speech_token_size] += EOS_BIAS
+            x[torch.randperm(speech_token_size, generator=gen)[:FAVOURITES]] += FAVOURITE_BIAS
+        elif key.endswith(("embedding.weight", "embed_tokens.weight")):
+            pass
+        elif key.endswith("norm.weight"):
+            x = 1.0 + 0.1 * x
+        elif key.endswith(".bias"):
+            x *= 0.02
+        elif len(shape) == 2:
+            x /= shape[1] ** 0.5
+        else:
+            raise AssertionError(f"no rule for {key} {shape}")
+        state[key] = x
+    if tied:
+        state[tied] = state["llm.model.model.embed_tokens.weight"]
+    return {k: state[k] for k in shapes}  # the module's key order
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over key, shape and bytes of every tensor, in key order."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().contiguous().cpu()
+        h.update(f"{key}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_llm(out: Path, size: str) -> tuple[dict[str, torch.Tensor], float]:
+    """``llm.pt`` + ``CosyVoice-BlankEN/{config.json, model.safetensors}`` under ``out``; returns the state."""
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    config = qwen_config(size)
+    state = random_llm_state_dict(config, seed=WEIGHT_SEED[size])
+    torch.save(state, out / "llm.pt")
+    blank = out / "CosyVoice-BlankEN"
+    write_blank_en_config(blank, size)
+    qwen = {k.removeprefix("llm.model."): v.contiguous() for k, v in state.items()
+            if k.startswith("llm.model.") and k != "llm.model.lm_head.weight"}
+    save_file(qwen, str(blank / "model.safetensors"), metadata={"format": "pt"})
+    return state, time.perf_counter() - start
+
+
+# ------------------------------------------------------------------------------------------- injected draws
+def pick(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw: the first index whose float64 cumulative probability exceeds ``u * total``."""
+    c = torch.cumsum(probs.detach().flatten().to(torch.float64), 0)
+    i = int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=torch.float64), right=True))
+    return min(i, c.numel() - 1)
+
+
+@contextlib.contextmanager
+def injected_multinomial(draws: Iterator[float], log: list):
+    """Replace ``Tensor.multinomial`` / ``torch.multinomial`` (1 sample) by :func:`pick` on the next draw."""
+    original_method, original_fn = torch.Tensor.multinomial, torch.multinomial
+
+    def multinomial(probs, num_samples, replacement=False, *, generator=None, out=None):
+        if num_samples != 1 or probs.dim() != 1:
+            raise AssertionError(f"oracle draw injection handles one sample from a 1-D tensor, got {num_samples} "
+                                 f"from {tuple(probs.shape)}")
+        u = next(draws)
+        index = pick(probs, u)
+        log.append((u, index, probs.numel()))
+        return torch.tensor([index], dtype=torch.long, device=probs.device)
+
+    torch.Tensor.multinomial = multinomial
+    torch.multinomial = multinomial
+    try:
+        yield
+    finally:
+        torch.Tensor.multinomial, torch.multinomial = original_method, original_fn
+
+
+def case_draws(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).random(n)
+
+
+# ------------------------------------------------------------------------------------------- official models
+def build_official(official: Path, out: Path, size: str, flow_hift: Path | None):
+    """``CosyVoice2Model`` of the official code, loaded through ``CosyVoice2Model.load`` (strict)."""
+    from cosyvoice_triton.official import import_official, official_qwen2lm
+
+    (model_mod,) = import_official(official, "cosyvoice.cli.model")
+    llm = official_qwen2lm(official, out / "CosyVoice-BlankEN", hidden_size=qwen_config(size)["hidden_size"])
+    if flow_hift is None:
+        flow, hift = _NoModule(), _NoModule()
+        model = model_mod.CosyVoice2Model(llm, flow, hift)
+        model.llm.load_state_dict(torch.load(out / "llm.pt", map_location="cpu", weights_only=True), strict=True)
+        model.llm.eval()
+        return model
+    dims = json.loads((flow_hift / "cosyvoice2_dims.json").read_text())
+    flow, hift = _instantiate(dims["flow"]), _instantiate(dims["hift"])
+    model = model_mod.CosyVoice2Model(llm, flow, hift)
+    model.load(str(out / "llm.pt"), str(flow_hift / "flow.pt"), str(flow_hift / "hift.pt"))
+    return model
+
+
+class _NoModule(torch.nn.Module):
+    """Stand-in flow/HiFT for the LM-only run at full size (CosyVoice2Model's constructor only keeps them)."""
+
+    input_frame_rate = 25
+
+
+def _instantiate(spec):
+    """Build the official module tree of a resolved cosyvoice2.yaml section (``"__class__": "!new:mod.Cls"``)."""
+    if isinstance(spec, list):
+        return [_instantiate(v) for v in spec]
+    if not isinstance(spec, dict):
+        return spec
+    kwargs = {k: _instantiate(v) for k, v in spec.items() if k != "__class__"}
+    if "__class__" not in spec:
+        return kwargs
+    module, _, name = spec["__class__"].removeprefix("!new:").rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    return cls(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------- references
+def lm_inputs(rng: np.random.Generator, vocab: int, n_text: int, n_prompt_text: int, n_prompt_speech: int):
+    text = rng.integers(0, vocab, size=n_text).astype(np.int32)
+    prompt_text = rng.integers(0, vocab, size=n_prompt_text).astype(np.int32)
+    prompt_speech = rng.integers(0, SPEECH_TOKEN_SIZE, size=n_prompt_speech).astype(np.int32)
+    return text, prompt_text, prompt_speech
+
+
+def run_official_lm(llm, text, prompt_text, prompt_speech, draws: np.ndarray, logp_steps: int) -> dict:
+    """One official ``Qwen2LM.inference`` run with injected draws; what each step saw and drew."""
+    steps: list[dict] = []
+    original = llm.sampling_ids
+
+    def sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=True):
+        steps.append({"logp": weighted_scores.detach().clone(), "ignore_eos": bool(ignore_eos), "n_draws": len(log)})
+        steps[-1]["sampled"] = top = original(weighted_scores, decoded_tokens, sampling, ignore_eos=ignore_eos)
+        return top
+
+    log: list = []
+    t = lambda a: torch.as_tensor(a, dtype=torch.int32)[None]
+    llm.sampling_ids = sampling_ids
+    start = time.perf_counter()
+    try:
+        with injected_multinomial(iter(draws.tolist()), log):
+            tokens = list(llm.inference(
+                text=t(text), text_len=torch.tensor([len(text)], dtype=torch.int32),
+                prompt_text=t(prompt_text), prompt_text_len=torch.tensor([len(prompt_text)], dtype=torch.int32),
+                prompt_speech_token=t(prompt_speech),
+                prompt_speech_token_len=torch.tensor([len(prompt_speech)], dtype=torch.int32),
+                embedding=torch.zeros(1, 0), sampling=25))
+    finally:
+        del llm.sampling_ids
+    seconds = time.perf_counter() - start
+    bounds = [s["n_draws"] for s in steps] + [len(log)]
+    step_draws = np.diff(bounds).astype(np.int32)
+    n_steps = len(steps)
+    sampled = np.asarray([s["sampled"] for s in steps], np.int32)
+    if not np.array_equal(sampled[: len(tokens)], tokens):
+        raise AssertionError("inference() yielded other tokens than its sampling steps picked")
+    stop = -1 if n_steps == len(tokens) else int(sampled[-1])  # -1: max_len reached without a stop token
+    return {
+        "tokens": np.asarray(tokens, np.int32), "n_steps": np.int32(n_steps), "stop_token": np.int32(stop),
+        "step_draws": step_draws, "draws_used": np.int32(len(log)),
+        "logp": torch.stack([s["logp"] for s in steps[:logp_steps]]).float().numpy(),
+        "ignore_eos": np.asarray([s["ignore_eos"] for s in steps], bool),
+        "seconds": seconds,
+    }
+
+
+def make_lm_references(model, size: str, out: Path) -> dict:
+    config = qwen_config(size)
+    rng = np.random.default_rng(INPUT_SEED)
+    summary = {}
+    for i, (name, mode, n_text, n_ptext, n_pspeech) in enumerate(CASES[size]):
+        text, prompt_text, prompt_speech = lm_inputs(rng, config["vocab_size"], n_text, n_ptext, n_pspeech)
+        max_len = int(n_text * 20)
+        draws = case_draws(INPUT_SEED + 1 + i, 2 * max_len + 2)
+        r = run_official_lm(model.llm, text, prompt_text, prompt_speech, draws, LOGP_STEPS[size])
+        seconds = r.pop("seconds")
+        np.savez(out / f"lm_{name}.npz", mode=np.array(mode), text=text, prompt_text=prompt_text,
+                 prompt_speech_token=prompt_speech, draws=draws, min_len=np.int32(n_text * 2),
+                 max_len=np.int32(max_len), **r)
+        summary[name] = {"mode": mode, "text_len": n_text, "prompt_text_len": n_ptext,
+                         "prompt_speech_len": n_pspeech, "tokens": len(r["tokens"]), "steps": int(r["n_steps"]),
+                         "draws_used": int(r["draws_used"]), "fallback_draws": int((r["step_draws"] == 2).sum()),
+                         "ended_by": "max_len" if int(r["stop_token"]) < 0 else "stop token",
+                         "logp_max_prob_mean": float(np.exp(r["logp"].max(-1)).mean()), "seconds": round(seconds, 3)}
+        print(f"  {name}: {summary[name]}", flush=True)
+    return summary
+
+
+def make_tts_references(model, out: Path) -> dict:
+    """Official zero-shot text -> waveform (CosyVoice2Model.tts), non-streaming and streaming, injected draws."""
+    rng = np.random.default_rng(INPUT_SEED + 100)
+    text, prompt_text, prompt_tokens = lm_inputs(rng, QWEN_TINY["vocab_size"], TTS_CASE["text"],
+                                                 TTS_CASE["prompt_text"], TTS_CASE["prompt_tokens"])
+    prompt_mel = rng.normal(-6.0, 2.0, size=(1, 2 * len(prompt_tokens), 80)).astype(np.float32)
+    embedding = rng.normal(size=(1, 192)).astype(np.float32)
+    draws = case_draws(INPUT_SEED + 200, 2 * 20 * len(text) + 2)
+    summary = {}
+    for stream in (False, True):
+        tokens: list[int] = []
+        original = model.llm.inference
+
+        def inference(*args, _original=original, _tokens=tokens, **kwargs):
+            for tok in _original(*args, **kwargs):
+                _tokens.append(int(tok))
+                yield tok
+
+        model.llm.inference = inference
+        model.token_hop_len = 25  # a fresh instance's hop (the official instance never resets it)
+        log: list = []
+        torch.manual_seed(HIFT_SEED)
+        start = time.perf_counter()
+        try:
+            with injected_multinomial(iter(draws.tolist()), log):
+                chunks = [o["tts_speech"] for o in model.tts(
+                    text=torch.as_tensor(text)[None], flow_embedding=torch.as_tensor(embedding),
+                    llm_embedding=torch.as_tensor(embedding), prompt_text=torch.as_tensor(prompt_text)[None],
+                    llm_prompt_speech_token=torch.as_tensor(prompt_tokens)[None],
+                    flow_prompt_speech_token=torch.as_tensor(prompt_tokens)[None],
+                    prompt_speech_feat=torch.as_tensor(prompt_mel), stream=stream)]
+        finally:
+            del model.llm.inference
+        seconds = time.perf_counter() - start
+        speech = torch.cat(chunks, dim=1).numpy()
+        name = "tts_zero_shot_stream" if stream else "tts_zero_shot"
+        np.savez(out / f"{name}.npz", text=text, prompt_text=prompt_text, prompt_speech_token=prompt_tokens,
+                 prompt_speech_feat=prompt_mel, embedding=embedding, draws=draws, stream=np.bool_(stream),
+                 seed=np.int32(HIFT_SEED), tokens=np.asarray(tokens, np.int32), speech=speech,
+                 chunk_lens=np.asarray([c.shape[1] for c in chunks], np.int64), draws_used=np.int32(len(log)))
+        summary[name] = {"tokens": len(tokens), "samples": int(speech.shape[1]),
+                         "chunk_lens": [int(c.shape[1]) for c in chunks],
+                         "speech_absmax": float(np.abs(speech).max()), "seconds": round(seconds, 3)}
+        print(f"  {name}: {summary[name]}", flush=True)
+    return summary
+
+
+def _versions(official: Path) -> dict:
+    import subprocess
+
+    def pkg(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    commit = subprocess.run(["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True)
+    import transformers
+
+    return {"official_commit": commit.stdout.strip() or "(not a git checkout: see README)",
+            "torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__,
+            "diffusers": pkg("diffusers"), "python": sys.version.split()[0], "torch_threads": torch.get_num_threads()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    ap.add_argument("--flow-hift", type=Path, default=None,
+                    help="official-format tiny flow.pt/hift.pt folder with cosyvoice2_dims.json (text -> waveform)")
+    args = ap.parse_args(argv)
+    if args.flow_hift is not None and args.size != "tiny":
+        ap.error("--flow-hift is for --size tiny (the flow/HiFT oracle is at tiny dims)")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, for cosyvoice_triton.official
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    args.out.mkdir(parents=True, exist_ok=True)
+    timings = {}
+
+    print(f"[{args.size}] random llm.pt + CosyVoice-BlankEN", flush=True)
+    state, timings["write llm.pt + CosyVoice-BlankEN"] = write_llm(args.out, args.size)
+    digest = state_digest(state)
+    n_params = sum(v.numel() for k, v in state.items() if k != "llm.model.lm_head.weight")
+    del state
+
+    print("official CosyVoice2Model + strict load", flush=True)
+    start = time.perf_counter()
+    model = build_official(args.official, args.out, args.size, args.flow_hift)
+    timings["official build + CosyVoice2Model.load (strict)"] = round(time.perf_counter() - start, 3)
+    reloaded = {k: v for k, v in model.llm.state_dict().items()}
+    if state_digest(reloaded) != digest:
+        raise AssertionError("the official model does not hold the written llm.pt after the strict load")
+
+    print("Qwen2LM.inference references", flush=True)
+    lm = make_lm_references(model, args.size, args.out)
+    tts = make_tts_references(model, args.out) if args.flow_hift is not None else None
+    if args.size == "full":  # ~2 GB each: tests regenerate them (random_llm_state_dict), they are not committed
+        (args.out / "llm.pt").unlink()
+        shutil.rmtree(args.out / "CosyVoice-BlankEN")
+        write_blank_en_config(args.out / "CosyVoice-BlankEN", args.size)
+
+    from cosyvoice_triton.official import OFFICIAL_SAMPLING, OFFICIAL_TOKEN_TEXT_RATIO, STUBBED
+
+    meta = {"size": args.size, "versions": _versions(args.official), "stubbed_modules": STUBBED,
+            "seeds": {"weights": WEIGHT_SEED[args.size], "inputs": INPUT_SEED, "hift_noise": HIFT_SEED},
+            "weights": {"logit_std": LOGIT_STD, "eos_bias": EOS_BIAS, "favourites": FAVOURITES,
+                        "favourite_bias": FAVOURITE_BIAS, "params": n_params, "state_sha256": digest},
+            "qwen_config": qwen_config(args.size), "speech_token_size": SPEECH_TOKEN_SIZE,
+            "sampling": OFFICIAL_SAMPLING, "token_text_ratio": OFFICIAL_TOKEN_TEXT_RATIO,
+            "logp_steps": LOGP_STEPS[args.size], "lm_cases": lm, "tts_cases": tts, "timings_s": timings}
+    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,217 @@
+"""The LM against the official CosyVoice code: tests/fixtures/llm_oracle (made by tests/oracle/make_llm_oracle.py).
+
+The oracle ran the official ``Qwen2LM.inference`` (transformers 4.51.3, its pinned version) with every
+``multinomial`` replaced by the inverse-CDF ``pick`` on injected uniforms; here the project's LM gets the same
+uniforms. Bars (tests/oracle/README.md): per-step log-probabilities 1e-4 relative, token sequences identical,
+text -> waveform 1e-3 relative (max abs error / max |ref|) with the same HiFT noise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES, ROOT, rel_err
+
+from cosyvoice_triton.config import LLMConfig, ModelConfig, write_yaml
+
+ORACLE = FIXTURES / "llm_oracle"
+ORACLE_FULL = ORACLE / "full"
+LOGP_BAR = 1e-4
+WAVE_BAR = 1e-3
+
+try:
+    from cosyvoice_triton.models import sampling as project_sampling
+    from cosyvoice_triton.models.llm import LMRequest, load_llm
+except ImportError as exc:  # the LM is built in parallel with these tests
+    pytest.skip(f"cosyvoice_triton.models.llm is not importable yet ({exc})", allow_module_level=True)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("make_llm_oracle", ROOT / "tests" / "oracle" / "make_llm_oracle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+oracle = _load_script()
+
+
+def _meta(folder):
+    return json.loads((folder / "oracle_meta.json").read_text())
+
+
+def _cases(folder) -> dict[str, dict[str, np.ndarray]]:
+    out = {}
+    for path in sorted(folder.glob("lm_*.npz")):
+        with np.load(path) as z:
+            out[path.stem.removeprefix("lm_")] = {k: z[k] for k in z.files}
+    return out
+
+
+def _config(folder) -> ModelConfig:
+    hidden = _meta(folder)["qwen_config"]["hidden_size"]
+    return dataclasses.replace(ModelConfig.tiny(), llm=LLMConfig(llm_input_size=hidden, llm_output_size=hidden))
+
+
+class _Counted:
+    """The case's uniforms as a draw callable that counts what it hands out."""
+
+    def __init__(self, draws: np.ndarray):
+        self.values, self.used = draws.tolist(), 0
+
+    def __call__(self) -> float:
+        self.used += 1
+        return self.values[self.used - 1]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_llm(ORACLE, _config(ORACLE))
+
+
+@pytest.fixture(scope="module")
+def cases():
+    return _cases(ORACLE)
+
+
+def _decode(lm, z: dict[str, np.ndarray], logp_steps: int):
+    draw = _Counted(z["draws"])
+    logps: list[torch.Tensor] = []
+
+    def on_step(step: int, logp: torch.Tensor) -> None:
+        if step < logp_steps:
+            logps.append(logp)
+
+    stream = lm.generate(z["text"], z["prompt_text"], z["prompt_speech_token"], draws=draw, on_step=on_step)
+    tokens = list(stream)
+    return tokens, stream, logps, draw
+
+
+def _check_case(name, z, tokens, stream, logps, draw, logp_steps):
+    assert (stream.min_len, stream.max_len) == (int(z["min_len"]), int(z["max_len"])), name
+    n_ref = min(logp_steps, int(z["n_steps"]))
+    assert len(logps) == n_ref == len(z["logp"]), name
+    errors = [rel_err(got, ref) for got, ref in zip(logps, z["logp"], strict=True)]
+    assert max(errors) <= LOGP_BAR, f"{name}: per-step log-prob rel err {max(errors):.2e} (steps {errors})"
+    assert tokens == z["tokens"].tolist(), name
+    assert stream.hit_max_len == (int(z["stop_token"]) < 0), name
+    assert draw.used == int(z["draws_used"]), f"{name}: {draw.used} draws used, the official code {z['draws_used']}"
+    return max(errors)
+
+
+# ------------------------------------------------------------------------------------------------ tiny
+
+
+def test_oracle_checkpoint_loads_exactly(lm):
+    meta = _meta(ORACLE)
+    assert oracle.state_digest(lm.state_dict()) == meta["weights"]["state_sha256"]
+    # the tied lm_head of the official file is the same tensor as the text embedding after loading
+    assert lm.llm.model.lm_head.weight.data_ptr() == lm.qwen.embed_tokens.weight.data_ptr()
+
+
+def test_pick_is_the_oracle_rule():
+    g = np.random.default_rng(0)
+    for n in (1, 2, 7, 25, 6564):
+        probs = torch.from_numpy(g.random(n).astype(np.float32))
+        probs[torch.from_numpy(g.random(n) < 0.3)] = 0.0
+        if not bool((probs > 0).any()):
+            probs[-1] = 0.5
+        for u in [0.0, 0.5, 1 - 2**-53, *g.random(50).tolist()]:
+            assert project_sampling.pick(probs, u) == oracle.pick(probs, u), (n, u)
+
+
+def test_cases_cover_both_sampling_paths_and_both_endings(cases):
+    assert {str(z["mode"]) for z in cases.values()} == {"zero_shot", "cross_lingual", "instruct"}
+    assert any(int(z["stop_token"]) < 0 for z in cases.values())  # one case runs to max_len
+    assert any(int(z["stop_token"]) >= 0 for z in cases.values())
+    assert all((z["step_draws"] == 2).any() for z in cases.values())  # the repetition fallback in each case
+    assert len({len(z["text"]) for z in cases.values()}) == len(cases)
+
+
+@pytest.mark.parametrize("name", ["zero_shot_a", "zero_shot_b", "zero_shot_short", "cross_lingual", "instruct"])
+def test_one_by_one_matches_official(lm, cases, name):
+    z = cases[name]
+    _check_case(name, z, *_decode(lm, z, len(z["logp"])), len(z["logp"]))
+
+
+@pytest.mark.parametrize("max_batch", [None, 2])
+def test_batch_matches_official(lm, cases, max_batch):
+    names = sorted(cases)
+    requests = [LMRequest(cases[n]["text"], cases[n]["prompt_text"], cases[n]["prompt_speech_token"],
+                          draws=cases[n]["draws"].tolist()) for n in names]
+    out = lm.generate_batch(requests, max_batch=max_batch)
+    for name, tokens in zip(names, out, strict=True):
+        assert tokens == cases[name]["tokens"].tolist(), name
+
+
+@pytest.fixture(scope="module")
+def tts_model(tiny_dir, tmp_path_factory):
+    """The flow/HiFT oracle's official-format files in a model folder (stand-in front-end models)."""
+    from cosyvoice_triton.pipeline import CosyVoice2
+    from cosyvoice_triton.standins import write_campplus_standin, write_speech_tokenizer_standin
+
+    d = tmp_path_factory.mktemp("tts")
+    for name in ("flow.pt", "hift.pt"):
+        shutil.copy(tiny_dir / name, d / name)
+    write_yaml(ModelConfig.tiny(), d / "cosyvoice2.yaml")
+    write_speech_tokenizer_standin(d / "speech_tokenizer_v2.onnx")
+    write_campplus_standin(d / "campplus.onnx")
+    return CosyVoice2.from_pretrained(d)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_to_waveform_matches_official(lm, tts_model, stream):
+    from cosyvoice_triton.pipeline import VCInputs
+
+    with np.load(ORACLE / ("tts_zero_shot_stream.npz" if stream else "tts_zero_shot.npz")) as f:
+        z = {k: f[k] for k in f.files}
+    tokens = list(lm.generate(z["text"], z["prompt_text"], z["prompt_speech_token"], draws=z["draws"].tolist()))
+    assert tokens == z["tokens"].tolist()
+    inputs = VCInputs(source_tokens=np.asarray(tokens, np.int32), prompt_tokens=z["prompt_speech_token"],
+                      prompt_mel=z["prompt_speech_feat"][0], embedding=z["embedding"][0])
+    seed = int(z["seed"])
+    if stream:
+        chunks = list(tts_model.token2wav_stream(inputs, seed=seed))
+        assert [len(c) for c in chunks] == z["chunk_lens"].tolist()
+        wave = np.concatenate(chunks)
+    else:
+        wave = tts_model.token2wav(inputs, seed=seed)
+    assert rel_err(wave, z["speech"][0]) <= WAVE_BAR
+
+
+# ------------------------------------------------------------------------------------------------ full
+
+
+@pytest.fixture(scope="module")
+def full_dir(tmp_path_factory):
+    """The full-size llm.pt, regenerated the oracle's seeded way (2 GB, not committed) and checked by digest."""
+    if not (ORACLE_FULL / "oracle_meta.json").is_file():
+        pytest.skip(f"full-size references {ORACLE_FULL} are absent")
+    meta = _meta(ORACLE_FULL)
+    state = oracle.random_llm_state_dict(meta["qwen_config"], seed=meta["seeds"]["weights"])
+    assert oracle.state_digest(state) == meta["weights"]["state_sha256"], "regenerated weights differ from the oracle's"
+    d = tmp_path_factory.mktemp("llm_full")
+    torch.save(state, d / "llm.pt")
+    del state
+    shutil.copytree(ORACLE_FULL / "CosyVoice-BlankEN", d / "CosyVoice-BlankEN")
+    return d
+
+
+@pytest.mark.slow
+def test_full_dims_match_official(full_dir):
+    lm = load_llm(full_dir, _config(ORACLE_FULL))
+    cases = _cases(ORACLE_FULL)
+    assert cases
+    worst = {name: _check_case(name, z, *_decode(lm, z, len(z["logp"])), len(z["logp"]))
+             for name, z in cases.items()}
+    names = sorted(cases)
+    requests = [LMRequest(cases[n]["text"], cases[n]["prompt_text"], cases[n]["prompt_speech_token"],
+                          draws=cases[n]["draws"].tolist()) for n in names]
+    assert lm.generate_batch(requests) == [cases[n]["tokens"].tolist() for n in names]
+    print(f"full dims: worst per-step log-prob rel err {worst}")

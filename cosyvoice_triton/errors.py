@@ -27,3 +27,7 @@ class TextError(CosyVoiceError):
 
 class LLMError(CosyVoiceError):
     """Input the speech-token LM cannot decode: empty text, token ids outside its vocabularies, too long."""
+
+
+class SpeakerError(CosyVoiceError):
+    """A registered speaker that is unknown, has a bad id, bad prompt arrays, or does not fit in the store."""

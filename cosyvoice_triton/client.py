@@ -170,10 +170,13 @@ def connect(url: str, protocol: str, *, timeout: float, concurrency: int = 1, ve
 
 
 def inference_statistics(client, protocol: str, model: str = "") -> dict:
-    """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict."""
+    """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict.
+    The statistics API is restricted: the request carries the admin header (:func:`server.admin_headers`)."""
+    from .server import admin_headers
+
     if protocol == "http":
-        return client.get_inference_statistics(model)
-    return client.get_inference_statistics(model, as_json=True)
+        return client.get_inference_statistics(model, headers=admin_headers("http"))
+    return client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
 
 class VCClient:
@@ -311,9 +314,11 @@ class AsyncVCClient:
         await self.close()
 
     async def statistics(self, model: str = "") -> dict:
+        from .server import admin_headers
+
         if self.protocol == "http":
-            return await self._client.get_inference_statistics(model)
-        return await self._client.get_inference_statistics(model, as_json=True)
+            return await self._client.get_inference_statistics(model, headers=admin_headers("http"))
+        return await self._client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
     async def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                       seed: int | None = None, parameters: Mapping[str, Any] | None = None,

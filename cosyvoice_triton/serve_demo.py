@@ -130,14 +130,19 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
 def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
           repository: str | Path = "build/model_repository", http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", **tunables) -> int:
-    """Render and serve in the foreground until SIGINT / SIGTERM."""
+    """Render and serve in the foreground until SIGINT / SIGTERM, under :class:`~.supervisor.Supervisor` (a model
+    whose Python stub dies is reloaded, a server that dies is restarted; it gives up after 5 restarts in 10 min)."""
     from .server import TritonServer
+    from .supervisor import Supervisor
 
     repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, flavor=flavor, **tunables)
-    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host)
-    server.start(timeout=600)
+    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
+                          model_control="explicit", load_models=["*"])
+    supervisor = Supervisor(server, start_timeout=600)
+    supervisor.start()
     print(f"serving {repo}: http {server.http_url}, grpc {server.grpc_url}, metrics {server.metrics_url} "
-          f"(log {server.log_path}); Ctrl-C stops")
+          f"(log {server.log_path}); admin key of the restricted APIs in {server.work_dir / 'admin_key'}; "
+          "Ctrl-C stops")
     stop = {"now": False}
 
     def handler(signum, frame):
@@ -146,11 +151,15 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     try:
-        while not stop["now"] and server.running:
+        while not stop["now"] and not supervisor.failed:
             time.sleep(0.5)
     finally:
+        supervisor.stop()
         code = server.stop()
     print(f"tritonserver stopped (exit code {code})")
+    if supervisor.failed:
+        print(f"error: {supervisor.failed}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -15,6 +15,15 @@ readiness with a timeout (failing early, with the log's tail, when the process e
 SIGINT (Triton unloads its models and its Python stubs exit), then SIGKILL of the whole group after a grace
 period, so that no stub process outlives it. Nothing here imports ``tritonclient``: readiness is polled with
 plain HTTP.
+
+The administrative APIs (shared-memory registration, model repository control, model configs, statistics, trace
+and log settings) are restricted on both protocols (Triton's ``--http-restricted-api`` /
+``--grpc-restricted-protocol``): a request to them needs the header :data:`ADMIN_HEADER` with the admin key
+(:func:`admin_headers`). The key comes from ``$COSYVOICE_TRITON_ADMIN_KEY``, else it is drawn at random once per
+process and put into that variable (so this process and its children can read it); each server also writes it
+to ``<work_dir>/admin_key`` (mode 0600) for a client in another shell. Health, metadata and inference stay open.
+:class:`TritonInstallation.at` serves with an installed Triton (``/opt/tritonserver`` in the NGC image) instead
+of the wheel.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import contextlib
 import http.client
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -36,11 +46,17 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ADMIN_HEADER",
+    "ADMIN_KEY_ENV",
     "PYTRITON_REQUIREMENT",
+    "RESTRICTED_APIS",
     "ServerError",
+    "StubProcess",
     "TritonInstallation",
     "TritonNotInstalled",
     "TritonServer",
+    "admin_headers",
+    "admin_key",
     "find_installation",
     "free_ports",
     "prepare_backends",
@@ -49,6 +65,36 @@ __all__ = [
 #: What provides the server binary (install with ``pip install --no-deps``: its Python API is not used).
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 TRITON_VERSION = "2.51.0"
+
+#: The header a request to a restricted API must carry (lower case: gRPC metadata keys are).
+ADMIN_HEADER = "cosyvoice-admin-key"
+#: Where the admin key is read from (and put when this process draws one).
+ADMIN_KEY_ENV = "COSYVOICE_TRITON_ADMIN_KEY"
+#: Triton's API groups that need the admin header; ``health``, ``metadata`` and ``inference`` stay open.
+RESTRICTED_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging")
+#: Triton's gRPC frontend expects restricted-protocol headers under this prefix.
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+
+
+def admin_key() -> str:
+    """The admin key of this process: ``$COSYVOICE_TRITON_ADMIN_KEY``, else a random one drawn now and put there."""
+    key = os.environ.get(ADMIN_KEY_ENV, "")
+    if not key:
+        key = os.environ[ADMIN_KEY_ENV] = secrets.token_hex(24)
+    if not key.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"${ADMIN_KEY_ENV} may hold only letters, digits, '-' and '_' (Triton's flag syntax)")
+    return key
+
+
+_process_admin_key = admin_key
+
+
+def admin_headers(protocol: str = "http", key: str | None = None) -> dict[str, str]:
+    """The header(s) that open the restricted APIs to a ``tritonclient`` call (``headers=``) of ``protocol``."""
+    if protocol not in ("http", "grpc"):
+        raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
+    name = ADMIN_HEADER if protocol == "http" else GRPC_HEADER_PREFIX + ADMIN_HEADER
+    return {name: key or admin_key()}
 
 
 class TritonNotInstalled(RuntimeError):
@@ -71,11 +117,24 @@ class TritonInstallation:
     binary: Path
     backends: Path
     stub: Path  # the triton_python_backend_stub of this Python version
-    libs: Path  # site-packages/nvidia_pytriton.libs
+    libs: Path | None  # site-packages/nvidia_pytriton.libs; None for an installed Triton
+    bundled: bool = True  # the wheel's layout (backends are copied, the stub put into them)
 
     @property
     def python_version(self) -> str:
         return self.stub.parent.name
+
+    @classmethod
+    def at(cls, root: str | Path = "/opt/tritonserver") -> TritonInstallation:
+        """An installed Triton (``bin/tritonserver``, ``backends/`` with the Python backend's stub in it), e.g.
+        ``/opt/tritonserver`` of the NGC image; raises :class:`TritonNotInstalled` naming what is missing."""
+        root = Path(root)
+        inst = cls(root=root, binary=root / "bin" / "tritonserver", backends=root / "backends",
+                   stub=root / "backends" / "python" / "triton_python_backend_stub", libs=None, bundled=False)
+        for what, path in (("tritonserver binary", inst.binary), ("backend folder", inst.backends)):
+            if not path.exists():
+                raise TritonNotInstalled(f"no {what} at {path} (is Triton installed at {root}?)")
+        return inst
 
 
 def find_installation(python_version: str | None = None) -> TritonInstallation:
@@ -107,6 +166,8 @@ def prepare_backends(out_dir: str | Path, installation: TritonInstallation | Non
     Idempotent (files are copied again only when their size or time differ). Returns ``out_dir``.
     """
     inst = installation or find_installation()
+    if not inst.bundled:
+        return inst.backends
     out = Path(out_dir)
     shutil.copytree(inst.backends, out, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     stub = out / "python" / inst.stub.name
@@ -154,13 +215,16 @@ class TritonServer:
             HTTP connections before unloading anyway.
         extra_args: more ``tritonserver`` flags.
         env: extra environment variables for the server and its stubs.
+        admin_key: the key of the restricted APIs (default :func:`admin_key`); ``restricted_apis``: which (empty:
+            none restricted, for a server that only loopback clients of the same user reach).
     """
 
     def __init__(self, model_repository: str | Path, *, work_dir: str | Path | None = None, http_port: int = 0,
                  grpc_port: int = 0, metrics_port: int = 0, host: str = "127.0.0.1", model_control: str = "none",
                  load_models: Sequence[str] = (), log_verbose: int = 0, exit_timeout: int = 10,
                  extra_args: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None):
+                 env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None,
+                 admin_key: str | None = None, restricted_apis: Sequence[str] = RESTRICTED_APIS):
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")
@@ -177,6 +241,11 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.installation = installation
+        self.restricted_apis = tuple(restricted_apis)
+        unknown = set(self.restricted_apis) - {*RESTRICTED_APIS, "health", "metadata", "inference"}
+        if unknown:
+            raise ValueError(f"unknown restricted API group(s) {sorted(unknown)}; Triton 2.51 has {RESTRICTED_APIS}")
+        self.admin_key = admin_key or _process_admin_key()
         self.process: subprocess.Popen | None = None
         self.log_path = self.work_dir / "tritonserver.log"
         self._log_file = None
@@ -201,11 +270,13 @@ class TritonServer:
     def environment(self) -> dict[str, str]:
         inst = self.installation or find_installation()
         env = dict(os.environ)
+        env.pop(ADMIN_KEY_ENV, None)  # the stubs run model code: they need no admin key
         env.update(self.extra_env)
         venv_bin = str(Path(sys.prefix) / "bin")
         env["PATH"] = os.pathsep.join([venv_bin, *[p for p in env.get("PATH", "").split(os.pathsep) if p]])
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            [str(inst.libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]])
+        if inst.libs is not None:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                [str(inst.libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p]])
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Every stub is a process of its own: one BLAS/OpenMP thread each unless a model asks for more.
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -214,8 +285,8 @@ class TritonServer:
 
     def command(self) -> list[str]:
         inst = self.installation or find_installation()
-        cmd = [str(inst.binary), f"--model-repository={self.model_repository}",
-               f"--backend-directory={self.work_dir / 'backends'}",
+        backends = self.work_dir / "backends" if inst.bundled else inst.backends
+        cmd = [str(inst.binary), f"--model-repository={self.model_repository}", f"--backend-directory={backends}",
                f"--http-address={self.host}", f"--http-port={self.ports['http']}",
                f"--grpc-address={self.host}", f"--grpc-port={self.ports['grpc']}",
                f"--metrics-address={self.host}", f"--metrics-port={self.ports['metrics']}",
@@ -224,7 +295,15 @@ class TritonServer:
                f"--model-control-mode={self.model_control}", f"--log-verbose={self.log_verbose}",
                f"--exit-timeout-secs={self.exit_timeout}"]
         cmd += [f"--load-model={m}" for m in self.load_models]
+        if self.restricted_apis:
+            apis = ",".join(self.restricted_apis)
+            cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
+                    f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
         return cmd + self.extra_args
+
+    def admin_headers(self, protocol: str = "http") -> dict[str, str]:
+        """Headers that open this server's restricted APIs (see :func:`admin_headers`)."""
+        return admin_headers(protocol, self.admin_key)
 
     # ---------------------------------------------------------------------------------- life cycle
 
@@ -236,9 +315,15 @@ class TritonServer:
         inst = self.installation = self.installation or find_installation()
         self.work_dir.mkdir(parents=True, exist_ok=True)
         prepare_backends(self.work_dir / "backends", inst)
+        key_file = self.work_dir / "admin_key"
+        key_file.unlink(missing_ok=True)
+        key_file.touch(mode=0o600)
+        key_file.write_text(self.admin_key + "\n")
         wanted = [k for k, v in self.ports.items() if v == 0]
         for k, p in zip(wanted, free_ports(len(wanted), self.host), strict=True):
             self.ports[k] = p
+        if self.log_path.is_file() and self.log_path.stat().st_size:  # a restart keeps the previous run's log
+            self.log_path.replace(self.log_path.with_suffix(".previous.log"))
         self._log_file = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop())
         t0 = time.perf_counter()
         log.info("starting tritonserver (http %s, grpc %s, metrics %s), log %s", self.ports["http"],
@@ -255,15 +340,39 @@ class TritonServer:
         log.info("tritonserver ready in %.1f s", self.start_seconds)
         return self
 
-    def _get(self, path: str, timeout: float = 2.0) -> int:
+    def request(self, method: str, path: str, *, body: bytes | None = None, admin: bool = False,
+                timeout: float = 2.0) -> tuple[int, bytes]:
+        """One plain HTTP request to the server (``admin``: with the admin header); (status, body)."""
         conn = http.client.HTTPConnection(self.host, self.ports["http"], timeout=timeout)
         try:
-            conn.request("GET", path)
+            conn.request(method, path, body=body, headers=self.admin_headers("http") if admin else {})
             resp = conn.getresponse()
-            resp.read()
-            return resp.status
+            return resp.status, resp.read()
         finally:
             conn.close()
+
+    def _get(self, path: str, timeout: float = 2.0) -> int:
+        return self.request("GET", path, timeout=timeout)[0]
+
+    def load_model(self, model: str, timeout: float = 300.0) -> None:
+        """(Re)load ``model`` through the model-control API (explicit mode): a loaded one gets new instances."""
+        self._control(model, "load", timeout)
+
+    def unload_model(self, model: str, timeout: float = 60.0) -> None:
+        """Unload ``model`` (explicit mode); with strict readiness the server answers not-ready until it is back."""
+        self._control(model, "unload", timeout)
+
+    def _control(self, model: str, action: str, timeout: float) -> None:
+        status, body = self.request("POST", f"/v2/repository/models/{model}/{action}", admin=True, timeout=timeout)
+        if status != 200:
+            text = body[:300].decode(errors="replace")
+            raise ServerError(f"{action} of model {model!r} failed: HTTP {status} {text}")
+
+    def python_stubs(self) -> list[StubProcess]:
+        """The Python-backend stub processes of this server (one per model instance), alive or not."""
+        if self.process is None:
+            return []
+        return [s for pid in _group_members(self.process.pid) if (s := StubProcess.read(pid)) is not None]
 
     def is_ready(self) -> bool:
         try:
@@ -336,6 +445,34 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    """One ``triton_python_backend_stub`` process: its model, instance (e.g. ``hift_0_0``) and whether it lives
+    (a stub that died is a zombie until Triton unloads its model: Triton 2.51 neither reaps nor restarts it)."""
+
+    pid: int
+    model: str
+    instance: str
+    alive: bool
+
+    @classmethod
+    def read(cls, pid: int) -> StubProcess | None:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        if not argv or not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 2:
+            # a zombie has an empty cmdline: name it from its stat line, find its model through the instance name
+            if argv != [b""] or "(triton_python_b" not in stat:
+                return None
+            return cls(pid, "", "", alive=False)
+        model_py = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
+        instance = argv[8].decode(errors="replace") if len(argv) > 8 else model_py.parent.parent.name
+        state = stat.rsplit(")", 1)[-1].split()[0]
+        return cls(pid, model_py.parent.parent.name, instance, alive=state not in ("Z", "X"))
 
 
 def _group_members(pgid: int) -> list[int]:

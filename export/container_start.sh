@@ -12,7 +12,9 @@
 # CALIBRATION_UTTERANCES default 50, CALIBRATION_METHOD default recorded), QUANTIZE_CMD (a command of your
 # own that writes $BUILD_DIR/onnx/int8 or fp16 files instead),
 # PYTHON (default python3), SERVE_FLAVOR (trt|onnx|local, default trt), SERVE=0 to stop after the builds,
-# RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2").
+# RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2"),
+# COSYVOICE_TRITON_ADMIN_KEY (the key of the restricted APIs; default: random, written to $BUILD_DIR/triton/admin_key),
+# SUPERVISOR_MAX_RESTARTS / SUPERVISOR_RESTART_WINDOW (server restarts allowed in a window of seconds, default 5 / 600).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -69,5 +71,15 @@ if [ "${SERVE:-1}" = 0 ]; then
   echo "SERVE=0: not starting tritonserver; serve with: tritonserver --model-repository=$REPO"
   exit 0
 fi
-exec tritonserver --model-repository="$REPO" --disable-auto-complete-config --strict-readiness=true \
-  --exit-on-error=true --http-port=8000 --grpc-port=8001 --metrics-port=8002
+# tritonserver runs under cosyvoice_triton.supervisor: a model whose Python stub dies (Triton 2.51-2.54 cannot
+# recover one) is unloaded (readiness false) and loaded again; a server that dies is restarted on the same ports,
+# at most SUPERVISOR_MAX_RESTARTS times in SUPERVISOR_RESTART_WINDOW s (then it exits 1: give the container a
+# restart policy, e.g. `docker run --restart=on-failure` or a Kubernetes Deployment, and point the load balancer's
+# readiness probe at GET /v2/health/ready). The administrative APIs (shared memory, model repository, model configs,
+# statistics, trace, logging) need the header `cosyvoice-admin-key: <key>` (gRPC:
+# `triton-grpc-protocol-cosyvoice-admin-key`); the key is COSYVOICE_TRITON_ADMIN_KEY, else drawn at random at start,
+# and written to $BUILD_DIR/triton/admin_key. README: "Hardening: what to put in front of Triton".
+exec "$PYTHON" -m cosyvoice_triton.supervisor --triton-root "${TRITON_ROOT:-/opt/tritonserver}" \
+  --model-repository "$REPO" --work-dir "$BUILD_DIR/triton" --host 0.0.0.0 \
+  --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
+  --max-restarts "${SUPERVISOR_MAX_RESTARTS:-5}" --restart-window "${SUPERVISOR_RESTART_WINDOW:-600}"

@@ -67,8 +67,8 @@ def counter_total(samples: Iterable[Sample], name: str, **labels: str) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def _get(url: str, timeout: float) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def _get(url: str, timeout: float, headers: dict[str, str] | None = None) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return resp.read()
 
 
@@ -79,8 +79,10 @@ def scrape(metrics_url: str, timeout: float = 5.0) -> list[Sample]:
 
 def fetch_statistics(http_url: str, timeout: float = 10.0) -> dict:
     """Triton's per-model statistics (``GET /v2/models/stats``) from ``host:port`` of its HTTP endpoint."""
+    from ..server import admin_headers
+
     base = http_url if http_url.startswith("http") else f"http://{http_url}"
-    return json.loads(_get(f"{base}/v2/models/stats", timeout))
+    return json.loads(_get(f"{base}/v2/models/stats", timeout, admin_headers("http")))  # a restricted API
 
 
 # Metric families kept in a snapshot (the others are dropped to keep the files small).

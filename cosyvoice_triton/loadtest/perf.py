@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..server import admin_headers, admin_key
 from ..shapes import VC_MODEL
 from .workload import Workload
 
@@ -123,10 +124,12 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
     cmd = [str(binary), "-m", model, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
            "--input-data", str(data_file), "--measurement-mode", "count_windows",
            "--measurement-request-count", str(requests_per_window), "--max-trials", str(max_trials),
-           "-s", str(stability_percent), "-f", str(csv_path), *extra_args]
+           "-s", str(stability_percent), "-f", str(csv_path),
+           # model config and statistics are restricted APIs: perf_analyzer sends the admin header with every call
+           *[a for k, v in admin_headers(protocol).items() for a in ("-H", f"{k}:{v}")], *extra_args]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]])
-    result["command"] = " ".join(cmd)
+    result["command"] = " ".join(cmd).replace(admin_key(), "<admin key>")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:

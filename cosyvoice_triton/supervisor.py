@@ -1,0 +1,256 @@
+"""Keep a ``tritonserver`` serving without an operator: reload a model whose Python stub died, restart a server
+that exited, and let readiness tell the truth in between.
+
+Two ways a hostile request breaks Triton 2.51 that no model code can prevent:
+
+* a binary input whose declared shape overflows the byte-size product (``[1, 2**62]`` FP32 with 0 bytes of data)
+  passes Triton's size check; the Python backend's stub builds the numpy array before any model code runs, numpy
+  raises "array is too big" outside the stub's error handling, and the stub dies. Triton neither restarts it nor
+  marks the model unready: every later request fails "Stub process ... is not healthy" while
+  ``/v2/health/ready`` answers 200;
+* an HTTP JSON body nested ~100,000 levels deep overflows the stack of Triton's JSON parser: the server itself
+  dies with SIGSEGV.
+
+:class:`Supervisor` watches a :class:`~cosyvoice_triton.server.TritonServer` started with
+``model_control="explicit"`` from a thread (or the foreground, :meth:`Supervisor.run`). Every ``interval`` s it
+compares the server's stub processes with those it saw when the models were last loaded: a stub that died
+(zombie or gone) gets its model unloaded at once (with ``--strict-readiness`` the server, and the ensemble that
+uses the model, answer not-ready from then on) and loaded again (new stubs, ~2-3 s for a stage). A server that
+exited is started again on the same ports after a backoff (``backoff`` s doubled per restart in the window, at most
+``max_backoff``); more than ``max_restarts`` restarts within ``restart_window`` s and it gives up (:attr:`failed`;
+the CLI exits 1 so that the orchestrator's restart policy takes over). Every action is logged and kept in
+:attr:`events` with how long it took.
+
+The blind spot is one ``interval``: between a stub's death and the next check the server still says ready.
+
+    server = TritonServer(repo, model_control="explicit", load_models=["*"])
+    with Supervisor(server, interval=1.0):    # starts the server if needed, then watches it
+        ...
+
+CLI (the container's entry point runs it): ``python -m cosyvoice_triton.supervisor --model-repository REPO
+[--triton-root /opt/tritonserver] [--host 0.0.0.0] [--http-port 8000] ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .server import ServerError, TritonInstallation, TritonServer, _tail
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Event", "Supervisor", "main"]
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the supervisor saw or did: ``kind`` is ``stub-died``, ``reloaded``, ``reload-failed``,
+    ``server-exited``, ``restarted``, ``restart-failed`` or ``gave-up``; ``seconds``: how long the action took."""
+
+    time: float  # time.time()
+    kind: str
+    detail: str
+    seconds: float = 0.0
+
+
+class Supervisor:
+    """Watch ``server`` (see the module docstring).
+
+    Args:
+        server: started with ``model_control="explicit"`` (the reload goes through the model-control API).
+        interval: seconds between two checks.
+        max_restarts: server restarts allowed within ``restart_window`` seconds before it gives up.
+        backoff, max_backoff: the wait before a restart, doubled per restart in the window, capped.
+        start_timeout: seconds a (re)start may take to become ready.
+    """
+
+    def __init__(self, server: TritonServer, *, interval: float = 1.0, max_restarts: int = 5,
+                 restart_window: float = 600.0, backoff: float = 1.0, max_backoff: float = 60.0,
+                 start_timeout: float = 600.0):
+        if server.model_control != "explicit":
+            raise ValueError("the supervisor reloads models through Triton's model-control API: start the server "
+                             f"with model_control='explicit' (and load_models=['*']), not {server.model_control!r}")
+        if interval <= 0 or max_restarts < 0 or restart_window <= 0 or backoff < 0 or max_backoff < backoff:
+            raise ValueError("interval and restart_window must be > 0, max_restarts and backoff >= 0, "
+                             "max_backoff >= backoff")
+        self.server = server
+        self.interval, self.max_restarts, self.restart_window = float(interval), int(max_restarts), restart_window
+        self.backoff, self.max_backoff, self.start_timeout = float(backoff), float(max_backoff), start_timeout
+        self.events: list[Event] = []
+        self.failed: str | None = None
+        self._stubs: dict[int, str] = {}  # pid -> model, as of the last (re)load
+        self._restarts: collections.deque[float] = collections.deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ checks
+
+    def _event(self, kind: str, detail: str, seconds: float = 0.0) -> Event:
+        ev = Event(time.time(), kind, detail, seconds)
+        self.events.append(ev)
+        level = logging.ERROR if kind in ("gave-up", "reload-failed", "restart-failed") else logging.WARNING
+        log.log(level, "supervisor: %s: %s%s", kind, detail, f" ({seconds:.1f} s)" if seconds else "")
+        return ev
+
+    def _remember_stubs(self) -> None:
+        self._stubs = {s.pid: s.model for s in self.server.python_stubs() if s.alive and s.model}
+
+    def dead_models(self) -> list[str]:
+        """Models with a stub that died since they were last loaded."""
+        now = {s.pid: s for s in self.server.python_stubs()}
+        return sorted({model for pid, model in self._stubs.items() if pid not in now or not now[pid].alive})
+
+    def check(self) -> None:
+        """One round: restart the server if it exited, else reload every model with a dead stub."""
+        if self.failed:
+            return
+        if not self.server.running:
+            self._restart()
+            return
+        for model in self.dead_models():
+            self._reload(model)
+
+    def _reload(self, model: str) -> None:
+        self._event("stub-died", f"a Python stub of model {model!r} died: unloading it (not ready) and loading it")
+        t0 = time.monotonic()
+        try:
+            self.server.unload_model(model)
+            # the unload waits for the model's in-flight requests (one may wait on the dead stub): load only once
+            # it is done, or the load would be folded into it and readiness would never go false
+            deadline = time.monotonic() + self.start_timeout
+            while self.server.is_model_ready(model) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.server.load_model(model, timeout=self.start_timeout)
+        except (ServerError, OSError) as exc:
+            self._event("reload-failed", f"{model}: {exc}; restarting the server", time.monotonic() - t0)
+            self.server.stop(grace=10.0)
+            self._restart()
+            return
+        self._remember_stubs()
+        self._event("reloaded", model, time.monotonic() - t0)
+
+    def _restart(self) -> None:
+        proc = self.server.process
+        code = proc.returncode if proc is not None else None
+        self._event("server-exited", f"tritonserver exited with code {code}; log tail:\n"
+                                     f"{_tail(self.server.log_path, 8)}")
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > self.restart_window:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.max_restarts:
+            self.failed = (f"tritonserver exited {len(self._restarts) + 1} times within {self.restart_window:.0f} s "
+                           f"(max_restarts={self.max_restarts}): giving up (log: {self.server.log_path})")
+            self._event("gave-up", self.failed)
+            self.server.stop(grace=10.0)
+            return
+        delay = min(self.max_backoff, self.backoff * 2 ** len(self._restarts))
+        self._restarts.append(now)
+        if self._stop.wait(delay):
+            return
+        self.server.stop(grace=10.0)  # closes the log, reaps what is left of the process group
+        t0 = time.monotonic()
+        try:
+            self.server.start(timeout=self.start_timeout)
+        except ServerError as exc:
+            self._event("restart-failed", str(exc).splitlines()[0], time.monotonic() - t0)
+            return
+        self._remember_stubs()
+        self._event("restarted", f"tritonserver ready again on http {self.server.http_url}, grpc "
+                                 f"{self.server.grpc_url} (restart {len(self._restarts)} in the window)",
+                    time.monotonic() - t0)
+
+    # -------------------------------------------------------------------------------------- life cycle
+
+    def run(self) -> None:
+        """Check every ``interval`` s until :meth:`stop` or until it gives up (the foreground form)."""
+        if not self._stubs:
+            self._remember_stubs()
+        while not self._stop.wait(self.interval) and not self.failed:
+            try:
+                self.check()
+            except Exception:  # a supervisor that dies protects nothing: log and go on
+                log.exception("supervisor: check failed")
+
+    def start(self) -> Supervisor:
+        """Start the server if it is not running, then watch it from a daemon thread."""
+        if not self.server.running:
+            self.server.start(timeout=self.start_timeout)
+        self._remember_stubs()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.run, name="triton-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching (the server keeps running)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.start_timeout + 30.0)
+            self._thread = None
+
+    def __enter__(self) -> Supervisor:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.supervisor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-repository", required=True, help="the rendered repository")
+    p.add_argument("--triton-root", default=None,
+                   help="an installed Triton (e.g. /opt/tritonserver); default: the nvidia-pytriton wheel's")
+    p.add_argument("--work-dir", default=None, help="log and admin key folder (default <repository>/../triton)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--interval", type=float, default=1.0)
+    p.add_argument("--max-restarts", type=int, default=5)
+    p.add_argument("--restart-window", type=float, default=600.0)
+    p.add_argument("--start-timeout", type=float, default=1800.0)
+    p.add_argument("extra", nargs="*", help="more tritonserver flags (after --)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    inst = TritonInstallation.at(args.triton_root) if args.triton_root else None
+    server = TritonServer(args.model_repository, work_dir=args.work_dir, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_control="explicit",
+                          load_models=["*"], extra_args=args.extra, installation=inst)
+    sup = Supervisor(server, interval=args.interval, max_restarts=args.max_restarts,
+                     restart_window=args.restart_window, start_timeout=args.start_timeout)
+
+    def on_signal(signum, frame):
+        sup._stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start(timeout=args.start_timeout)
+    except ServerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"serving {Path(args.model_repository)}: http {server.http_url}, grpc {server.grpc_url}, metrics "
+          f"{server.metrics_url}; log {server.log_path}; admin key (restricted APIs) in "
+          f"{server.work_dir / 'admin_key'}", flush=True)
+    try:
+        sup.run()
+    finally:
+        server.stop()
+    if sup.failed:
+        print(f"error: {sup.failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

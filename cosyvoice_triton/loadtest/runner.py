@@ -245,7 +245,10 @@ def run_column(column: str, opts: Options, workload_path: Path, workload: Worklo
     out: dict[str, Any] = {"rendered": rendered, "runs": [], "sweep": [], "perf": [], "latencies": {}}
     print(f"== {column}: starting tritonserver", flush=True)
     # absolute: TritonServer runs tritonserver inside work_dir, so a relative one would not be found there
-    server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10)
+    # perf_analyzer sends no headers over gRPC (its -H is HTTP only) and reads the model config and statistics:
+    # those two stay open on this loopback benchmark server; the other admin APIs need the admin key as usual
+    server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10,
+                          restricted_apis=("shared-memory", "model-repository", "trace", "logging"))
     server.start(timeout=opts.startup_timeout_s)
     with server:
         server_start = server.start_seconds

@@ -18,6 +18,8 @@ import types
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from .errors import CheckpointError
 
 # The sampling section of the official cosyvoice2.yaml (llm.sampling: ras_sampling) and the inference defaults
@@ -68,14 +70,15 @@ def import_official(checkout: str | Path, *modules: str) -> list[types.ModuleTyp
     return [importlib.import_module(name) for name in modules]
 
 
-def official_qwen2lm(checkout: str | Path, blank_en_dir: str | Path, *, hidden_size: int,
+def official_qwen2lm(checkout: str | Path, qwen: str | Path | torch.nn.Module, *, hidden_size: int,
                      speech_token_size: int = 6561):
-    """The official ``Qwen2LM`` as cosyvoice2.yaml builds it (``Qwen2Encoder(pretrain_path)``), in eval mode.
+    """The official ``Qwen2LM`` as cosyvoice2.yaml builds it, in eval mode.
 
-    ``blank_en_dir`` is a ``CosyVoice-BlankEN`` folder with a config and weights, as ``from_pretrained`` needs.
+    ``qwen``: a ``CosyVoice-BlankEN`` folder with a config and weights (the official ``Qwen2Encoder`` calls
+    ``from_pretrained`` on it), or an already built official ``Qwen2Encoder``.
     """
     llm, common = import_official(checkout, "cosyvoice.llm.llm", "cosyvoice.utils.common")
-    encoder = llm.Qwen2Encoder(str(blank_en_dir))
+    encoder = qwen if isinstance(qwen, torch.nn.Module) else llm.Qwen2Encoder(str(qwen))
     model = llm.Qwen2LM(llm_input_size=hidden_size, llm_output_size=hidden_size, speech_token_size=speech_token_size,
                         llm=encoder, sampling=partial(common.ras_sampling, **OFFICIAL_SAMPLING),
                         length_normalized_loss=True, lsm_weight=0, mix_ratio=[5, 15])

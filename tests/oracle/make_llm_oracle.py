@@ -358,7 +358,7 @@ def make_tts_references(model, out: Path) -> dict:
     return summary
 
 
-def _versions(official: Path) -> dict:
+def _versions(official: Path, official_commit: str | None) -> dict:
     import subprocess
 
     def pkg(name):
@@ -370,7 +370,7 @@ def _versions(official: Path) -> dict:
     commit = subprocess.run(["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True)
     import transformers
 
-    return {"official_commit": commit.stdout.strip() or "(not a git checkout: see README)",
+    return {"official_commit": official_commit or commit.stdout.strip() or "unknown (not a git checkout)",
             "torch": torch.__version__, "transformers": transformers.__version__, "numpy": np.__version__,
             "diffusers": pkg("diffusers"), "python": sys.version.split()[0], "torch_threads": torch.get_num_threads()}
 
@@ -380,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--size", choices=("tiny", "full"), default="tiny")
+    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
     ap.add_argument("--flow-hift", type=Path, default=None,
                     help="official-format tiny flow.pt/hift.pt folder with cosyvoice2_dims.json (text -> waveform)")
     args = ap.parse_args(argv)
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cosyvoice_triton.official import OFFICIAL_SAMPLING, OFFICIAL_TOKEN_TEXT_RATIO, STUBBED
 
-    meta = {"size": args.size, "versions": _versions(args.official), "stubbed_modules": STUBBED,
+    meta = {"size": args.size, "versions": _versions(args.official, args.official_commit), "stubbed_modules": STUBBED,
             "seeds": {"weights": WEIGHT_SEED[args.size], "inputs": INPUT_SEED, "hift_noise": HIFT_SEED},
             "weights": {"logit_std": LOGIT_STD, "eos_bias": EOS_BIAS, "favourites": FAVOURITES,
                         "favourite_bias": FAVOURITE_BIAS, "params": n_params, "state_sha256": digest},

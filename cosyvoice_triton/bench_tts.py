@@ -1,0 +1,249 @@
+"""``make bench-tts``: what text-to-speech costs at the real dims on this machine.
+
+    python -m cosyvoice_triton.bench_tts [--model-dir models/cosyvoice2-demo-full] [--official PATH]
+
+On a full-size model folder (written once by ``write_demo_model(size="full")`` when its ``llm.pt`` is missing):
+the LM's prefill time, time to first token and decode tokens/s at batch 1, 4 and 8 (in-flight
+:class:`~cosyvoice_triton.models.llm.BatchDecoder`), and the real-time factor of one utterance of
+``--utterance-s`` seconds through the whole path (LM tokens -> flow -> HiFT). With ``--official`` (a checkout of
+FunAudioLLM/CosyVoice) the official ``Qwen2LM.inference`` runs on the same weights in the same process for the
+LM figures. Figures, not assertions: nothing here fails on a slow machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import LLMConfig, ModelConfig
+
+TOKEN_RATE = 25  # speech tokens per second of audio
+# A zero-shot request of typical size: 30 text tokens, a prompt of 20 text tokens and 3 s of speech tokens.
+TEXT_TOKENS, PROMPT_TEXT_TOKENS, PROMPT_SPEECH_TOKENS = 30, 20, 75
+TARGET_BATCH1_VS_OFFICIAL = 1.0
+TARGET_BATCH8_VS_BATCH1 = 3.0
+
+
+def ensure_model(model_dir: Path) -> Path:
+    """A full-size demo folder with ``llm.pt`` (written once: about 2.5 GB and a minute or two)."""
+    from .demo import write_demo_model
+
+    needed = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "llm.pt", "CosyVoice-BlankEN/config.json")
+    if not all((model_dir / name).is_file() for name in needed):
+        print(f"writing the full-size demo model to {model_dir} (once)", flush=True)
+        write_demo_model(model_dir, size="full", seed=0)
+    return model_dir
+
+
+def _inputs(lm, seed: int, text_tokens: int = TEXT_TOKENS):
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, lm.text_vocab_size, (text_tokens,), generator=g)
+    prompt_text = torch.randint(0, lm.text_vocab_size, (PROMPT_TEXT_TOKENS,), generator=g)
+    prompt_speech = torch.randint(0, lm.speech_token_size, (PROMPT_SPEECH_TOKENS,), generator=g)
+    return text, prompt_text, prompt_speech
+
+
+def _ratio(n_tokens: int, text_tokens: int) -> float:
+    # min_len = max_len = n_tokens: end-of-speech is masked until n_tokens, which is also the cap
+    return (n_tokens + 0.5) / text_tokens
+
+
+def _median(fn: Callable[[], float], repeats: int) -> float:
+    return statistics.median(fn() for _ in range(repeats))
+
+
+@torch.inference_mode()
+def bench_project_lm(lm, *, decode_tokens: int, batches: tuple[int, ...], repeats: int) -> dict:
+    from .models.llm import LMRequest
+
+    text, prompt_text, prompt_speech = _inputs(lm, 0)
+
+    def prefill() -> float:
+        t0 = time.perf_counter()
+        lm.qwen(inputs_embeds=lm.lm_input(text, prompt_text, prompt_speech))
+        return time.perf_counter() - t0
+
+    def first_token() -> float:
+        t0 = time.perf_counter()
+        next(lm.generate(text, prompt_text, prompt_speech, draws=0))
+        return time.perf_counter() - t0
+
+    out = {"prompt_positions": len(text) + len(prompt_text) + len(prompt_speech) + 2,
+           "prefill_s": _median(prefill, repeats), "ttft_s": _median(first_token, repeats), "decode": {}}
+    ratio = _ratio(decode_tokens, len(text))
+    for batch in batches:
+        decoder = lm.batch_decoder()
+        for i in range(batch):
+            t, pt, ps = _inputs(lm, 100 + i)
+            decoder.add(LMRequest(t, pt, ps, draws=i, min_token_text_ratio=ratio, max_token_text_ratio=ratio))
+        decoder.step()  # prefills every request and samples its first token
+        t0, tokens = time.perf_counter(), 0
+        while len(decoder):
+            tokens += sum(1 for token in decoder.step().values() if token >= 0)
+        seconds = time.perf_counter() - t0
+        out["decode"][batch] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        print(f"  project batch {batch}: {tokens} tokens in {seconds:.2f} s", flush=True)
+    return out
+
+
+def official_lm(checkout: Path, model_dir: Path, lm):
+    """The official ``Qwen2LM`` holding the same ``llm.pt``: the Qwen2 module is built from the folder's config
+    (the official ``from_pretrained`` also wants Qwen2 weights there, which ``llm.pt`` overwrites anyway)."""
+    from transformers import Qwen2ForCausalLM
+
+    from .official import import_official, official_qwen2lm
+
+    (llm_mod,) = import_official(checkout, "cosyvoice.llm.llm")
+    encoder = llm_mod.Qwen2Encoder.__new__(llm_mod.Qwen2Encoder)
+    torch.nn.Module.__init__(encoder)
+    encoder.model = Qwen2ForCausalLM(lm.llm.model.config)
+    model = official_qwen2lm(checkout, encoder, hidden_size=lm.llm.model.config.hidden_size,
+                             speech_token_size=lm.speech_token_size)
+    model.load_state_dict(torch.load(model_dir / "llm.pt", map_location="cpu", weights_only=True), strict=True)
+    return model.eval()
+
+
+@torch.inference_mode()
+def bench_official_lm(model, lm, *, decode_tokens: int, repeats: int) -> dict:
+    text, prompt_text, prompt_speech = _inputs(lm, 0)
+    as_row = lambda t: t.to(torch.int32)[None]
+    length = lambda t: torch.tensor([len(t)], dtype=torch.int32)
+
+    def run(n_tokens: int) -> tuple[float, float, int]:
+        ratio = _ratio(n_tokens, len(text))
+        gen = model.inference(text=as_row(text), text_len=length(text), prompt_text=as_row(prompt_text),
+                              prompt_text_len=length(prompt_text), prompt_speech_token=as_row(prompt_speech),
+                              prompt_speech_token_len=length(prompt_speech), embedding=torch.zeros(1, 0),
+                              min_token_text_ratio=ratio, max_token_text_ratio=ratio)
+        t0 = time.perf_counter()
+        next(gen)
+        t1 = time.perf_counter()
+        n = sum(1 for _ in gen)
+        return t1 - t0, time.perf_counter() - t1, n
+
+    def prefill() -> float:
+        t0 = time.perf_counter()
+        lm_input = torch.cat([model.llm_embedding.weight[None, :1], model.llm.model.model.embed_tokens(
+            torch.cat([prompt_text, text])[None]), model.llm_embedding.weight[None, 1:],
+            model.speech_embedding(prompt_speech[None])], dim=1)
+        masks = torch.tril(torch.ones((1, lm_input.shape[1], lm_input.shape[1]))).to(torch.bool)
+        model.llm.forward_one_step(lm_input, masks=masks, cache=None)
+        return time.perf_counter() - t0
+
+    torch.manual_seed(0)
+    out = {"prefill_s": _median(prefill, repeats), "ttft_s": _median(lambda: run(1)[0], repeats)}
+    _, seconds, n = run(decode_tokens)
+    out["decode"] = {1: {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds}}
+    print(f"  official batch 1: {n} tokens in {seconds:.2f} s", flush=True)
+    return out
+
+
+@torch.inference_mode()
+def bench_rtf(model_dir: Path, lm, *, utterance_s: float) -> dict:
+    """One utterance through the whole path: LM tokens (``utterance_s`` x 25), then the non-streaming token2wav."""
+    from .pipeline import CosyVoice2, StageTimer, VCInputs
+
+    tts = CosyVoice2.from_pretrained(model_dir)
+    text, prompt_text, prompt_speech = _inputs(lm, 7)
+    n_tokens = round(utterance_s * TOKEN_RATE)
+    ratio = _ratio(n_tokens, len(text))
+    g = np.random.default_rng(7)
+    t0 = time.perf_counter()
+    tokens = list(lm.generate(text, prompt_text, prompt_speech, draws=7, min_token_text_ratio=ratio,
+                              max_token_text_ratio=ratio))
+    lm_s = time.perf_counter() - t0
+    inputs = VCInputs(source_tokens=np.asarray(tokens, np.int32), prompt_tokens=prompt_speech.numpy().astype(np.int32),
+                      prompt_mel=g.normal(-6, 2, (2 * PROMPT_SPEECH_TOKENS, 80)).astype(np.float32),
+                      embedding=g.normal(size=192).astype(np.float32))
+    timer = StageTimer()
+    t1 = time.perf_counter()
+    wave = tts.token2wav(inputs, seed=0, timer=timer)
+    t2w_s = time.perf_counter() - t1
+    audio_s = len(wave) / tts.config.sample_rate
+    return {"tokens": len(tokens), "audio_s": audio_s, "lm_s": lm_s, "token2wav_s": t2w_s,
+            "stages_s": timer.seconds, "rtf": (lm_s + t2w_s) / audio_s}
+
+
+def _table(project: dict, official: dict | None, rtf: dict | None, batches: tuple[int, ...]) -> str:
+    rows = [("prompt positions", f"{project['prompt_positions']}", "")]
+    off = official or {}
+    fmt_s = lambda d, k: f"{d[k] * 1e3:.0f} ms" if k in d else "-"
+    rows.append(("prefill", fmt_s(project, "prefill_s"), fmt_s(off, "prefill_s")))
+    rows.append(("time to first token", fmt_s(project, "ttft_s"), fmt_s(off, "ttft_s")))
+    for b in batches:
+        p = project["decode"][b]
+        o = off.get("decode", {}).get(b)
+        rows.append((f"decode tokens/s, batch {b}", f"{p['tokens_per_s']:.1f} ({p['tokens']} tok)",
+                     f"{o['tokens_per_s']:.1f} ({o['tokens']} tok)" if o else "-"))
+    if rtf:
+        rows.append((f"RTF, {rtf['audio_s']:.1f} s utterance", f"{rtf['rtf']:.2f}", ""))
+        rows.append(("  LM / token2wav", f"{rtf['lm_s']:.1f} s / {rtf['token2wav_s']:.1f} s", ""))
+        for stage, s in rtf["stages_s"].items():
+            rows.append((f"  {stage}", f"{s:.1f} s", ""))
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'':<{width}}  {'project':>22}  {'official':>22}"]
+    lines += [f"{a:<{width}}  {b:>22}  {c:>22}" for a, b, c in rows]
+    b1 = project["decode"].get(1, {}).get("tokens_per_s")
+    b8 = project["decode"].get(max(batches), {}).get("tokens_per_s")
+    if b1 and b8:
+        lines.append(f"batch {max(batches)} aggregate / batch 1: {b8 / b1:.2f}x (target >= {TARGET_BATCH8_VS_BATCH1}x)")
+    o1 = off.get("decode", {}).get(1, {}).get("tokens_per_s")
+    if b1 and o1:
+        lines.append(f"batch-1 decode, project / official: {b1 / o1:.2f}x (target >= {TARGET_BATCH1_VS_OFFICIAL}x)")
+    elif official is None:
+        lines.append("official: skipped (pass --official PATH, a checkout of FunAudioLLM/CosyVoice)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", type=Path, default=Path("models/cosyvoice2-demo-full"))
+    ap.add_argument("--official", type=Path, default=None, help="checkout of the official CosyVoice code")
+    ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode figures")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--utterance-s", type=float, default=10.0, help="0 skips the whole-path RTF")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out-json", type=Path, default=Path("build/bench-tts.json"))
+    args = ap.parse_args(argv)
+    if args.decode_tokens < 2 or args.repeats < 1:
+        ap.error("--decode-tokens must be >= 2 and --repeats >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = tuple(int(b) for b in args.batches.split(","))
+
+    from .models.llm import load_llm
+
+    model_dir = ensure_model(args.model_dir)
+    config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+    if config.llm is None:
+        config = dataclasses.replace(config, llm=LLMConfig.full())
+    lm = load_llm(model_dir, config)
+    print(f"bench-tts: {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    project = bench_project_lm(lm, decode_tokens=args.decode_tokens, batches=batches, repeats=args.repeats)
+    official = None
+    if args.official is not None:
+        model = official_lm(args.official, model_dir, lm)
+        official = bench_official_lm(model, lm, decode_tokens=args.decode_tokens, repeats=args.repeats)
+        del model
+    rtf = bench_rtf(model_dir, lm, utterance_s=args.utterance_s) if args.utterance_s > 0 else None
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print(_table(project, official, rtf, batches))
+    print(f"peak RSS {peak_gb:.1f} GB")
+    args.out_json.parent.mkdir(parents=True, exist_ok=True)
+    args.out_json.write_text(json.dumps({"project": project, "official": official, "rtf": rtf, "peak_rss_gb": peak_gb,
+                                         "threads": torch.get_num_threads()}, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""``make bench-tts`` on a tiny demo folder: it runs, prints its table and writes every figure it promises."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cosyvoice_triton import bench_tts
+from cosyvoice_triton.demo import write_demo_model
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("bench_tts") / "tiny", size="tiny", seed=0)
+
+
+def _run(demo_dir, tmp_path, *extra):
+    out = tmp_path / "bench.json"
+    rc = bench_tts.main(["--model-dir", str(demo_dir), "--decode-tokens", "6", "--batches", "1,3",
+                         "--utterance-s", "0.4", "--repeats", "1", "--out-json", str(out), *extra])
+    assert rc == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_tts_figures(demo_dir, tmp_path, capsys):
+    r = _run(demo_dir, tmp_path)
+    text = capsys.readouterr().out
+    assert "decode tokens/s, batch 3" in text and "official: skipped" in text
+    decode = r["project"]["decode"]
+    # min_len = max_len = 6 tokens per request: the first comes with the prefill, 5 are timed per request
+    assert {k: v["tokens"] for k, v in decode.items()} == {"1": 5, "3": 15}
+    assert all(v["tokens_per_s"] > 0 for v in decode.values())
+    assert r["project"]["prefill_s"] > 0 and r["project"]["ttft_s"] > 0
+    assert r["rtf"]["tokens"] == 10 and r["rtf"]["audio_s"] == pytest.approx(0.4)
+    assert r["rtf"]["rtf"] > 0 and r["official"] is None
+
+
+@pytest.mark.skipif(not os.environ.get("COSYVOICE_OFFICIAL"),
+                    reason="set COSYVOICE_OFFICIAL to a checkout of the official CosyVoice code")
+def test_bench_tts_next_to_official(demo_dir, tmp_path):
+    r = _run(demo_dir, tmp_path, "--official", str(Path(os.environ["COSYVOICE_OFFICIAL"])))
+    assert r["official"]["decode"]["1"]["tokens"] == 5

@@ -30,7 +30,9 @@ import soxr
 from .errors import AudioError
 
 __all__ = [
+    "DECODE_BLOCK_FRAMES",
     "MAX_CHANNELS",
+    "MAX_FILE_CHANNELS",
     "MAX_SAMPLE_RATE",
     "MAX_SECONDS",
     "MEL_SR",
@@ -77,10 +79,19 @@ MAX_SAMPLE_RATE = 384000
 RESAMPLE_QUALITY = "VHQ"
 #: The most channels a 2-D array may have; a larger shorter axis means the layout is not [C, N] / [N, C].
 MAX_CHANNELS = 64
+#: The most channels an encoded file may have (7.1 surround). The model takes mono: channels are averaged.
+#: A file with more is refused from its header, before anything is decoded (a few KB of many-channel silence
+#: would otherwise decode to gigabytes).
+MAX_FILE_CHANNELS = 8
+#: Frames decoded per block: the decoder never holds more than this many multichannel frames at once.
+DECODE_BLOCK_FRAMES = 1 << 16
 
 # What decode_audio takes: an encoded file's bytes, or its path.
 _BYTES = (bytes, bytearray, memoryview)
 _ENCODED = (*_BYTES, str, os.PathLike)
+
+# What libsndfile reports as the frame count of a file whose header does not say (SF_COUNT_MAX).
+_UNKNOWN_FRAMES = 2**63 - 1
 
 # Full-scale divisors of the integer PCM dtypes we accept (8-bit PCM is unsigned with offset 128).
 _PCM_SCALE = {np.dtype(np.int8): 2.0**7, np.dtype(np.int16): 2.0**15, np.dtype(np.int32): 2.0**31}
@@ -234,7 +245,8 @@ def decode_audio(
     name : str
         Name of the input, used in error messages.
     max_seconds : float, optional
-        If given, a file whose header says it is longer is refused before its samples are decoded.
+        If given, the longest accepted file: one whose header says it is longer is refused before its samples
+        are decoded, and the decoding stops and refuses the file as soon as it yields more (a header may lie).
 
     Returns
     -------
@@ -242,6 +254,15 @@ def decode_audio(
         Channels averaged; integer PCM scaled to [-1, 1). Not validated (see :func:`validate_audio`).
     sample_rate : int
         The rate stored in the file, in Hz.
+
+    Raises
+    ------
+    AudioError
+        For bytes libsndfile cannot read, and, from the header before any decoding, for a rate outside
+        [``MIN_SAMPLE_RATE``, ``MAX_SAMPLE_RATE``] Hz, more than ``MAX_FILE_CHANNELS`` channels or more than
+        ``max_seconds``. The file is decoded in blocks of ``DECODE_BLOCK_FRAMES`` frames and mixed to mono block
+        by block, so the memory it costs is bounded by ``max_seconds`` of mono audio at the file's (bounded) rate,
+        whatever the file claims.
     """
     if isinstance(data, _BYTES):
         if len(data) == 0:
@@ -260,15 +281,36 @@ def decode_audio(
     except unreadable as exc:
         raise AudioError(f"{name}: {what} not a readable wav/flac/ogg file ({_reason(exc)})") from exc
     with f:
-        sr = f.samplerate
-        if max_seconds is not None and f.frames > max_seconds * sr:
+        sr = validate_sample_rate(f.samplerate, name=f"{name} (file header)")
+        if not 1 <= f.channels <= MAX_FILE_CHANNELS:
+            raise AudioError(f"{name}: the file has {f.channels} channels; at most {MAX_FILE_CHANNELS} are accepted "
+                             "(they are mixed down to mono)")
+        budget = None if max_seconds is None else math.floor(max_seconds * sr)
+        if f.frames == _UNKNOWN_FRAMES:  # libsndfile cannot read such a file to its end (it fails seeking)
+            raise AudioError(f"{name}: the file's header does not state its length (a stream written without "
+                             "seeking back); write it as a complete file")
+        if budget is not None and f.frames > budget:
             raise AudioError(f"{name}: {_seconds(f.frames, sr)} is too long; at most {max_seconds:g} s "
                              "is accepted")
+        blocks, total = [], 0
         try:
-            pcm = f.read(dtype="float32", always_2d=True)  # [N, C]
+            while True:
+                want = DECODE_BLOCK_FRAMES if budget is None else min(DECODE_BLOCK_FRAMES, budget + 1 - total)
+                pcm = f.read(frames=want, dtype="float32", always_2d=True)  # [n, C]
+                if pcm.shape[0] == 0:
+                    break
+                total += pcm.shape[0]
+                if budget is not None and total > budget:
+                    raise AudioError(f"{name}: the file decodes to more than {max_seconds:g} s (its header says "
+                                     f"{_seconds(f.frames, sr)}); at most {max_seconds:g} s is accepted")
+                mono = pcm[:, 0] if pcm.shape[1] == 1 else pcm.mean(axis=1, dtype=np.float64)
+                blocks.append(np.asarray(mono, dtype=np.float32).copy())
+                del pcm, mono
+        except AudioError:
+            raise
         except unreadable as exc:
             raise AudioError(f"{name}: {what} not a readable wav/flac/ogg file ({_reason(exc)})") from exc
-    y = pcm[:, 0] if pcm.shape[1] == 1 else pcm.mean(axis=1, dtype=np.float64)
+    y = np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
     return np.ascontiguousarray(y, dtype=np.float32), int(sr)
 
 

@@ -37,9 +37,15 @@ class AxisRange:
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """One tensor. ``values``: the inclusive range of an integer input's values (token ids, look-ahead counts);
+    ``length_of``: the axis whose per-item length a rank-1 integer input gives (each value in 1..that axis's
+    size in the request). Runners check both per request, before batching."""
+
     name: str
     dtype: str  # numpy / ONNX spelling: float32, int32, bool
     shape: tuple[Dim, ...]
+    values: tuple[int, int] | None = None
+    length_of: str | None = None
 
     def dim_names(self) -> list[str | int]:
         """ONNX ``dynamic_axes`` style names: an axis name, ``"480*mel_frames"``, or a fixed int."""
@@ -89,8 +95,15 @@ class GraphSpec:
         return self.axes["batch"].max
 
 
-def _t(name: str, dtype: str, *shape: Dim) -> TensorSpec:
-    return TensorSpec(name, dtype, tuple(shape))
+def _t(name: str, dtype: str, *shape: Dim, values: tuple[int, int] | None = None,
+       length_of: str | None = None) -> TensorSpec:
+    return TensorSpec(name, dtype, tuple(shape), values, length_of)
+
+
+#: CosyVoice2's speech-token vocabulary (the v2 tokenizer's 3^8 codes; the flow's embedding table).
+SPEECH_TOKEN_VOCAB = 6561
+#: The look-ahead tokens of a streaming chunk (the flow's pre-lookahead layer; 0 when not streaming).
+MAX_LOOKAHEAD = 3
 
 
 _B = "batch"
@@ -99,7 +112,8 @@ _MEL = "mel_frames"
 GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
     "speech_tokenizer": GraphSpec(
         "speech_tokenizer",
-        inputs=(_t("whisper_mel", "float32", _B, 128, "whisper_frames"), _t("whisper_mel_len", "int32", _B)),
+        inputs=(_t("whisper_mel", "float32", _B, 128, "whisper_frames"),
+                _t("whisper_mel_len", "int32", _B, length_of="whisper_frames")),
         outputs=(_t("speech_tokens", "int32", _B, "tokens"),),
         axes={_B: AxisRange(1, 4, 16), "whisper_frames": AxisRange(10, 500, 3000),
               "tokens": AxisRange(3, 125, 750)},
@@ -115,9 +129,11 @@ GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
     "flow_encoder": GraphSpec(
         "flow_encoder",
         inputs=(
-            _t("speech_tokens", "int32", _B, "tokens"),  # prompt tokens then source tokens, per item
-            _t("speech_token_len", "int32", _B),
-            _t("lookahead_len", "int32", _B),  # trailing tokens that are look-ahead only (0 or 3)
+            # prompt tokens then source tokens, per item
+            _t("speech_tokens", "int32", _B, "tokens", values=(0, SPEECH_TOKEN_VOCAB - 1)),
+            _t("speech_token_len", "int32", _B, length_of="tokens"),
+            # trailing tokens that are look-ahead only (0 or 3)
+            _t("lookahead_len", "int32", _B, values=(0, MAX_LOOKAHEAD)),
             _t("speaker_embedding", "float32", _B, 192),
             _t("streaming", "bool", _B),
         ),

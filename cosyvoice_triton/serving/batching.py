@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import CosyVoiceError
 
-__all__ = ["ItemResult", "RequestError", "chunks_by_rows", "group_by", "pad_to", "run_per_item"]
+__all__ = ["ItemResult", "RequestError", "chunks_by_rows", "drop_traceback", "group_by", "pad_to", "run_per_item"]
 
 T = TypeVar("T")
 
@@ -19,15 +19,38 @@ class RequestError(CosyVoiceError):
     """A request whose tensors cannot be used (wrong shape, dtype, value): the client's mistake, HTTP 400."""
 
 
+def drop_traceback(exc: BaseException) -> BaseException:
+    """``exc`` without the tracebacks of itself and its ``__cause__`` / ``__context__`` chain.
+
+    A stored exception keeps its traceback's frames alive, and with them every array those frames held (a
+    refused request's whole input); a frame that also holds the list the exception is stored in makes a
+    reference cycle that only a full garbage collection frees, which an idle server may never run. The
+    message is all a response needs."""
+    stack, seen = [exc], set()
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        stack += [e.__cause__, e.__context__]
+    return exc
+
+
 @dataclass
 class ItemResult(Generic[T]):
     """What one request of a batch gets: a value, or the error that only this request fails with.
 
     ``error`` is a :class:`~cosyvoice_triton.errors.CosyVoiceError` (the client's fault: INVALID_ARG) or any
-    other exception (a server fault: INTERNAL)."""
+    other exception (a server fault: INTERNAL); it is stored without its traceback (:func:`drop_traceback`),
+    so a failed request's tensors are freed with the request."""
 
     value: T | None = None
     error: BaseException | None = None
+
+    def __post_init__(self):
+        if self.error is not None:
+            drop_traceback(self.error)
 
     @property
     def ok(self) -> bool:

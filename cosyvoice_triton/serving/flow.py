@@ -14,6 +14,7 @@ they are :class:`~cosyvoice_triton.serving.graphs.GraphRunner` calls. Both take 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from ..errors import CosyVoiceError
 from ..models.cfm import cfm_noise, cosine_t_span, solve_euler
 from ..shapes import GRAPHS
 from .batching import ItemResult, RequestError, run_per_item
+
+log = logging.getLogger(__name__)
 
 __all__ = ["FlowItem", "FlowSolver", "GraphFn"]
 
@@ -88,10 +91,21 @@ class FlowSolver:
             raise RequestError(f"flow: prompt_mel must be [frames, 80], got {list(item.prompt_mel.shape)}")
         if item.embedding.shape != (192,):
             raise RequestError(f"flow: speaker_embedding must have 192 values, got {list(item.embedding.shape)}")
+        lo, hi = GRAPHS["flow_encoder"].tensor("speech_tokens").values
+        for name, tokens in (("source_speech_tokens", item.source_tokens),
+                             ("prompt_speech_tokens", item.prompt_tokens)):
+            bad = (tokens < lo) | (tokens > hi)
+            if bad.any():
+                raise RequestError(f"flow: {name} has token id {int(tokens[bad][0])} outside {lo}..{hi}")
+        for name, x in (("prompt_mel", item.prompt_mel), ("speaker_embedding", item.embedding)):
+            if not np.isfinite(x).all():
+                raise RequestError(f"flow: {name} has NaN/Inf values; inputs must be finite")
         total = item.source_tokens.size + item.prompt_tokens.size
-        max_tokens = GRAPHS["flow_encoder"].axes["tokens"].max
-        if total > max_tokens:
-            raise RequestError(f"flow: {total} speech tokens (prompt + source) exceed the maximum {max_tokens}")
+        axis = GRAPHS["flow_encoder"].axes["tokens"]
+        if total > axis.max:
+            raise RequestError(f"flow: {total} speech tokens (prompt + source) exceed the maximum {axis.max}")
+        if total < axis.min:
+            raise RequestError(f"flow: {total} speech tokens (prompt + source) are below the minimum {axis.min}")
         frames = self.token_mel_ratio * total
         if frames > self.noise.shape[-1]:
             raise RequestError(f"flow: {frames} mel frames exceed the noise buffer ({self.noise.shape[-1]})")
@@ -112,15 +126,22 @@ class FlowSolver:
                 results[i] = ItemResult(error=exc)
         for start in range(0, len(good), self.max_batch):
             chunk = good[start:start + self.max_batch]
-            try:
-                mels = self._run_batch([items[i] for i in chunk], encoder, estimator)
-            except Exception as exc:
-                for i in chunk:
-                    results[i] = ItemResult(error=exc)
-                continue
-            for i, mel in zip(chunk, mels, strict=True):
-                results[i] = ItemResult(mel)
+            for i, res in zip(chunk, self._run_isolated([items[i] for i in chunk], encoder, estimator),
+                              strict=True):
+                results[i] = res
         return results
+
+    def _run_isolated(self, items: Sequence[FlowItem], encoder: GraphFn, estimator: GraphFn
+                      ) -> list[ItemResult[np.ndarray]]:
+        """One batch; if it raises, each item alone, so that one item's failure is its own."""
+        try:
+            return [ItemResult(mel) for mel in self._run_batch(items, encoder, estimator)]
+        except Exception as exc:
+            if len(items) == 1:
+                return [ItemResult(error=exc)]
+            log.warning("flow: batch of %d failed (%s: %s); running the items one by one", len(items),
+                        type(exc).__name__, exc)
+        return [r for it in items for r in self._run_isolated([it], encoder, estimator)]
 
     def run_tensors(self, requests: Sequence[Mapping[str, np.ndarray | None]], encoder: GraphFn,
                     estimator: GraphFn) -> list[ItemResult[np.ndarray]]:

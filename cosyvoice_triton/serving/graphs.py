@@ -31,7 +31,7 @@ from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH_POLICY", "RUNTIMES", "GraphRunner", "axis_sizes"]
+__all__ = ["BATCH_POLICY", "RUNTIMES", "GraphRunner", "axis_sizes", "check_request", "check_values"]
 
 #: How each graph batches requests of different lengths (see the module docstring).
 BATCH_POLICY: Mapping[str, str] = {
@@ -47,13 +47,14 @@ _TORCH_GRAPHS = ("flow_encoder", "flow_estimator", "hift_source", "hift_decoder"
 
 
 def axis_sizes(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
-    """Axis sizes of one request from its input shapes (checking rank, fixed dims and consistency);
-    raises :class:`RequestError` naming the tensor."""
+    """Axis sizes of one request from its input shapes (checking rank, fixed dims, consistency and each axis's
+    min/max of the spec); raises :class:`RequestError` naming the tensor, the axis, the value and the limit."""
     sizes: dict[str, int] = {}
+    first: dict[str, str] = {}
     for t in spec.inputs:
-        if t.name not in feeds:
+        if feeds.get(t.name) is None:
             raise RequestError(f"{spec.name}: missing input {t.name!r}")
-        shape = feeds[t.name].shape
+        shape = np.shape(feeds[t.name])
         if len(shape) != len(t.shape):
             raise RequestError(f"{spec.name}: input {t.name!r} has shape {list(shape)}, expected rank "
                                f"{len(t.shape)} ({t.dim_names()})")
@@ -68,8 +69,14 @@ def axis_sizes(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, in
                 raise RequestError(f"{spec.name}: input {t.name!r} dim {got} is not a multiple of {factor}")
             n = got // factor
             if sizes.setdefault(axis, n) != n:
-                raise RequestError(f"{spec.name}: input {t.name!r} has {axis} = {n}, other inputs have "
+                raise RequestError(f"{spec.name}: input {t.name!r} has {axis} = {n}, input {first[axis]!r} has "
                                    f"{sizes[axis]}")
+            first.setdefault(axis, t.name)
+            r = spec.axes.get(axis)
+            if r is not None and n > r.max:
+                raise RequestError(f"{spec.name}: input {t.name!r} axis {axis} = {n} exceeds the maximum {r.max}")
+            if r is not None and n < r.min:
+                raise RequestError(f"{spec.name}: input {t.name!r} axis {axis} = {n} is below the minimum {r.min}")
     return sizes
 
 
@@ -81,6 +88,44 @@ def _cast(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndar
             raise RequestError(f"{spec.name}: input {t.name!r} is {x.dtype}, expected {t.dtype}")
         out[t.name] = np.ascontiguousarray(x)
     return out
+
+
+def check_values(spec: GraphSpec, feeds: Mapping[str, np.ndarray], sizes: Mapping[str, int]) -> None:
+    """Per-request value checks (after :func:`axis_sizes` and the dtype check): floats finite, lengths within
+    their axis (``length_of``), integers within their range (``values``); raises :class:`RequestError`."""
+    for t in spec.inputs:
+        x = feeds[t.name]
+        if x.dtype.kind == "f":
+            finite = np.isfinite(x)
+            if not finite.all():
+                bad = int(finite.size - np.count_nonzero(finite))
+                raise RequestError(f"{spec.name}: input {t.name!r} has {bad} NaN/Inf value(s); inputs must be "
+                                   "finite")
+            continue
+        if x.dtype.kind not in "iu" or x.size == 0:
+            continue
+        lo, hi = int(x.min()), int(x.max())
+        if t.values is not None and (lo < t.values[0] or hi > t.values[1]):
+            v = lo if lo < t.values[0] else hi
+            raise RequestError(f"{spec.name}: input {t.name!r} has value {v} outside {t.values[0]}..{t.values[1]}")
+        if t.length_of is not None:
+            n = sizes[t.length_of]
+            if lo < 1 or hi > n:
+                v = lo if lo < 1 else hi
+                raise RequestError(f"{spec.name}: input {t.name!r} = {v} is not a length within 1..{n} (the "
+                                   f"request's {t.length_of} axis)")
+
+
+def check_request(spec: GraphSpec, feeds: Mapping[str, np.ndarray], *, max_batch: int | None = None
+                  ) -> tuple[dict[str, int], dict[str, np.ndarray]]:
+    """One request checked against the spec before it may share a batch: ``(axis sizes, contiguous feeds)``.
+    Every failure is a :class:`RequestError` of this request alone."""
+    sizes = axis_sizes(spec, feeds)
+    cast = _cast(spec, feeds)
+    if max_batch is not None and sizes["batch"] > max_batch:
+        raise RequestError(f"{spec.name}: batch {sizes['batch']} exceeds the maximum {max_batch}")
+    check_values(spec, cast, sizes)
+    return sizes, cast
 
 
 class GraphRunner:
@@ -155,8 +200,12 @@ class GraphRunner:
     # ------------------------------------------------------------------------------------------- run
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One call on an already batched input (spec names and dtypes); outputs by spec name."""
-        feeds = _cast(self.spec, feeds)
+        """One call on an already batched input (spec names and dtypes), checked as :func:`check_request`
+        checks a request; outputs by spec name."""
+        _, feeds = check_request(self.spec, feeds, max_batch=self.max_batch)
+        return self._call(feeds)
+
+    def _call(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._session is not None:
             outs = self._session.run([t.name for t in self.spec.outputs], feeds)
         else:
@@ -183,10 +232,7 @@ class GraphRunner:
         feeds: list[dict[str, np.ndarray] | None] = []
         for i, item in enumerate(items):
             try:
-                s = axis_sizes(self.spec, item)
-                f = _cast(self.spec, item)
-                if s["batch"] > self.max_batch:
-                    raise RequestError(f"{self.name}: batch {s['batch']} exceeds the maximum {self.max_batch}")
+                s, f = check_request(self.spec, item, max_batch=self.max_batch)
                 sizes.append(s)
                 feeds.append(f)
             except RequestError as exc:
@@ -203,22 +249,28 @@ class GraphRunner:
         rows = [s["batch"] if s else 0 for s in sizes]
         for group in groups:
             for chunk in chunks_by_rows(group, rows, self.max_batch):
-                try:
-                    outs = self._run_chunk([feeds[i] for i in chunk], [sizes[i] for i in chunk])
-                except Exception as exc:  # a failed call fails its own requests, not the others
-                    log.exception("%s: batched call failed", self.name)
-                    for i in chunk:
-                        results[i] = ItemResult(error=exc)
-                    continue
-                for i, out in zip(chunk, outs, strict=True):
-                    results[i] = ItemResult(out)
+                for i, res in zip(chunk, self._run_isolated(chunk, feeds, sizes), strict=True):
+                    results[i] = res
         return results
+
+    def _run_isolated(self, chunk: list[int], feeds: list, sizes: list) -> list[ItemResult[dict[str, np.ndarray]]]:
+        """One call for the chunk; if it raises, each item alone, so that one item's failure is its own."""
+        try:
+            outs = self._run_chunk([feeds[i] for i in chunk], [sizes[i] for i in chunk])
+            return [ItemResult(out) for out in outs]
+        except Exception as exc:
+            if len(chunk) == 1:
+                log.error("%s: call failed: %s: %s", self.name, type(exc).__name__, exc)
+                return [ItemResult(error=exc)]
+            log.warning("%s: batched call of %d requests failed (%s: %s); running them one by one", self.name,
+                        len(chunk), type(exc).__name__, exc)
+        return [r for i in chunk for r in self._run_isolated([i], feeds, sizes)]
 
     def _run_chunk(self, feeds: list[dict[str, np.ndarray]], sizes: list[dict[str, int]]
                    ) -> list[dict[str, np.ndarray]]:
         spec = self.spec
         if len(feeds) == 1:
-            out = self.run(feeds[0])
+            out = self._call(feeds[0])
             return [self._crop(out, sizes[0], feeds[0])]
         top = {k: max(s[k] for s in sizes) for k in sizes[0] if k != "batch"}
         batched = {}
@@ -226,7 +278,7 @@ class GraphRunner:
             parts = [pad_to(f[t.name], spec.resolve(t, {**top, "batch": s["batch"]})) for f, s in
                      zip(feeds, sizes, strict=True)]
             batched[t.name] = np.concatenate(parts, axis=0)
-        out = self.run(batched)
+        out = self._call(batched)
         res, start = [], 0
         for f, s in zip(feeds, sizes, strict=True):
             b = s["batch"]

@@ -16,11 +16,14 @@ import soundfile
 from scipy import signal
 
 from .. import audio
+from ..shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, run_per_item
 
 __all__ = ["OUTPUT_FORMATS", "Postprocessor", "integrated_loudness"]
 
 OUTPUT_FORMATS = ("", "wav", "flac")
+#: The longest waveform ``postprocess`` takes: what HiFT gives for its most mel frames.
+MAX_SAMPLES = GRAPHS["hift_decoder"].axes["mel_frames"].max * SAMPLES_PER_MEL_FRAME
 
 
 def _k_weighting(sr: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -104,6 +107,11 @@ class Postprocessor:
             w = np.asarray(w)
             if w.ndim != 2 or w.shape[0] != 1 or w.dtype.kind != "f":
                 raise RequestError(f"postprocess: waveform must be [1, N] float, got {w.dtype} {list(w.shape)}")
+            if w.shape[1] > MAX_SAMPLES:
+                raise RequestError(f"postprocess: waveform axis samples = {w.shape[1]} exceeds the maximum "
+                                   f"{MAX_SAMPLES} (the vocoder's longest output)")
+            if not np.isfinite(w).all():
+                raise RequestError("postprocess: waveform has NaN/Inf values; inputs must be finite")
             y = self.waveform(w)
             out = {"waveform": y[None], "sample_rate": np.array([[self.output_sample_rate]], np.int32)}
             if self.output_format:

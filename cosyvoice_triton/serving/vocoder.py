@@ -108,16 +108,22 @@ class HiftRunner:
         for members in groups.values():
             members = [good[j] for j in members]
             for chunk in chunks_by_rows(members, [1] * (max(members) + 1), self.max_batch):
-                try:
-                    waves = self._run_group([checked[i] for i in chunk], [seeds[i] for i in chunk], source,
-                                            decoder)
-                except Exception as exc:
-                    for i in chunk:
-                        results[i] = ItemResult(error=exc)
-                    continue
-                for i, w in zip(chunk, waves, strict=True):
-                    results[i] = ItemResult(w)
+                outs = self._run_isolated([checked[i] for i in chunk], [seeds[i] for i in chunk], source, decoder)
+                for i, res in zip(chunk, outs, strict=True):
+                    results[i] = res
         return results
+
+    def _run_isolated(self, mels: list[np.ndarray], seeds: list[int], source: GraphFn, decoder: GraphFn
+                      ) -> list[ItemResult[np.ndarray]]:
+        """One group call; if it raises, each item alone, so that one item's failure is its own."""
+        try:
+            return [ItemResult(w) for w in self._run_group(mels, seeds, source, decoder)]
+        except Exception as exc:
+            if len(mels) == 1:
+                return [ItemResult(error=exc)]
+            log.warning("hift: group of %d failed (%s: %s); running the items one by one", len(mels),
+                        type(exc).__name__, exc)
+        return [r for m, s in zip(mels, seeds, strict=True) for r in self._run_isolated([m], [s], source, decoder)]
 
     def run_tensors(self, requests: Sequence[Mapping[str, Any]], source: GraphFn, decoder: GraphFn, *,
                     default_seed: int = DEFAULT_SEED) -> list[ItemResult[np.ndarray]]:

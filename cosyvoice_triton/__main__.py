@@ -1,4 +1,5 @@
-"""Command line: ``python -m cosyvoice_triton {vc,demo-model,bench,bench-preprocess} ...`` (``cosyvoice-triton``)."""
+"""Command line: ``python -m cosyvoice_triton {tts,vc,speaker,demo-model,bench,bench-preprocess} ...``
+(``cosyvoice-triton``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,85 @@ def _cmd_vc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_tts(args: argparse.Namespace) -> int:
+    import numpy as np
+    import soundfile as sf
+    import torch
+
+    from .pipeline import CosyVoice2, StageTimer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
+    t0 = time.perf_counter()
+    model = CosyVoice2.from_pretrained(args.model_dir, device=args.device, tts=True, speaker_dir=args.speaker_dir)
+    load_s = time.perf_counter() - t0
+    timer = StageTimer()
+    sr = model.config.sample_rate
+    to_stdout = args.output == "-"
+    sink = None if to_stdout else sf.SoundFile(_out_path(args.output), "w", samplerate=sr, channels=1,
+                                                subtype="PCM_16")
+    samples, first = 0, None
+    t0 = time.perf_counter()
+    try:
+        for chunk in model.tts_stream(text, stream=args.stream,
+                                      seed=args.seed, timer=timer, prompt_audio=args.prompt_audio,
+                                      prompt_text=args.prompt_text, instruct=args.instruct,
+                                      speaker_id=args.speaker, mode=args.mode):
+            first = first if first is not None else time.perf_counter() - t0
+            samples += len(chunk)
+            if to_stdout:  # raw 16-bit little-endian mono PCM for a player (e.g. `| aplay -f S16_LE -r 24000`)
+                sys.stdout.buffer.write((np.clip(chunk, -1, 1) * 32767).astype("<i2").tobytes())
+                sys.stdout.buffer.flush()
+            else:
+                sink.write(chunk)
+    finally:
+        if sink is not None:
+            sink.close()
+    total = time.perf_counter() - t0
+    seconds = samples / sr
+    report = sys.stderr if to_stdout else sys.stdout
+    where = "stdout (raw s16le mono)" if to_stdout else args.output
+    print(f"wrote {where}: {seconds:.2f} s at {sr} Hz (model load {load_s:.2f} s)", file=report)
+    print(f"first audio after {first * 1000:.0f} ms ({'streaming' if args.stream else 'first segment'}); "
+          f"total {total:.2f} s, real-time factor {total / max(seconds, 1e-9):.3f}", file=report)
+    for name, s in timer.seconds.items():
+        print(f"  {name:<18} {s * 1000:9.1f} ms", file=report)
+    return 0
+
+
+def _out_path(path: str) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _cmd_speaker(args: argparse.Namespace) -> int:
+    from .speakers import SpeakerStore
+
+    if args.action != "list" and not args.id:
+        raise CosyVoiceError(f"speaker {args.action} needs a speaker id")
+    if args.action == "add":
+        from .pipeline import CosyVoice2
+
+        if not args.prompt_audio or not args.model_dir:
+            raise CosyVoiceError("speaker add needs --model-dir and --prompt-audio")
+        model = CosyVoice2.from_pretrained(args.model_dir, tts=args.prompt_text is not None,
+                                           speaker_dir=args.speaker_dir)
+        prompt = model.register_speaker(args.id, args.prompt_audio, prompt_text=args.prompt_text)
+        print(f"registered {args.id!r}: {len(prompt.prompt_tokens)} prompt tokens, "
+              f"{len(prompt.prompt_text_tokens)} transcript tokens, in {args.speaker_dir}")
+        return 0
+    store = SpeakerStore(args.speaker_dir)
+    if args.action == "list":
+        for speaker_id in store.list():
+            print(speaker_id)
+    else:
+        store.delete(args.id)
+        print(f"deleted {args.id!r}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_core_bench
 
@@ -83,6 +163,34 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     v.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
     v.set_defaults(func=_cmd_vc)
+
+    t = sub.add_parser("tts", help="in-process text to speech (zero-shot, cross-lingual, instruct, registered speaker)")
+    t.add_argument("--model-dir", required=True, help="CosyVoice2 folder with llm.pt and CosyVoice-BlankEN/")
+    text = t.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="text to speak (any length: split as the official front end splits)")
+    text.add_argument("--text-file", help="UTF-8 file with the text to speak")
+    t.add_argument("--prompt-audio", help="speech of the target voice (wav/flac/ogg)")
+    t.add_argument("--prompt-text", help="transcript of the prompt audio (zero-shot); without it: cross-lingual")
+    t.add_argument("--instruct", help="instruction, e.g. 'Speak slowly and happily' (instruct mode)")
+    t.add_argument("--speaker", help="a registered speaker id instead of --prompt-audio (see `speaker add`)")
+    t.add_argument("--speaker-dir", default="build/speakers", help="where registered speakers are kept")
+    t.add_argument("--mode", choices=("zero_shot", "cross_lingual", "instruct"), default=None,
+                   help="default: instruct with --instruct, zero_shot with a transcript, else cross_lingual")
+    t.add_argument("-o", "--output", required=True, help="output wav (24 kHz, 16-bit), or - for raw PCM on stdout")
+    t.add_argument("--stream", action="store_true", help="official streaming schedule, audio written as it comes")
+    t.add_argument("--seed", type=int, default=0, help="seed of the LM's sampling and HiFT's source noise")
+    t.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    t.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    t.set_defaults(func=_cmd_tts)
+
+    sp = sub.add_parser("speaker", help="register, list or delete speakers (prompt computed once, reused)")
+    sp.add_argument("action", choices=("add", "list", "delete"))
+    sp.add_argument("id", nargs="?", help="speaker id: 1-64 of A-Z a-z 0-9 _ . - (not starting with .)")
+    sp.add_argument("--model-dir", help="CosyVoice2 folder (add)")
+    sp.add_argument("--prompt-audio", help="speech of the speaker (add)")
+    sp.add_argument("--prompt-text", help="its transcript (add; enables zero-shot for this speaker)")
+    sp.add_argument("--speaker-dir", default="build/speakers", help="where registered speakers are kept")
+    sp.set_defaults(func=_cmd_speaker)
 
     b = sub.add_parser("bench", help="per-stage timings, GFLOP/s against a GEMM ceiling, peak memory")
     b.add_argument("--model-dir", required=True)

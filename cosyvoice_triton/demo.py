@@ -3,7 +3,9 @@
 The real CosyVoice2-0.5B weights cannot be shipped or downloaded by this project. ``write_demo_model``
 writes ``flow.pt``, ``hift.pt`` (state_dicts with exactly the official keys, shapes and weight-norm
 spelling), ``cosyvoice2.yaml`` and stand-ins of ``speech_tokenizer_v2.onnx`` / ``campplus.onnx`` with the
-official signatures. Every loader and every command then runs unchanged on a real folder.
+official signatures, plus the text-to-speech half: ``llm.pt`` (the official ``Qwen2LM`` state_dict at these dims)
+and ``CosyVoice-BlankEN/`` (a Qwen2 ``config.json`` and a small Qwen2-format stand-in tokenizer with CosyVoice2's
+special tokens; its ids are not Qwen2.5's). Every loader and every command then runs unchanged on a real folder.
 
 Random weights produce noise, not speech. Two touches keep the signal path exercised like a trained model:
 biases and LayerNorm parameters get small perturbations (so no module sits at a trivial identity), and the
@@ -13,6 +15,7 @@ in speech) instead of ~0 Hz, which would switch HiFT's harmonic source off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 from . import features
-from .config import ModelConfig, write_yaml
+from .config import LLMConfig, ModelConfig, write_yaml
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .standins import write_campplus_standin, write_speech_tokenizer_standin
@@ -35,9 +38,11 @@ _README = """\
 CosyVoice2 DEMO model folder written by cosyvoice_triton (size: {size}, seed: {seed}).
 
 RANDOM WEIGHTS: everything this folder produces is noise, not speech. It exists so that every command of
-the project runs end to end without the real checkpoint. flow.pt / hift.pt have exactly the keys and shapes
-of the official files at these dims; speech_tokenizer_v2.onnx / campplus.onnx are small stand-ins with the
-official input/output signatures. Point --model-dir (or MODEL_DIR=) at a real CosyVoice2-0.5B folder to
+the project runs end to end without the real checkpoint. flow.pt / hift.pt / llm.pt have exactly the keys
+and shapes of the official files at these dims; speech_tokenizer_v2.onnx / campplus.onnx are small stand-ins
+with the official input/output signatures; CosyVoice-BlankEN/ holds a Qwen2 config.json at these dims and a
+STAND-IN tokenizer (a small byte-level BPE in the Qwen2 file format with CosyVoice2's special tokens, not the
+Qwen2.5 vocabulary). Point --model-dir (or MODEL_DIR=) at a real CosyVoice2-0.5B folder to
 get speech.
 """
 
@@ -97,6 +102,7 @@ def write_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0) 
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     config = ModelConfig.tiny() if size == "tiny" else ModelConfig.full()
+    config = dataclasses.replace(config, llm=LLMConfig.tiny() if size == "tiny" else LLMConfig.full())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log.info("building %s demo model (seed %d)", size, seed)
@@ -105,8 +111,22 @@ def write_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0) 
     for name, module in (("flow.pt", flow), ("hift.pt", hift)):
         torch.save(module.state_dict(), out / name)
         log.info("wrote %s (%.1f MB)", out / name, (out / name).stat().st_size / 1e6)
+    _write_demo_llm(out, config, size=size, seed=seed)
     write_speech_tokenizer_standin(out / "speech_tokenizer_v2.onnx", seed=seed)
     write_campplus_standin(out / "campplus.onnx", seed=seed)
     (out / "README.txt").write_text(_README.format(size=size, seed=seed), encoding="utf-8")
     log.info("demo model folder ready: %s", out)
     return out
+
+
+def _write_demo_llm(out: Path, config: ModelConfig, *, size: str, seed: int) -> None:
+    """``CosyVoice-BlankEN/`` (Qwen2 config + stand-in tokenizer) and ``llm.pt`` with random weights."""
+    from .models.llm import QWEN_DIR, build_demo_llm, read_qwen_config, write_qwen_config  # transformers: lazy
+    from .text.standin import write_tokenizer_standin
+
+    qwen_dir = out / QWEN_DIR
+    config_path = write_qwen_config(qwen_dir, size=size)
+    write_tokenizer_standin(qwen_dir, vocab_size=read_qwen_config(config_path).vocab_size)
+    lm = build_demo_llm(config, config_path, seed=seed)
+    torch.save(lm.state_dict(), out / "llm.pt")
+    log.info("wrote %s (%.1f MB)", out / "llm.pt", (out / "llm.pt").stat().st_size / 1e6)

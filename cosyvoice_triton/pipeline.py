@@ -1,10 +1,12 @@
-"""In-process CosyVoice2 voice conversion: the official VC path, as one object.
+"""In-process CosyVoice2: the official voice-conversion and text-to-speech paths, as one object.
 
 ``CosyVoice2.from_pretrained(model_dir)`` loads an official model folder (``cosyvoice2.yaml``, ``flow.pt``,
-``hift.pt``, ``speech_tokenizer_v2.onnx``, ``campplus.onnx``). :meth:`CosyVoice2.convert` then does what
-``CosyVoice2.inference_vc`` does: speech tokens of source and prompt (Whisper log-mel + tokenizer at
-16 kHz), the prompt's 24 kHz mel and CAM++ speaker embedding, the flow, HiFT. This is the reference the
-served pipeline is checked against.
+``hift.pt``, ``speech_tokenizer_v2.onnx``, ``campplus.onnx``; for TTS also ``llm.pt`` and ``CosyVoice-BlankEN/``).
+:meth:`CosyVoice2.convert` does what ``CosyVoice2.inference_vc`` does: speech tokens of source and prompt
+(Whisper log-mel + tokenizer at 16 kHz), the prompt's 24 kHz mel and CAM++ speaker embedding, the flow, HiFT.
+:meth:`CosyVoice2.tts` does what ``inference_zero_shot`` / ``inference_cross_lingual`` / ``inference_instruct2``
+do: text front end, the LM (speech tokens), then the same token-to-wav path. This is the reference the served
+pipeline is checked against.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import torch
 from . import audio, features
 from .checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, LLMError, TextError
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
+from .speakers import SpeakerPrompt, SpeakerStore
 from .speech_models import SpeakerEncoder, SpeechTokenizer
 
 log = logging.getLogger(__name__)
 
 MODEL_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2.onnx", "campplus.onnx")
+TTS_FILES = ("llm.pt", "CosyVoice-BlankEN/config.json")
+TTS_MODES = ("zero_shot", "cross_lingual", "instruct")
 
 
 @dataclass
@@ -65,7 +70,8 @@ class VCInputs:
 
 
 class CosyVoice2:
-    """The VC models of one CosyVoice2 folder on one torch device (CPU by default)."""
+    """The models of one CosyVoice2 folder on one torch device (CPU by default); ``llm`` and ``text`` are
+    ``None`` for a folder without the TTS files (voice conversion only)."""
 
     # streaming constants of the official CosyVoice2Model
     TOKEN_HOP = 25
@@ -74,7 +80,8 @@ class CosyVoice2:
     MEL_CACHE = 8
 
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
-                 tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu"):
+                 tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",
+                 llm=None, text=None, speakers: SpeakerStore | None = None):
         self.config = config
         self.device = torch.device(device)
         self.flow = flow.to(self.device).eval()
@@ -83,11 +90,18 @@ class CosyVoice2:
         self.speaker = speaker
         self.source_cache = self.MEL_CACHE * config.hift.upsample_factor
         self.fade_window = np.hamming(2 * self.source_cache)
+        self.llm = None if llm is None else llm.to(self.device).eval()
+        self.text = text
+        self.speakers = speakers if speakers is not None else SpeakerStore()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
-                        onnx_threads: int = 1) -> CosyVoice2:
-        """Load an official CosyVoice2 model folder (or a demo folder of the same layout)."""
+    def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
+                        tts: bool | None = None, speaker_dir: str | Path | None = None) -> CosyVoice2:
+        """Load an official CosyVoice2 model folder (or a demo folder of the same layout).
+
+        ``tts``: load the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``); ``None`` loads them when
+        the folder has them, ``True`` requires them. ``speaker_dir``: where registered speakers persist.
+        """
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise CheckpointError(f"{model_dir}: model folder not found")
@@ -112,7 +126,19 @@ class CosyVoice2:
         speaker = SpeakerEncoder(model_dir / "campplus.onnx", intra_op_threads=onnx_threads)
         features.mel_basis(config.mel)  # build the filter banks (and librosa's lazy imports) now, not per call
         features.whisper_mel_filters(128)
-        return cls(config, flow, hift, tokenizer, speaker, device=device)
+        missing_tts = [name for name in TTS_FILES if not (model_dir / name).is_file()]
+        if tts and missing_tts:
+            raise CheckpointError(f"{model_dir}: missing {', '.join(missing_tts)} (text-to-speech needs "
+                                  f"{', '.join(TTS_FILES)} and the tokenizer files of CosyVoice-BlankEN/)")
+        llm = text = None
+        if tts or (tts is None and not missing_tts):
+            from .models.llm import QWEN_DIR, load_llm  # transformers: only for TTS
+            from .text import TextFrontend
+
+            llm = load_llm(model_dir, config)
+            text = TextFrontend(model_dir / QWEN_DIR)
+        return cls(config, flow, hift, tokenizer, speaker, device=device, llm=llm, text=text,
+                   speakers=SpeakerStore(speaker_dir))
 
     # ------------------------------------------------------------------------------------- front end
 
@@ -271,6 +297,159 @@ class CosyVoice2:
         if stream:
             return np.concatenate(list(self.token2wav_stream(inputs, seed=seed, timer=timer)))
         return self.token2wav(inputs, seed=seed, timer=timer)
+
+
+    # ------------------------------------------------------------------------------- text to speech
+
+    def prompt(self, prompt_audio, *, prompt_sr: int | None = None, prompt_text: str | bytes | None = None,
+               timer: StageTimer = _NO_TIMER) -> SpeakerPrompt:
+        """What the official ``frontend_zero_shot`` computes from a prompt: speech tokens, 24 kHz mel and CAM++
+        embedding of the audio (tokens and mel cut to a common length, 2 mel frames per token), and the
+        normalised transcript's text tokens when ``prompt_text`` is given."""
+        with timer.stage("frontend"):
+            wave, sr = audio.decode_if_encoded(prompt_audio, prompt_sr, name="prompt")
+            wave = audio.validate_audio(wave, sample_rate=sr, name="prompt")
+            p16 = audio.resample(wave, orig_sr=sr, target_sr=audio.TOKENIZER_SR)
+            p24 = audio.resample(wave, orig_sr=sr, target_sr=self.config.sample_rate)
+            whisper, whisper_len = features.whisper_log_mel_batch([p16])
+            fbank, fbank_len = features.kaldi_fbank_batch([p16])
+            mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
+            text_tokens = np.zeros(0, np.int32)
+            if prompt_text is not None:
+                text_tokens = self._text().prompt_tokens(prompt_text).astype(np.int32)
+        with timer.stage("tokenizer"):
+            (tokens,) = self.tokenizer.tokenize(whisper, whisper_len)
+        with timer.stage("speaker_embedding"):
+            embedding = self.speaker.embed(fbank, fbank_len)[0]
+        ratio = self.flow.token_mel_ratio
+        n = min(len(mel) // ratio, len(tokens))
+        return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: ratio * n],
+                             embedding=np.asarray(embedding, np.float32), prompt_text_tokens=text_tokens,
+                             prompt_text="" if prompt_text is None else str(prompt_text))
+
+    def register_speaker(self, speaker_id: str, prompt_audio, *, prompt_sr: int | None = None,
+                         prompt_text: str | None = None) -> SpeakerPrompt:
+        """Compute a prompt once and keep it under ``speaker_id`` (see :class:`~.speakers.SpeakerStore`)."""
+        prompt = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text)
+        self.speakers.put(speaker_id, prompt)
+        return prompt
+
+    def _text(self):
+        if self.text is None or self.llm is None:
+            raise CheckpointError("text-to-speech needs llm.pt and CosyVoice-BlankEN/ in the model folder "
+                                  "(this one was loaded for voice conversion only)")
+        return self.text
+
+    def tts_requests(self, text: str | bytes, *, prompt_audio=None, prompt_sr: int | None = None,
+                     prompt_text: str | bytes | None = None, instruct: str | bytes | None = None,
+                     speaker_id: str | None = None, mode: str | None = None,
+                     timer: StageTimer = _NO_TIMER) -> list[TTSRequest]:
+        """The LM and flow inputs of each text segment (one :class:`TTSRequest` per segment).
+
+        The mode follows the official API: ``zero_shot`` (prompt text + prompt audio: the LM continues the
+        prompt's speech tokens), ``cross_lingual`` (prompt audio without text: the LM gets no prompt),
+        ``instruct`` (``inference_instruct2``: the instruction replaces the prompt text, no prompt speech in the
+        LM). ``mode=None`` picks instruct when ``instruct`` is given, else zero-shot when a transcript is known.
+        The prompt is ``prompt_audio`` or the registered ``speaker_id``; the flow always uses its tokens, mel
+        and embedding.
+        """
+        front = self._text()
+        if prompt_audio is None and speaker_id is None:
+            raise TextError("prompt text without prompt audio: give the prompt audio (or a registered speaker_id)"
+                            if prompt_text is not None else
+                            "a voice prompt is needed: prompt audio or a registered speaker_id")
+        if prompt_audio is not None and speaker_id is not None:
+            raise TextError("give prompt audio or a speaker_id, not both")
+        if speaker_id is not None:
+            if prompt_text is not None:
+                raise TextError("prompt text belongs to prompt audio: register the speaker with its text instead")
+            speaker = self.speakers.get(speaker_id)
+        else:
+            speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
+        if mode is None:
+            mode = "instruct" if instruct is not None else (
+                "zero_shot" if len(speaker.prompt_text_tokens) else "cross_lingual")
+        if mode not in TTS_MODES:
+            raise TextError(f"mode must be one of {', '.join(TTS_MODES)}, got {mode!r}")
+        if mode == "instruct" and instruct is None:
+            raise TextError("instruct mode needs an instruction text")
+        if mode != "instruct" and instruct is not None:
+            raise TextError(f"an instruction text is only used in instruct mode, not {mode}")
+        if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
+            raise TextError("zero-shot needs the prompt's transcript (prompt text); without it use cross_lingual")
+        with timer.stage("frontend"):
+            segments = front.tts_segments(text)
+            lm_text = {"zero_shot": speaker.prompt_text_tokens, "cross_lingual": np.zeros(0, np.int32),
+                       "instruct": None if instruct is None else front.instruct_tokens(instruct)}[mode]
+        lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
+        return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32),
+                           lm_prompt_text_tokens=np.asarray(lm_text, np.int32), lm_prompt_speech_tokens=lm_speech,
+                           prompt=speaker) for segment, ids in segments]
+
+    def speech_tokens(self, request: TTSRequest, *, draws=None):
+        """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an
+        :class:`~.models.llm.LMStream`). ``draws``: a seeded ``torch.Generator``, an iterable of uniform draws
+        (parity), or ``None`` (PyTorch's global generator, as the official code)."""
+        return self.llm.generate(request.text_tokens, np.array(request.lm_prompt_text_tokens),
+                                 np.array(request.lm_prompt_speech_tokens), draws=draws)
+
+    def tts_stream(self, text: str | bytes, *, stream: bool = True, seed: int | None = 0, draws=None,
+                   timer: StageTimer = _NO_TIMER, **prompt) -> Iterator[np.ndarray]:
+        """Text to speech, yielded as float32 chunks at 24 kHz: with ``stream=True`` the official streaming
+        schedule (the first audio after 25 + 3 speech tokens), else one array per text segment.
+
+        ``prompt``: the keywords of :meth:`tts_requests`. ``seed`` seeds the LM's sampling and HiFT's noise
+        (``None``: PyTorch's global generator); ``draws`` overrides the LM's (parity with injected draws).
+        """
+        requests = self.tts_requests(text, timer=timer, **prompt)
+        if draws is None and seed is not None:
+            draws = torch.Generator().manual_seed(int(seed))
+        for request in requests:
+            inputs = request.flow_inputs()
+            tokens = self.speech_tokens(request, draws=draws)
+            timed = _timed(tokens, timer, "llm")
+            if stream:
+                yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer)
+            else:
+                inputs.source_tokens = np.asarray(list(timed), dtype=np.int32)
+                if not len(inputs.source_tokens):
+                    raise LLMError(f"the LM produced no speech token for {request.text!r}")
+                yield self.token2wav(inputs, seed=seed, timer=timer)
+            if tokens.hit_max_len:
+                log.warning("the LM reached its maximum of %d speech tokens without end-of-speech for %r",
+                            tokens.max_len, request.text)
+
+    def tts(self, text: str | bytes, *, stream: bool = False, seed: int | None = 0, draws=None,
+            timer: StageTimer = _NO_TIMER, **prompt) -> np.ndarray:
+        """Text to speech: float32 [N] at 24 kHz, the segments' audio concatenated (see :meth:`tts_stream`)."""
+        return np.concatenate(list(self.tts_stream(text, stream=stream, seed=seed, draws=draws, timer=timer,
+                                                   **prompt)))
+
+
+@dataclass
+class TTSRequest:
+    """One text segment's inputs: the LM's (text tokens and its prompt) and the flow's prompt."""
+
+    text: str
+    text_tokens: np.ndarray
+    lm_prompt_text_tokens: np.ndarray
+    lm_prompt_speech_tokens: np.ndarray
+    prompt: SpeakerPrompt
+
+    def flow_inputs(self, tokens: np.ndarray | None = None) -> VCInputs:
+        p = self.prompt  # its arrays are read-only (shared by every request of a registered speaker): copies
+        return VCInputs(source_tokens=np.zeros(0, np.int32) if tokens is None else tokens,
+                        prompt_tokens=np.array(p.prompt_tokens), prompt_mel=np.array(p.prompt_mel),
+                        embedding=np.array(p.embedding))
+
+
+def _timed(tokens: Iterator[int], timer: StageTimer, name: str) -> Iterator[int]:
+    while True:
+        with timer.stage(name):
+            token = next(tokens, None)
+        if token is None:
+            return
+        yield token
 
 
 def _next_noise(noises: Iterator[np.ndarray] | None) -> np.ndarray | None:

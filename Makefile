@@ -10,11 +10,15 @@ MODEL_DIR   ?= models/cosyvoice2-demo-$(DEMO_SIZE)
 SOURCE      ?= tests/fixtures/source_en_5s.wav
 PROMPT      ?= tests/fixtures/prompt_en_3s.wav
 OUT         ?= build/vc_demo.wav
+TEXT        ?= Hello! This is CosyVoice 2 served by cosyvoice-triton. 今天天气很好。
+PROMPT_TEXT ?=
+TTS_OUT     ?= build/tts_demo.wav
+OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc demo test lint bench-core bench-preprocess export quantize quality bench-export engines engines-dry-run \
-        render serve clean
+.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts export quantize quality bench-export \
+        engines engines-dry-run render serve clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -39,6 +43,13 @@ vc: $(VENV)/.installed ## in-process voice conversion of SOURCE into the voice o
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
 	$(PY) -m cosyvoice_triton vc --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o $(OUT)
 
+tts: $(VENV)/.installed ## in-process text to speech of TEXT in the voice of PROMPT (PROMPT_TEXT: its transcript) with MODEL_DIR
+	@# a demo folder from before TTS existed is rewritten; a real folder is never touched
+	@if [ ! -f $(MODEL_DIR)/llm.pt ] && [ "$(MODEL_DIR)" = "models/cosyvoice2-demo-$(DEMO_SIZE)" ]; then \
+	  $(PY) -m cosyvoice_triton demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
+	$(PY) -m cosyvoice_triton tts --model-dir $(MODEL_DIR) --text "$(TEXT)" --prompt-audio $(PROMPT) \
+	  $(if $(PROMPT_TEXT),--prompt-text "$(PROMPT_TEXT)") --stream -o $(TTS_OUT)
+
 demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample through cosyvoice_vc
 	$(PY) -m cosyvoice_triton.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
 
@@ -60,6 +71,9 @@ lint: $(VENV)/.installed ## ruff
 bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
+
+bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at batch 1, 4, 8 and whole-TTS RTF at full dims (OFFICIAL=checkout: side by side)
+	$(PY) -m cosyvoice_triton.bench_tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
 	$(PY) -m cosyvoice_triton bench-preprocess

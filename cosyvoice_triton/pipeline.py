@@ -93,14 +93,16 @@ class CosyVoice2:
         self.llm = None if llm is None else llm.to(self.device).eval()
         self.text = text
         self.speakers = speakers if speakers is not None else SpeakerStore()
+        self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
                         tts: bool | None = None, speaker_dir: str | Path | None = None) -> CosyVoice2:
         """Load an official CosyVoice2 model folder (or a demo folder of the same layout).
 
-        ``tts``: load the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``); ``None`` loads them when
-        the folder has them, ``True`` requires them. ``speaker_dir``: where registered speakers persist.
+        ``tts``: the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``): ``None`` loads them on the first
+        text-to-speech call when the folder has them (voice conversion never pays for them), ``True`` requires and
+        loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist.
         """
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
@@ -130,15 +132,12 @@ class CosyVoice2:
         if tts and missing_tts:
             raise CheckpointError(f"{model_dir}: missing {', '.join(missing_tts)} (text-to-speech needs "
                                   f"{', '.join(TTS_FILES)} and the tokenizer files of CosyVoice-BlankEN/)")
-        llm = text = None
-        if tts or (tts is None and not missing_tts):
-            from .models.llm import QWEN_DIR, load_llm  # transformers: only for TTS
-            from .text import TextFrontend
-
-            llm = load_llm(model_dir, config)
-            text = TextFrontend(model_dir / QWEN_DIR)
-        return cls(config, flow, hift, tokenizer, speaker, device=device, llm=llm, text=text,
-                   speakers=SpeakerStore(speaker_dir))
+        model = cls(config, flow, hift, tokenizer, speaker, device=device, speakers=SpeakerStore(speaker_dir))
+        if not missing_tts and tts is not False:
+            model._tts_dir = model_dir
+            if tts:
+                model._text()
+        return model
 
     # ------------------------------------------------------------------------------------- front end
 
@@ -335,6 +334,13 @@ class CosyVoice2:
         return prompt
 
     def _text(self):
+        if (self.text is None or self.llm is None) and self._tts_dir is not None:
+            from .models.llm import QWEN_DIR, load_llm  # transformers: only for TTS
+            from .text import TextFrontend
+
+            self.llm = load_llm(self._tts_dir, self.config, device=self.device)
+            self.text = TextFrontend(self._tts_dir / QWEN_DIR)
+            self._tts_dir = None
         if self.text is None or self.llm is None:
             raise CheckpointError("text-to-speech needs llm.pt and CosyVoice-BlankEN/ in the model folder "
                                   "(this one was loaded for voice conversion only)")

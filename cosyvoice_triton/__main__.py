@@ -142,6 +142,11 @@ def _cmd_bench_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -160,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("-o", "--output", required=True, help="output wav (24 kHz, 16-bit)")
     v.add_argument("--stream", action="store_true", help="official streaming schedule (chunked flow + HiFT)")
     v.add_argument("--seed", type=int, default=0, help="seed of HiFT's source noise")
-    v.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    v.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    _add_runtime_args(v)
     v.set_defaults(func=_cmd_vc)
 
     t = sub.add_parser("tts", help="in-process text to speech (zero-shot, cross-lingual, instruct, registered speaker)")
@@ -179,8 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", required=True, help="output wav (24 kHz, 16-bit), or - for raw PCM on stdout")
     t.add_argument("--stream", action="store_true", help="official streaming schedule, audio written as it comes")
     t.add_argument("--seed", type=int, default=0, help="seed of the LM's sampling and HiFT's source noise")
-    t.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    t.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    _add_runtime_args(t)
     t.set_defaults(func=_cmd_tts)
 
     sp = sub.add_parser("speaker", help="register, list or delete speakers (prompt computed once, reused)")

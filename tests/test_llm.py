@@ -203,7 +203,8 @@ def test_generate_respects_min_and_max_len(lm):
         assert stream.tokens == tokens and stream.hit_max_len == (len(tokens) == 80)
         lengths.append(len(tokens))
         assert list(stream) == []  # exhausted
-    assert len(set(lengths)) > 2 and min(lengths) < 80  # end-of-speech is reachable, at varied points
+    assert len(set(lengths)) > 2  # end-of-speech comes at varied points
+    assert sum(n == 80 for n in lengths) <= 2 and sum(n > 8 for n in lengths) >= 4  # mostly, not at once
 
 
 def _biased(lm: Qwen2LM, bias: dict[int, float]) -> Qwen2LM:

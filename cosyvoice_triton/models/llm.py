@@ -591,7 +591,7 @@ def build_demo_llm(config: LLMConfig | ModelConfig, qwen_config_path: str | Path
 
 
 _DEMO_LOGIT_STD = 2.0
-_DEMO_EOS_IN_NUCLEUS = 0.3
+_DEMO_EOS_IN_NUCLEUS = 0.4
 
 
 @torch.no_grad()

@@ -373,3 +373,25 @@ def test_demo_weights_vary(lm):
     for key, value in lm.state_dict().items():
         flat = value.flatten()
         assert not torch.all(flat == flat[0]), f"{key} is constant"
+
+
+def test_inference_modes(lm):
+    from cosyvoice_triton.models.llm import mode_request
+
+    text, prompt_text, speech, instruct = [5, 6, 7], [1, 2], [10, 11, 12], [30, 31, 32, 33]
+    zero = mode_request("zero_shot", text, prompt_text_tokens=prompt_text, prompt_speech_tokens=speech, draws=4)
+    assert (zero.prompt_text_tokens, zero.prompt_speech_tokens, zero.draws) == (prompt_text, speech, 4)
+    cross = mode_request("cross_lingual", text, prompt_speech_tokens=speech)
+    assert (cross.prompt_text_tokens, cross.prompt_speech_tokens) == ((), ())
+    inst = mode_request("instruct", text, instruct_tokens=instruct, prompt_speech_tokens=speech)
+    assert (inst.prompt_text_tokens, inst.prompt_speech_tokens) == (instruct, ())
+    x = lm.lm_input(inst.text_tokens, inst.prompt_text_tokens, inst.prompt_speech_tokens)
+    assert x.shape[1] == 1 + 4 + 3 + 1  # sos, instruction, text, task id; no speech prompt
+    with pytest.raises(LLMError, match="prompt text without prompt audio"):
+        mode_request("zero_shot", text, prompt_text_tokens=prompt_text)
+    with pytest.raises(LLMError, match="cross_lingual takes no prompt text"):
+        mode_request("cross_lingual", text, prompt_text_tokens=prompt_text, prompt_speech_tokens=speech)
+    with pytest.raises(LLMError, match="instruction's tokens"):
+        mode_request("instruct", text, prompt_speech_tokens=speech)
+    with pytest.raises(LLMError, match="mode must be one of"):
+        mode_request("sft", text)

@@ -156,6 +156,49 @@ class LMRequest:
     on_step: Callable[[int, torch.Tensor], None] | None = None
 
 
+MODES = ("zero_shot", "cross_lingual", "instruct")
+
+
+def mode_request(
+    mode: str,
+    text_tokens: Any,
+    *,
+    prompt_text_tokens: Any = (),
+    prompt_speech_tokens: Any = (),
+    instruct_tokens: Any = (),
+    **options: Any,
+) -> LMRequest:
+    """The LM's part of an official CosyVoice2 inference mode (``options``: the other :class:`LMRequest` fields).
+
+    - ``zero_shot`` (``inference_zero_shot``; also a registered speaker, whose stored prompt tokens are
+      passed here): prompt text and prompt speech tokens both condition the LM. Prompt audio is required;
+      the prompt text may be empty.
+    - ``cross_lingual``: the LM gets neither prompt (the official front end deletes both; the prompt audio
+      only conditions the flow), so ``prompt_text_tokens`` must be empty.
+    - ``instruct`` (``inference_instruct2``): the instruction's tokens take the prompt text's place and the
+      prompt speech tokens are left out of the LM input. The official front end adds nothing to the
+      instruction; its examples end it with ``<|endofprompt|>``.
+    """
+    def present(tokens: Any) -> bool:
+        return len(tokens) > 0 if not isinstance(tokens, torch.Tensor) else tokens.numel() > 0
+
+    if mode == "zero_shot":
+        if not present(prompt_speech_tokens):
+            raise LLMError("zero_shot needs prompt speech tokens (prompt text without prompt audio)")
+        return LMRequest(text_tokens, prompt_text_tokens, prompt_speech_tokens, **options)
+    if mode == "cross_lingual":
+        if present(prompt_text_tokens):
+            raise LLMError("cross_lingual takes no prompt text (use zero_shot to condition on it)")
+        return LMRequest(text_tokens, (), (), **options)
+    if mode == "instruct":
+        if not present(instruct_tokens):
+            raise LLMError("instruct needs the instruction's tokens")
+        if present(prompt_text_tokens):
+            raise LLMError("instruct takes no prompt text: the instruction takes its place")
+        return LMRequest(text_tokens, instruct_tokens, (), **options)
+    raise LLMError(f"mode must be one of {MODES}, got {mode!r}")
+
+
 @dataclass
 class _Row:
     id: Hashable

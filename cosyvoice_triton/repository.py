@@ -1,10 +1,12 @@
-"""Render the Triton model repository (``build/model_repository``) from the templates in ``model_repository/``.
+"""Render the Triton model repository (``build/model_repository``) from ``model_repository/`` and ``ensemble/``.
 
-One source: ``model_repository/`` holds a template per kind of model (``graph/config.pbtxt.in`` for the six
-exported graphs, ``stage/config.pbtxt.in`` for the Python stages, ``cosyvoice_vc/config.pbtxt.in`` for the
-ensemble) and the thin ``model.py`` adapters. Everything else is derived here: tensor names, dtypes, dims and
-max batch sizes from :data:`~cosyvoice_triton.shapes.GRAPHS` / :data:`~cosyvoice_triton.shapes.STAGES`, config
-``parameters`` from :data:`~cosyvoice_triton.serving.model_params.MODEL_PARAMS` and the tunables.
+Two source folders, one served repository: ``model_repository/`` holds the stage models (a template per kind:
+``graph/config.pbtxt.in`` for the six exported graphs, ``stage/config.pbtxt.in`` for every Python model, and
+the thin ``model.py`` adapters); ``ensemble/`` holds the pipelines, one folder each (``cosyvoice_vc``: an
+ensemble's ``config.pbtxt.in``; BLS orchestrators: a ``model.py``). Everything else is derived here: tensor
+names, dtypes, dims and max batch sizes from :data:`~cosyvoice_triton.shapes.GRAPHS` and the table
+:data:`SERVED_MODELS` (one row per non-graph model: folder, template, tensors, decoupled flag, instances,
+parameters), config ``parameters`` declared in :data:`~cosyvoice_triton.serving.model_params.MODEL_PARAMS`.
 
 Templates use ``${name}`` placeholders and are strict: a placeholder without a value, a value without a
 placeholder, or a ``$`` that is not a well-formed placeholder is an error (:class:`RenderError`). The output
@@ -19,8 +21,9 @@ Flavors:
 * ``trt``: the graphs on ``tensorrt_plan`` from ``<engine_dir>/<precision>/<graph>.plan``, except those
   :data:`cosyvoice_triton.trt.EXCLUDED` keeps on onnxruntime (``hift_source``: float64; ``speech_tokenizer``).
 
-The stages (``preprocess``, ``flow``, ``hift``, ``postprocess``) and the ``cosyvoice_vc`` ensemble are the same
-in every flavor; ``flow`` and ``hift`` reach the graphs by BLS.
+The rows of :data:`SERVED_MODELS` (the stages ``preprocess``, ``flow``, ``hift``, ``postprocess``, the
+``cosyvoice_vc`` ensemble, the TTS pipelines) are the same in every flavor; ``flow`` and ``hift`` reach the graphs
+by BLS.
 
 Precision (``precision=``, :func:`precision_plan`): one of :data:`PRECISIONS` for every graph (``int8_cpu``, the
 onnxruntime CPU INT8 graphs, in flavor ``local`` only), ``cpu-choice`` (per graph, the CPU decision of the quality
@@ -40,7 +43,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -49,7 +52,16 @@ from typing import Any
 import numpy as np
 
 from .serving.model_params import MODEL_PARAMS
-from .shapes import GRAPHS, STAGES, VC_INPUTS, VC_MODEL, VC_OPTIONAL_INPUTS, VC_OUTPUTS, TensorSpec
+from .shapes import (
+    GRAPHS,
+    STAGES,
+    TTS_STREAM_MODEL,
+    VC_INPUTS,
+    VC_MODEL,
+    VC_OPTIONAL_INPUTS,
+    VC_OUTPUTS,
+    TensorSpec,
+)
 from .trt import EXCLUDED
 from .trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
 from .trt import PRECISIONS as TRT_PRECISIONS
@@ -64,8 +76,6 @@ __all__ = ["CPU_CHOICE", "DEFAULT_QUALITY_REPORT", "FLAVORS", "FLAVOR_PRECISIONS
 FLAVORS = ("local", "onnx", "trt")
 MARKER = "cosyvoice_repository.json"  # written into every rendered repository (and read before deleting one)
 STAGE_MODELS = ("preprocess", "flow", "hift", "postprocess")
-#: Stages that call other models by BLS: no warm-up (their callees may not be loaded yet at that point).
-BLS_STAGES = ("flow", "hift")
 _PLACEHOLDER = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
 _DTYPES = {"float32": "TYPE_FP32", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "bool": "TYPE_BOOL",
            "bytes": "TYPE_STRING"}
@@ -126,6 +136,11 @@ class Tunables:
     #: Triton's dynamic batcher on every graph and stage (off: the default scheduler, one request per execution,
     #: and no queue policy: max_queue_delay_us, max_queue_size and queue_timeout_us then have no effect)
     dynamic_batching: bool = True
+    tts: str = "auto"  # render the TTS models: auto (when the model folder has llm.pt), on, off
+    max_active_requests: int = 8  # TTS: rows of the in-flight LM batch per instance
+    max_waiting_requests: int = 16  # TTS: requests waiting for an LM row; beyond, refused at once (UNAVAILABLE)
+    tts_wait_timeout_s: float = 60.0  # TTS: a request that waits longer for an LM row is refused
+    max_text_chars: int = 2000  # TTS: longest accepted text
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -139,10 +154,17 @@ class Tunables:
                               f"{self.runtime!r}")
         if self.instance_kind not in ("", "KIND_CPU", "KIND_GPU"):
             raise RenderError(f"tunable instance_kind must be KIND_CPU or KIND_GPU, got {self.instance_kind!r}")
+        if self.tts not in ("auto", "on", "off"):
+            raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
+        for name in ("max_active_requests", "max_text_chars"):
+            if int(getattr(self, name)) < 1:
+                raise RenderError(f"tunable {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting_requests < 0 or not self.tts_wait_timeout_s > 0:
+            raise RenderError("tunables max_waiting_requests must be >= 0 and tts_wait_timeout_s > 0")
         if self.output_format not in ("", "wav", "flac"):
             raise RenderError(f"tunable output_format must be '', wav or flac, got {self.output_format!r}")
         for model, n in self.instances.items():
-            if model not in (*GRAPHS, *STAGE_MODELS):
+            if model not in (*GRAPHS, *SERVED_NAMES):
                 raise RenderError(f"tunable instances: unknown model {model!r}")
             if int(n) < 1:
                 raise RenderError(f"tunable instances[{model!r}] must be >= 1, got {n}")
@@ -469,6 +491,127 @@ def _place(src: Path, dst: Path, allow_missing: bool) -> Path:
     return dst
 
 
+# ------------------------------------------------------------------------------- served models (table)
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What a :class:`ServedModel`'s callables may read: the flavor, the tunables, the model folder, and whether
+    the TTS models are rendered (``has_tts``)."""
+
+    flavor: str
+    tunables: Tunables
+    model_dir: Path
+    has_tts: bool
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One served model besides the six graphs: a row of :data:`SERVED_MODELS`.
+
+    ``folder``: where its sources live, relative to the source root (``model_repository/<name>`` for a stage,
+    ``ensemble/<name>`` for a pipeline): ``model.py`` of a Python model (copied to ``<name>/1/model.py``), or
+    ``config.pbtxt.in`` of an ensemble (``kind="ensemble"``: rendered with ``name``, ``inputs``, ``outputs`` and
+    what ``values(ctx)`` adds). A Python model's config comes from ``template`` (the shared
+    ``model_repository/stage/config.pbtxt.in``) with the tensors, ``max_batch_size``, ragged batching,
+    ``decoupled`` (``model_transaction_policy``), the instance count (tunable ``instances``, else
+    ``instances``), ``parameters(ctx)`` (keys declared in ``MODEL_PARAMS[params_key or name]``) and the warm-up
+    of ``warmup(ctx)`` (sample tensors of batch 1, or None). ``enabled(ctx)``: render it at all.
+    """
+
+    name: str
+    folder: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    optional: frozenset[str] = frozenset()
+    kind: str = "python"  # python | ensemble
+    template: str = "model_repository/stage/config.pbtxt.in"
+    max_batch_size: int = 1
+    decoupled: bool = False
+    instances: int = 1
+    parameters: Callable[[RenderContext], Mapping[str, Any]] | None = None
+    params_key: str = ""
+    warmup: Callable[[RenderContext], Mapping[str, np.ndarray] | None] | None = None
+    values: Callable[[RenderContext], Mapping[str, Any]] | None = None
+    when: Callable[[RenderContext], bool] | None = None
+    doc: str = ""
+
+    def enabled(self, ctx: RenderContext) -> bool:
+        return self.when is None or bool(self.when(ctx))
+
+
+def _stage(name: str, **kw: Any) -> ServedModel:
+    spec = STAGES[name]
+    return ServedModel(name, f"model_repository/{name}", spec.inputs, spec.outputs, spec.optional,
+                       max_batch_size=spec.max_batch_size, doc=spec.doc, **kw)
+
+
+def _stage_warmup(name: str) -> Callable[[RenderContext], Mapping[str, np.ndarray] | None]:
+    def samples(ctx: RenderContext) -> Mapping[str, np.ndarray] | None:
+        tun = ctx.tunables
+        return stage_warmup_samples(name, min(max(1.0, tun.min_seconds), tun.max_seconds))
+    return samples
+
+
+def _vc_values(ctx: RenderContext) -> dict[str, str]:
+    return {"postprocess_extra_outputs": ('\n      output_map { key: "audio_bytes" value: "audio_bytes" }'
+                                          if ctx.tunables.output_format else "")}
+
+
+def _tts_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    return {"model_dir": str(ctx.model_dir), "max_active_requests": tun.max_active_requests,
+            "max_waiting_requests": tun.max_waiting_requests, "wait_timeout_s": tun.tts_wait_timeout_s,
+            "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
+            "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds}
+
+
+def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
+    return {"stream_model": TTS_STREAM_MODEL, "bls_timeout_us": ctx.tunables.bls_timeout_us,
+            "model_sample_rate": _model_sample_rate(ctx.model_dir)}
+
+
+def _tts(ctx: RenderContext) -> bool:
+    return ctx.has_tts
+
+
+#: Every served model besides the graphs, in render order. A new model is one row here + its folder (+ its
+#: ``MODEL_PARAMS`` entry when it reads parameters); see model_repository/README.md.
+SERVED_MODELS: tuple[ServedModel, ...] = (
+    _stage("preprocess", warmup=_stage_warmup("preprocess"), parameters=lambda ctx: {
+        "model_dir": str(ctx.model_dir), "min_seconds": ctx.tunables.min_seconds,
+        "max_seconds": ctx.tunables.max_seconds, "vad_trim": ctx.tunables.vad_trim,
+        "denoise_prompt": ctx.tunables.denoise_prompt}),
+    _stage("flow", parameters=lambda ctx: {  # BLS: no warm-up (its callees may not be loaded yet)
+        "model_dir": str(ctx.model_dir), "n_timesteps": ctx.tunables.n_timesteps, "encoder_model": "flow_encoder",
+        "estimator_model": "flow_estimator", "bls_timeout_us": ctx.tunables.bls_timeout_us,
+        "torch_threads": ctx.tunables.torch_threads}),
+    _stage("hift", parameters=lambda ctx: {
+        "source_model": "hift_source", "decoder_model": "hift_decoder", "default_seed": ctx.tunables.default_seed,
+        "bls_timeout_us": ctx.tunables.bls_timeout_us, "torch_threads": ctx.tunables.torch_threads}),
+    _stage("postprocess", warmup=_stage_warmup("postprocess"), parameters=lambda ctx: {
+        "model_sample_rate": _model_sample_rate(ctx.model_dir), "output_sample_rate": ctx.tunables.output_sample_rate,
+        "loudness_lufs": ctx.tunables.loudness_lufs, "peak_dbfs": ctx.tunables.peak_dbfs,
+        "output_format": ctx.tunables.output_format}),
+    ServedModel(VC_MODEL, f"ensemble/{VC_MODEL}", (*VC_INPUTS, *VC_OPTIONAL_INPUTS), VC_OUTPUTS,
+                frozenset(t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)), kind="ensemble", values=_vc_values,
+                doc="voice conversion: preprocess -> speech_tokenizer x2, speaker_encoder -> flow -> hift -> "
+                    "postprocess"),
+)
+SERVED_NAMES = tuple(m.name for m in SERVED_MODELS)
+
+
+def _has_tts(model_dir: Path, tun: Tunables, allow_missing: bool) -> bool:
+    """Render the TTS models? ``tts=on`` always, ``off`` never, ``auto``: when the folder has the LM files (a
+    voice-conversion-only folder still serves VC)."""
+    if tun.tts != "auto":
+        return tun.tts == "on"
+    from .pipeline import TTS_FILES
+
+    return allow_missing or all((model_dir / f).is_file() for f in TTS_FILES)
+
+
 def _clean(out: Path) -> None:
     if out.exists():
         if any(out.iterdir()) and not (out / MARKER).is_file():
@@ -482,7 +625,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
                       onnx_dir: str | Path = "build/onnx", engine_dir: str | Path = "build/engines",
                       precision: str | Mapping[str, str] = "fp32", templates_dir: str | Path | None = None,
                       allow_missing: bool = False, profile: str = "",
-                      quality_report: str | Path = DEFAULT_QUALITY_REPORT, **tunables: Any) -> RenderReport:
+                      quality_report: str | Path = DEFAULT_QUALITY_REPORT, ensemble_dir: str | Path | None = None,
+                      **tunables: Any) -> RenderReport:
     """Render the repository of ``flavor`` into ``out_dir`` (deleted and rewritten).
 
     Args:
@@ -496,7 +640,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             ``"GRAPH=PRECISION,..."`` or a mapping: those graphs in those precisions, the others fp32. A
             per-graph choice needs its file. The configs' notes and the marker record what each graph got.
         quality_report: the quality report JSON that ``cpu-choice`` reads (``make quality``).
-        templates_dir: the ``model_repository/`` source (default: this source tree's).
+        templates_dir: the ``model_repository/`` source (default: this source tree's); the pipelines are read from
+            ``ensemble/`` beside it (``ensemble_dir``, if given, must be that folder).
         allow_missing: write empty placeholders for missing ONNX / plan files (structural checks only).
         profile: a name of :data:`PROFILES` (``plain``: :data:`PLAIN_TUNABLES`, flavor ``local`` and precision
             ``fp32`` only); ``tunables`` may add to it but not contradict it.
@@ -513,6 +658,10 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         tunables = _apply_profile(profile, flavor, plan, tunables)
     tun = Tunables(**tunables)
     templates = Path(templates_dir) if templates_dir else default_templates_dir()
+    root = templates.parent  # model_repository/ and ensemble/ side by side
+    if ensemble_dir is not None and Path(ensemble_dir).resolve() != (root / "ensemble").resolve():
+        raise RenderError(f"ensemble_dir {ensemble_dir} must be {root / 'ensemble'}: the pipelines' folder lies "
+                          "beside model_repository/")
     model_dir = Path(model_dir).resolve()
     onnx_dir, engine_dir = Path(onnx_dir).resolve(), Path(engine_dir).resolve()
     if not (model_dir / "cosyvoice2.yaml").is_file() and not allow_missing:
@@ -528,21 +677,27 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             + (f", profile {profile}" if profile else "") + "): do not edit, edit the template and render again")
 
     def common(name: str) -> dict[str, Any]:
-        return {"dynamic_batching": _dynamic_batching_block(tun), "instance_count": int(tun.instances.get(name, 1))}
+        default = next((m.instances for m in SERVED_MODELS if m.name == name), 1)
+        return {"dynamic_batching": _dynamic_batching_block(tun),
+                "instance_count": int(tun.instances.get(name, default))}
 
-    def write(name: str, template: str, values: Mapping[str, Any]) -> None:
-        src = templates / template
+    def source(rel: str) -> Path:  # a path of the table (model_repository/... or ensemble/...) in this render
+        head, _, rest = rel.partition("/")
+        return templates / rest if head == "model_repository" else root / rel
+
+    def write(name: str, template: str, values: Mapping[str, Any], src: Path | None = None) -> None:
+        src = src or source(template)
         if not src.is_file():
             raise RenderError(f"template {src} not found")
-        text = render_template(src.read_text(), {"generated_note": note.format(src=f"model_repository/{template}"),
-                                                 **values}, source=str(src))
+        text = render_template(src.read_text(), {"generated_note": note.format(src=template), **values},
+                               source=str(src))
         path = out / name / "config.pbtxt"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(re.sub(r"\n{3,}", "\n\n", text).rstrip() + "\n")
         files.append(path)
 
-    def python_code(name: str, src_name: str) -> None:
-        src = templates / src_name / "model.py"
+    def python_code(name: str, src_dir: Path) -> None:
+        src = src_dir / "model.py"
         if not src.is_file():
             raise RenderError(f"{src} not found")
         dst = out / name / "1" / "model.py"
@@ -570,7 +725,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             params = {"graph": name, "runtime": runtime, "onnx_path": str(onnx_path) if runtime == "onnxruntime"
                       else "", "model_dir": str(model_dir) if runtime == "torch" else "", "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads}
-            python_code(name, "graph")
+            python_code(name, templates / "graph")
             runtime_note = (f"Python backend, {runtime} on {tun.device}, precision {served}"
                             + (f" of {onnx_path}" if runtime == "onnxruntime" else "")
                             + f" (asked: {plan.describe(name)}) (model_repository/graph/model.py)")
@@ -596,54 +751,50 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             samples, batch = graph_warmup_samples(name)
             files += _write_warmup(out / name, samples)
             warmup = _warmup_block(samples, batch)
-        write(name, "graph/config.pbtxt.in", {
+        write(name, "model_repository/graph/config.pbtxt.in", {
             **common(name), "name": name, "graph": name, "graph_doc": spec.doc, "flavor": flavor,
             "runtime_note": runtime_note, "backend": backend, "max_batch_size": spec.max_batch_size,
             "inputs": _io_block("input", spec.inputs, ragged=ragged), "outputs": _io_block("output", spec.outputs),
-            "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup})
+            "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup},
+              templates / "graph" / "config.pbtxt.in")
 
-    # --- the Python stages
-    stage_params: dict[str, dict[str, Any]] = {
-        "preprocess": {"model_dir": str(model_dir), "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds,
-                       "vad_trim": tun.vad_trim, "denoise_prompt": tun.denoise_prompt},
-        "flow": {"model_dir": str(model_dir), "n_timesteps": tun.n_timesteps, "encoder_model": "flow_encoder",
-                 "estimator_model": "flow_estimator", "bls_timeout_us": tun.bls_timeout_us,
-                 "torch_threads": tun.torch_threads},
-        "hift": {"source_model": "hift_source", "decoder_model": "hift_decoder", "default_seed": tun.default_seed,
-                 "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads},
-        "postprocess": {"model_sample_rate": _model_sample_rate(model_dir), "output_sample_rate":
-                        tun.output_sample_rate, "loudness_lufs": tun.loudness_lufs, "peak_dbfs": tun.peak_dbfs,
-                        "output_format": tun.output_format},
-    }
-    for name in STAGE_MODELS:
-        stage = STAGES[name]
-        declared = {p.name for p in MODEL_PARAMS[name]}
-        assert set(stage_params[name]) <= declared, (name, set(stage_params[name]) - declared)
-        outputs = list(stage.outputs) + ([AUDIO_BYTES] if name == "postprocess" and tun.output_format else [])
+    # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
+    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun,
+                                                                                           allow_missing))
+    for entry in SERVED_MODELS:
+        if not entry.enabled(ctx):
+            continue
+        name = entry.name
+        src_dir = source(entry.folder)
+        if entry.kind == "ensemble":
+            outputs = list(entry.outputs) + ([AUDIO_BYTES] if tun.output_format else [])
+            write(name, f"{entry.folder}/config.pbtxt.in", {
+                "name": name, "inputs": _io_block("input", entry.inputs, optional=entry.optional),
+                "outputs": _io_block("output", outputs), **(entry.values(ctx) if entry.values else {})},
+                  src_dir / "config.pbtxt.in")
+            (out / name / "1").mkdir(parents=True, exist_ok=True)  # an ensemble needs an (empty) version folder
+            models[name] = "ensemble"
+            continue
+        params = dict(entry.parameters(ctx)) if entry.parameters else {}
+        declared = {p.name for p in MODEL_PARAMS.get(entry.params_key or name, ())}
+        if not set(params) <= declared:
+            raise RenderError(f"{name}: parameters {sorted(set(params) - declared)} are not declared in "
+                              f"MODEL_PARAMS[{entry.params_key or name!r}]")
+        outputs = list(entry.outputs) + ([AUDIO_BYTES] if name == "postprocess" and tun.output_format else [])
         warmup = ""
-        seconds = min(max(1.0, tun.min_seconds), tun.max_seconds)
-        samples = stage_warmup_samples(name, seconds) if tun.warmup and name not in BLS_STAGES else None
+        samples = entry.warmup(ctx) if tun.warmup and entry.warmup else None
         if samples is not None:
             files += _write_warmup(out / name, samples)
             warmup = _warmup_block(samples, 1)
-        write(name, "stage/config.pbtxt.in", {
-            **common(name), "name": name, "stage_doc": f"{name}: {stage.doc}", "max_batch_size": stage.max_batch_size,
-            "inputs": _io_block("input", stage.inputs, ragged=True, optional=stage.optional),
-            "outputs": _io_block("output", outputs), "parameters": _parameters_block(stage_params[name]),
+        write(name, entry.template, {
+            **common(name), "name": name, "stage_doc": f"{name}: {entry.doc}", "source": entry.folder,
+            "max_batch_size": entry.max_batch_size,
+            "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
+            "outputs": _io_block("output", outputs), "parameters": _parameters_block(params),
+            "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.decoupled else ""),
             "warmup": warmup})
-        python_code(name, name)
-        models[name] = "python"
-
-    # --- the ensemble
-    outputs = list(VC_OUTPUTS) + ([AUDIO_BYTES] if tun.output_format else [])
-    extra = ('\n      output_map { key: "audio_bytes" value: "audio_bytes" }' if tun.output_format else "")
-    write(VC_MODEL, f"{VC_MODEL}/config.pbtxt.in", {
-        "name": VC_MODEL,
-        "inputs": _io_block("input", (*VC_INPUTS, *VC_OPTIONAL_INPUTS),
-                            optional=[t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)]),
-        "outputs": _io_block("output", outputs), "postprocess_extra_outputs": extra})
-    (out / VC_MODEL / "1").mkdir(parents=True, exist_ok=True)  # an ensemble needs an (empty) version folder
-    models[VC_MODEL] = "ensemble"
+        python_code(name, src_dir)
+        models[name] = "python" + (" (decoupled)" if entry.decoupled else "")
 
     marker = {"flavor": flavor, "profile": profile,
               "precision": dict(precision) if isinstance(precision, Mapping) else precision,

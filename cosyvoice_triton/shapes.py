@@ -215,6 +215,42 @@ VC_UTTERANCE_INPUTS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
 })
 
 
+#: The text-to-speech models (``ensemble/cosyvoice_tts``: whole answers, batched, HTTP and gRPC;
+#: ``ensemble/cosyvoice_tts_stream``: decoupled, one response per audio chunk over a gRPC stream). One request is
+#: one text (UTF-8) spoken in the voice of a prompt: ``prompt_audio`` + ``prompt_sample_rate`` or
+#: ``prompt_audio_bytes`` (an encoded file), or a ``speaker_id`` registered with the ``speakers`` model.
+#: ``mode``: ``zero_shot`` (needs ``prompt_text``), ``cross_lingual`` or ``instruct`` (needs ``instruct_text``);
+#: absent: instruct when an instruction is given, else zero-shot when a transcript is known, else cross-lingual.
+#: ``seed`` seeds the LM's sampling and HiFT's noise (default 0), as ``CosyVoice2.tts(seed=...)``.
+TTS_MODEL = "cosyvoice_tts"
+TTS_STREAM_MODEL = "cosyvoice_tts_stream"
+TTS_INPUTS: tuple[TensorSpec, ...] = (_t("text", "bytes", _B, 1),)
+TTS_OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (
+    _t("prompt_text", "bytes", _B, 1),
+    _t("instruct_text", "bytes", _B, 1),
+    _t("speaker_id", "bytes", _B, 1),
+    _t("mode", "bytes", _B, 1),
+    _t("prompt_audio", "float32", _B, "prompt_samples"),
+    _t("prompt_sample_rate", "int32", _B, 1),
+    _t("prompt_audio_bytes", "bytes", _B, 1),
+    _t("seed", "int64", _B, 1),
+)
+TTS_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS
+#: Each streamed response: one chunk (``chunk_index`` 0, 1, ...); the stream ends with an empty final response.
+TTS_STREAM_OUTPUTS: tuple[TensorSpec, ...] = (*VC_OUTPUTS, _t("chunk_index", "int32", _B, 1))
+#: ``cosyvoice_tts_stream`` only: ``stream`` false answers one response per text segment (non-streaming
+#: token-to-wav, what ``cosyvoice_tts`` asks of it) instead of the chunk schedule.
+TTS_STREAM_EXTRA_INPUTS: tuple[TensorSpec, ...] = (_t("stream", "bool", _B, 1),)
+#: What the ``speakers`` model answers to ``action`` = ``get`` (a registered :class:`~.speakers.SpeakerPrompt`).
+SPEAKER_PROMPT_OUTPUTS: tuple[TensorSpec, ...] = (
+    _t("prompt_tokens", "int32", _B, "prompt_tokens"),
+    _t("prompt_mel", "float32", _B, "prompt_mel_frames", 80),
+    _t("embedding", "float32", _B, 192),
+    _t("prompt_text_tokens", "int32", _B, "prompt_text_tokens"),
+    _t("prompt_text", "bytes", _B, 1),
+)
+
+
 # ------------------------------------------------------------------------------------ served stages
 @dataclass(frozen=True)
 class StageSpec:

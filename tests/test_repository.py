@@ -132,6 +132,33 @@ def test_ensemble_wires_the_public_api(rendered):
     assert {t.name for t in cfg.output} <= produced
 
 
+def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypatch):
+    """The convention of model_repository/README.md: a row of SERVED_MODELS + its folder, nothing else."""
+    from cosyvoice_triton import repository
+    from cosyvoice_triton.shapes import TensorSpec
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "model_repository", src / "model_repository")
+    shutil.copytree(ROOT / "ensemble", src / "ensemble")
+    (src / "ensemble" / "echo_stream").mkdir()
+    (src / "ensemble" / "echo_stream" / "model.py").write_text("# an orchestrator\n")
+    row = repository.ServedModel("echo_stream", "ensemble/echo_stream", (TensorSpec("text", "bytes", ("batch", 1)),),
+                                 (TensorSpec("chunk", "float32", ("batch", "n")),), decoupled=True, instances=3,
+                                 max_batch_size=4, doc="echoes")
+    monkeypatch.setattr(repository, "SERVED_MODELS", (*repository.SERVED_MODELS, row))
+    out = tmp_path / "repo"
+    report = render_repository("local", out, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
+                               templates_dir=src / "model_repository")
+    assert report.models["echo_stream"] == "python (decoupled)"
+    cfg = _parse(out / "echo_stream" / "config.pbtxt")
+    assert cfg.model_transaction_policy.decoupled and cfg.instance_group[0].count == 3 and cfg.max_batch_size == 4
+    assert [i.name for i in cfg.input] == ["text"] and cfg.input[0].allow_ragged_batch
+    assert (out / "echo_stream" / "1" / "model.py").read_text() == "# an orchestrator\n"
+    assert "ensemble/echo_stream/model.py" in (out / "echo_stream" / "config.pbtxt").read_text()
+    assert not _parse(out / "flow" / "config.pbtxt").model_transaction_policy.decoupled
+    assert (out / VC_MODEL / "config.pbtxt").is_file()  # the ensemble, from ensemble/cosyvoice_vc
+
+
 def test_tunables_reach_the_configs(model_dir, tmp_path):
     out = tmp_path / "repo"
     render_repository("local", out, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
@@ -201,7 +228,7 @@ def test_templates_are_strict():
 
 def test_every_template_placeholder_is_used_by_some_render():
     """No dead placeholders or stray '$' in the source templates (rendering every flavor reads all of them)."""
-    for path in (ROOT / "model_repository").rglob("*.pbtxt.in"):
+    for path in [*(ROOT / "model_repository").rglob("*.pbtxt.in"), *(ROOT / "ensemble").rglob("*.pbtxt.in")]:
         text = path.read_text()
         assert "$" not in text.replace("${", ""), path
 
@@ -246,9 +273,10 @@ def test_render_script(model_dir, tmp_path):
 def test_container_start_renders_and_serves():
     start = (ROOT / "export" / "container_start.sh").read_text()
     assert 'model_repository/render.py --flavor "$SERVE_FLAVOR"' in start
-    assert 'exec tritonserver --model-repository="$REPO"' in start
+    assert 'exec "$PYTHON" -m cosyvoice_triton.supervisor' in start  # tritonserver under the supervisor
     docker = (ROOT / "Dockerfile.triton").read_text()
     assert "COPY model_repository/ model_repository/" in docker and "EXPOSE 8000 8001 8002" in docker
+    assert "COPY ensemble/ ensemble/" in docker  # the pipelines' sources, beside the templates
 
 
 def test_onnx_files_must_keep_the_spec_io_types(model_dir, tmp_path):

@@ -88,7 +88,6 @@ def test_flow_encoder_bad_lengths_fail_alone_and_batch_mates_get_their_solo_answ
 @pytest.mark.parametrize("graph, item, words", [
     ("flow_estimator", _est(6000), ["'x'", "mel_frames", "6000", "maximum 3000"]),
     ("flow_estimator", {**_est(40), "mu": np.full((2, 80, 40), np.nan, np.float32)}, ["'mu'", "NaN"]),
-    ("flow_estimator", _est(40, rows=1), ["batch", "minimum 2"]),
     ("hift_decoder", {"mel": np.zeros((1, 80, 5000), np.float32), "source": np.zeros((1, 1, 480 * 5000), np.float32)},
      ["'mel'", "mel_frames", "5000", "maximum 1508"]),
     ("hift_decoder", {"mel": np.zeros((1, 80, 20), np.float32),

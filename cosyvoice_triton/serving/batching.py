@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -50,6 +51,9 @@ class ItemResult(Generic[T]):
 
     def __post_init__(self):
         if self.error is not None:
+            if not isinstance(self.error, CosyVoiceError) and self.error.__traceback__ is not None:
+                # a server fault: keep where it happened, as text, for the log (see triton_io.error_response)
+                self.error.traceback_text = "".join(traceback.format_exception(self.error))
             drop_traceback(self.error)
 
     @property

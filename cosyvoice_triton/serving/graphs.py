@@ -75,7 +75,7 @@ def axis_sizes(spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> dict[str, in
             r = spec.axes.get(axis)
             if r is not None and n > r.max:
                 raise RequestError(f"{spec.name}: input {t.name!r} axis {axis} = {n} exceeds the maximum {r.max}")
-            if r is not None and n < r.min:
+            if r is not None and n < r.min and axis != "batch":  # a batch below the minimum is still exact
                 raise RequestError(f"{spec.name}: input {t.name!r} axis {axis} = {n} is below the minimum {r.min}")
     return sizes
 

@@ -67,7 +67,7 @@ def error_response(pb, exc: BaseException):
     code = pb.TritonError.INVALID_ARG if client else pb.TritonError.INTERNAL
     message = str(exc) if client else f"internal error: {type(exc).__name__}: {exc}"
     if not client:
-        log.error("request failed: %s", message)
+        log.error("request failed: %s\n%s", message, getattr(exc, "traceback_text", ""))
     return pb.InferenceResponse(error=pb.TritonError(message, code))
 
 

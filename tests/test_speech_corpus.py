@@ -7,7 +7,8 @@ import pytest
 
 from cosyvoice_triton.speech_corpus import TEXTS, espeak_available, synthesize, utterances
 
-pytestmark = pytest.mark.skipif(not espeak_available(), reason="no speech synthesiser (espeakng-loader wheel or espeak-ng command)")
+pytestmark = pytest.mark.skipif(not espeak_available(),
+                                reason="no speech synthesiser (espeakng-loader wheel or espeak-ng command)")
 
 
 def test_corpus_is_deterministic_and_varied():

@@ -142,7 +142,9 @@ class Qwen2Encoder(nn.Module):
 class LMRequest:
     """One text to decode. Token sequences: lists, 1-D (or ``[1, N]``) integer tensors or arrays.
 
-    ``draws``: the uniform draws of this request's sampling (see :func:`.sampling.make_draw`).
+    ``draws``: the uniform draws of this request's sampling (see :func:`.sampling.make_draw`). Give each
+    request its own source (a seed, a generator): with ``None`` requests share PyTorch's global generator, and
+    their tokens then depend on what else is decoded.
     ``on_step(step, logp)``: called with each step's log-probabilities ``[speech_token_size + 3]`` (before
     masking), e.g. for parity checks.
     """

@@ -1,12 +1,20 @@
 #!/usr/bin/env python3
-"""Convert speech through the served ``cosyvoice_vc`` ensemble (a thin CLI over cosyvoice_triton.client).
+"""Client of the served CosyVoice models (a thin CLI over cosyvoice_triton.client).
 
-    python clients/cosyvoice_client.py --source a.wav --prompt voice.wav -o out.wav
-    python clients/cosyvoice_client.py --source a.wav b.wav c.wav --prompt voice.wav -o out_dir/ --protocol grpc
+    python clients/cosyvoice_client.py --source a.wav --prompt voice.wav -o out.wav          # vc (the default)
+    python clients/cosyvoice_client.py vc --source a.wav b.wav --prompt voice.wav -o out_dir/ --protocol grpc
+    python clients/cosyvoice_client.py vc --source a.wav --speaker alice --stream -o - | aplay -f S16_LE -r 24000
+    python clients/cosyvoice_client.py tts --text "Hello there." --prompt voice.wav --prompt-text "..." -o hi.wav
+    python clients/cosyvoice_client.py tts --text "Hello there." --speaker alice --stream -o hi.wav
+    python clients/cosyvoice_client.py speaker add alice --prompt voice.wav [--prompt-text "..."]
+    python clients/cosyvoice_client.py speaker list | speaker delete alice
 
-Several sources are converted concurrently (``--concurrency``) over one connection; each result is written as
-``<out_dir>/<source stem>.wav``. A request the server refuses prints the server's message; the exit code is 1
-when any conversion failed, 2 for bad arguments or an unreachable server.
+``--stream`` asks the streaming model over a gRPC stream (``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``) and
+writes each chunk as it arrives: to a 16-bit wav, or with ``-o -`` as raw 16-bit little-endian mono PCM on stdout
+(for a player); the first-chunk latency is printed (on stderr with ``-o -``). Several VC sources are converted
+concurrently (``--concurrency``) over one connection; each result is written as ``<out_dir>/<source stem>.wav``.
+A request the server refuses prints the server's message; the exit code is 1 when any request failed, 2 for bad
+arguments or an unreachable server.
 """
 
 import argparse
@@ -15,34 +23,113 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyvoice_triton.client import VCClient, VCError
+from cosyvoice_triton.client import SPEAKERS_MODEL, VC_STREAM_MODEL, StreamStats, VCClient, VCError
+from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
+
+COMMANDS = ("vc", "tts", "speaker")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 http, 127.0.0.1:8001 grpc)")
-    p.add_argument("--protocol", choices=("http", "grpc"), default="http")
-    p.add_argument("--source", nargs="+", required=True, help="speech file(s) whose content is kept")
-    p.add_argument("--prompt", required=True, help="speech of the target voice")
-    p.add_argument("-o", "--output", required=True, help="output wav (one source) or folder (several)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the vocoder noise (server default: 0)")
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--protocol", choices=("http", "grpc"), default=None,
+                   help="default: http, or grpc with --stream (streams need gRPC)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
-    args = p.parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("vc", help="voice conversion (the default command)")
+    _common(v)
+    v.add_argument("--source", nargs="+", required=True, help="speech file(s) whose content is kept")
+    voice = v.add_mutually_exclusive_group(required=True)
+    voice.add_argument("--prompt", help="speech of the target voice")
+    voice.add_argument("--speaker", help="a registered speaker id instead of --prompt")
+    v.add_argument("-o", "--output", required=True, help="output wav (one source), folder (several), or - (raw PCM)")
+    v.add_argument("--seed", type=int, default=None, help="seed of the vocoder noise (server default: 0)")
+    v.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives (gRPC)")
+    v.add_argument("--concurrency", type=int, default=4)
+
+    t = sub.add_parser("tts", help="text to speech")
+    _common(t)
+    text = t.add_mutually_exclusive_group(required=True)
+    text.add_argument("--text", help="text to speak")
+    text.add_argument("--text-file", help="UTF-8 file with the text to speak")
+    voice = t.add_mutually_exclusive_group(required=True)
+    voice.add_argument("--prompt", help="speech of the target voice")
+    voice.add_argument("--speaker", help="a registered speaker id instead of --prompt")
+    t.add_argument("--prompt-text", help="transcript of --prompt (zero-shot)")
+    t.add_argument("--instruct", help="instruction (instruct mode)")
+    t.add_argument("--mode", choices=("zero_shot", "cross_lingual", "instruct"), default=None)
+    t.add_argument("-o", "--output", required=True, help="output wav, or - for raw s16le PCM on stdout")
+    t.add_argument("--seed", type=int, default=None, help="seed of the LM sampling and the vocoder noise")
+    t.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives (gRPC)")
+
+    s = sub.add_parser("speaker", help="register, list or delete speakers on the server")
+    _common(s)
+    s.add_argument("action", choices=("add", "list", "delete"))
+    s.add_argument("id", nargs="?", help="speaker id: 1-64 of A-Z a-z 0-9 _ . - (not starting with .)")
+    s.add_argument("--prompt", help="speech of the speaker (add)")
+    s.add_argument("--prompt-text", help="its transcript (add)")
+    return p
+
+
+class _Sink:
+    """Chunks to a 16-bit wav or to raw s16le PCM on stdout, written as they come."""
+
+    def __init__(self, output: str):
+        self.stdout = output == "-"
+        self.output, self.file = output, None
+
+    def write(self, wave, sample_rate: int) -> None:
+        import numpy as np
+
+        if self.stdout:
+            sys.stdout.buffer.write((np.clip(wave, -1, 1) * 32767).astype("<i2").tobytes())
+            sys.stdout.buffer.flush()
+            return
+        if self.file is None:
+            import soundfile
+
+            Path(self.output).parent.mkdir(parents=True, exist_ok=True)
+            self.file = soundfile.SoundFile(self.output, "w", samplerate=sample_rate, channels=1, subtype="PCM_16")
+        self.file.write(np.clip(wave, -1, 1))
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _stream_to(chunks, output: str, stats: StreamStats, label: str) -> None:
+    sink = _Sink(output)
+    try:
+        for chunk in chunks:
+            sink.write(chunk.waveform, chunk.sample_rate)
+    finally:
+        sink.close()
+    report = sys.stderr if output == "-" else sys.stdout
+    where = "stdout (raw s16le mono)" if output == "-" else output
+    seconds = stats.samples / max(stats.sample_rate, 1)
+    first = f"{stats.first_chunk_s * 1000:.0f} ms" if stats.first_chunk_s is not None else "none"
+    print(f"{label} -> {where}: {seconds:.2f} s at {stats.sample_rate} Hz in {stats.chunks} chunks; first chunk "
+          f"after {first}, total {stats.total_s:.2f} s, real-time factor {stats.rtf:.3f}", file=report)
+
+
+def _vc(client: VCClient, args) -> int:
     several = len(args.source) > 1
+    if args.stream:
+        if several or args.output.endswith("/"):
+            raise CosyVoiceError("--stream converts one source into one file (or - for stdout)")
+        stats = StreamStats()
+        _stream_to(client.convert_stream(args.source[0], args.prompt, speaker_id=args.speaker, seed=args.seed,
+                                         stats=stats), args.output, stats, args.source[0])
+        return 0
+    if args.speaker:
+        raise CosyVoiceError("--speaker needs --stream (cosyvoice_vc takes the prompt audio)")
     out = Path(args.output)
     targets = [out / f"{Path(s).stem}.wav" for s in args.source] if several else [out]
-    try:
-        client = VCClient(args.url, protocol=args.protocol, timeout=args.timeout, concurrency=args.concurrency)
-    except Exception as exc:
-        print(f"error: cannot connect: {exc}", file=sys.stderr)
-        return 2
-    with client:
-        if not client.is_ready():
-            print(f"error: the server at {client.url} ({args.protocol}) is not ready or has no model {client.model}",
-                  file=sys.stderr)
-            return 2
-        results = client.convert_many([(s, args.prompt) for s in args.source], seed=args.seed)
+    results = client.convert_many([(s, args.prompt) for s in args.source], seed=args.seed)
     failed = 0
     for src, target, res in zip(args.source, targets, results, strict=True):
         if isinstance(res, VCError):
@@ -52,6 +139,78 @@ def main(argv=None) -> int:
         res.write(target)
         print(f"{src} -> {target}: {res.seconds:.2f} s at {res.sample_rate} Hz in {res.latency_s * 1000:.0f} ms")
     return 1 if failed else 0
+
+
+def _tts(client: VCClient, args) -> int:
+    text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
+    kw = {"prompt": args.prompt, "prompt_text": args.prompt_text, "instruct": args.instruct,
+          "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed}
+    if args.stream:
+        stats = StreamStats()
+        _stream_to(client.tts_stream(text, stats=stats, **kw), args.output, stats, "tts")
+        return 0
+    res = client.tts(text, **kw)
+    sink = _Sink(args.output)
+    try:
+        sink.write(res.waveform, res.sample_rate)
+    finally:
+        sink.close()
+    report = sys.stderr if args.output == "-" else sys.stdout
+    print(f"tts -> {args.output}: {res.seconds:.2f} s at {res.sample_rate} Hz in {res.latency_s * 1000:.0f} ms "
+          f"(real-time factor {res.latency_s / max(res.seconds, 1e-9):.3f})", file=report)
+    return 0
+
+
+def _speaker(client: VCClient, args) -> int:
+    if args.action != "list" and not args.id:
+        raise CosyVoiceError(f"speaker {args.action} needs a speaker id")
+    if args.action == "add":
+        if not args.prompt:
+            raise CosyVoiceError("speaker add needs --prompt")
+        prompt = client.register_speaker(args.id, args.prompt, prompt_text=args.prompt_text)
+        print(f"registered {args.id!r}: {len(prompt.prompt_tokens)} prompt tokens, "
+              f"{len(prompt.prompt_text_tokens)} transcript tokens")
+    elif args.action == "list":
+        for speaker_id in client.list_speakers():
+            print(speaker_id)
+    else:
+        client.delete_speaker(args.id)
+        print(f"deleted {args.id!r}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
+        argv = ["vc", *argv]  # the original command line: voice conversion
+    args = build_parser().parse_args(argv)
+    protocol = args.protocol or ("grpc" if getattr(args, "stream", False) else "http")
+    if getattr(args, "stream", False) and protocol != "grpc":
+        print("error: --stream needs --protocol grpc (Triton serves decoupled models over gRPC streams)",
+              file=sys.stderr)
+        return 2
+    try:
+        stream = getattr(args, "stream", False)
+        model = {"vc": VC_STREAM_MODEL if stream else VC_MODEL, "tts": TTS_STREAM_MODEL if stream else TTS_MODEL,
+                 "speaker": SPEAKERS_MODEL}[args.command]
+        client = VCClient(args.url, protocol=protocol, model=model, timeout=args.timeout,
+                          concurrency=getattr(args, "concurrency", 4))
+    except Exception as exc:
+        print(f"error: cannot connect: {exc}", file=sys.stderr)
+        return 2
+    with client:
+        if not client.is_ready():
+            print(f"error: the server at {client.url} ({protocol}) is not ready or has no model {client.model}",
+                  file=sys.stderr)
+            return 2
+        try:
+            return {"vc": _vc, "tts": _tts, "speaker": _speaker}[args.command](client, args)
+        except VCError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except CosyVoiceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import re
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +33,13 @@ import numpy as np
 
 from . import audio
 from .errors import AudioError
-from .shapes import VC_MODEL
+from .shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
 
-__all__ = ["AsyncVCClient", "VCClient", "VCError", "VCResult", "build_inputs", "connect", "inference_statistics",
+VC_STREAM_MODEL = "cosyvoice_vc_stream"
+SPEAKERS_MODEL = "speakers"
+
+__all__ = ["AsyncTTSClient", "AsyncVCClient", "StreamChunk", "StreamStats", "TTSClient", "VCClient", "VCError",
+           "VCResult", "build_inputs", "build_speaker_inputs", "build_tts_inputs", "connect", "inference_statistics",
            "load_input"]
 
 PROTOCOLS = ("http", "grpc")
@@ -110,25 +115,134 @@ def _payload(x, sample_rate, name: str, encoded: bool):
     return load_input(x, sample_rate, name=name)
 
 
-def build_inputs(module, source: np.ndarray | bytes, source_sr: int | None, prompt: np.ndarray | bytes,
-                 prompt_sr: int | None, seed: int | None = None) -> list:
-    """The ``cosyvoice_vc`` input tensors for ``tritonclient.http`` or ``tritonclient.grpc`` (``module``): each
-    utterance as float32 samples with their rate, or as an encoded file's ``bytes`` (rate None)."""
-    def tensor(name, arr, dtype):
-        t = module.InferInput(name, list(arr.shape), dtype)
-        t.set_data_from_numpy(arr)
-        return t
+def _tensor(module, name: str, arr: np.ndarray, dtype: str):
+    t = module.InferInput(name, list(arr.shape), dtype)
+    t.set_data_from_numpy(arr)
+    return t
 
-    inputs = []
-    for which, x, sr in (("source", source, source_sr), ("prompt", prompt, prompt_sr)):
-        if isinstance(x, (bytes, bytearray)):
-            inputs.append(tensor(f"{which}_audio_bytes", np.array([[bytes(x)]], dtype=object), "BYTES"))
-        else:
-            inputs += [tensor(f"{which}_audio", np.ascontiguousarray(x, np.float32)[None], "FP32"),
-                       tensor(f"{which}_sample_rate", np.array([[sr]], np.int32), "INT32")]
+
+def _text(module, name: str, value: str | bytes):
+    data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    return _tensor(module, name, np.array([[data]], dtype=object), "BYTES")
+
+
+def _audio_inputs(module, which: str, x: np.ndarray | bytes, sr: int | None) -> list:
+    """One utterance: ``<which>_audio`` + ``<which>_sample_rate``, or ``<which>_audio_bytes`` for file bytes."""
+    if isinstance(x, (bytes, bytearray)):
+        return [_tensor(module, f"{which}_audio_bytes", np.array([[bytes(x)]], dtype=object), "BYTES")]
+    return [_tensor(module, f"{which}_audio", np.ascontiguousarray(x, np.float32)[None], "FP32"),
+            _tensor(module, f"{which}_sample_rate", np.array([[sr]], np.int32), "INT32")]
+
+
+def build_inputs(module, source: np.ndarray | bytes, source_sr: int | None, prompt: np.ndarray | bytes | None,
+                 prompt_sr: int | None, seed: int | None = None, *, speaker_id: str | None = None) -> list:
+    """The ``cosyvoice_vc`` (or ``cosyvoice_vc_stream``) input tensors for ``tritonclient.http`` or
+    ``tritonclient.grpc`` (``module``): each utterance as float32 samples with their rate, or as an encoded file's
+    ``bytes`` (rate None); ``speaker_id`` (a registered speaker) instead of the prompt."""
+    inputs = _audio_inputs(module, "source", source, source_sr)
+    if prompt is not None:
+        inputs += _audio_inputs(module, "prompt", prompt, prompt_sr)
+    if speaker_id is not None:
+        inputs.append(_text(module, "speaker_id", speaker_id))
     if seed is not None:
-        inputs.append(tensor("seed", np.array([[int(seed)]], np.int64), "INT64"))
+        inputs.append(_tensor(module, "seed", np.array([[int(seed)]], np.int64), "INT64"))
     return inputs
+
+
+def build_tts_inputs(module, text: str | bytes, *, prompt: np.ndarray | bytes | None = None,
+                     prompt_sr: int | None = None, prompt_text: str | None = None, instruct: str | None = None,
+                     speaker_id: str | None = None, mode: str | None = None, seed: int | None = None) -> list:
+    """The ``cosyvoice_tts`` / ``cosyvoice_tts_stream`` input tensors (:data:`~cosyvoice_triton.shapes.TTS_INPUTS`)."""
+    inputs = [_text(module, "text", text)]
+    if prompt is not None:
+        inputs += _audio_inputs(module, "prompt", prompt, prompt_sr)
+    for name, value in (("prompt_text", prompt_text), ("instruct_text", instruct), ("speaker_id", speaker_id),
+                        ("mode", mode)):
+        if value is not None:
+            inputs.append(_text(module, name, value))
+    if seed is not None:
+        inputs.append(_tensor(module, "seed", np.array([[int(seed)]], np.int64), "INT64"))
+    return inputs
+
+
+def build_speaker_inputs(module, action: str, speaker_id: str | None = None, *,
+                         prompt: np.ndarray | bytes | None = None, prompt_sr: int | None = None,
+                         prompt_text: str | None = None) -> list:
+    """The ``speakers`` model's input tensors (``action``: register, get, list, delete)."""
+    inputs = [_text(module, "action", action)]
+    if speaker_id is not None:
+        inputs.append(_text(module, "speaker_id", speaker_id))
+    if prompt is not None:
+        inputs += _audio_inputs(module, "prompt", prompt, prompt_sr)
+    if prompt_text is not None:
+        inputs.append(_text(module, "prompt_text", prompt_text))
+    return inputs
+
+
+@dataclass
+class StreamChunk:
+    """One streamed response: ``waveform`` float32 [n], its ``index`` in the stream, and ``elapsed_s`` since the
+    request was sent (the first chunk's is the first-chunk latency)."""
+
+    waveform: np.ndarray
+    sample_rate: int
+    index: int
+    elapsed_s: float
+
+
+@dataclass
+class StreamStats:
+    """Filled in while a stream is consumed: first-chunk latency, total time, chunks and samples so far."""
+
+    first_chunk_s: float | None = None
+    total_s: float = 0.0
+    chunks: int = 0
+    samples: int = 0
+    sample_rate: int = 0
+
+    def add(self, chunk: StreamChunk) -> None:
+        if self.first_chunk_s is None:
+            self.first_chunk_s = chunk.elapsed_s
+        self.total_s = chunk.elapsed_s
+        self.chunks += 1
+        self.samples += len(chunk.waveform)
+        self.sample_rate = chunk.sample_rate
+
+    @property
+    def rtf(self) -> float:
+        """Seconds of work per second of audio (so far)."""
+        return self.total_s / max(self.samples / max(self.sample_rate, 1), 1e-9)
+
+
+def _chunk(result, t0: float, index: int) -> StreamChunk:
+    wave = result.as_numpy("waveform")
+    sr = result.as_numpy("sample_rate")
+    if wave is None or sr is None:
+        raise VCError("a streamed response has no waveform / sample_rate output")
+    idx = result.as_numpy("chunk_index")
+    return StreamChunk(np.asarray(wave, np.float32).reshape(-1), int(np.asarray(sr).reshape(-1)[0]),
+                       index if idx is None else int(np.asarray(idx).reshape(-1)[0]), time.perf_counter() - t0)
+
+
+def _is_final(result) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def _speaker_prompt(result):
+    from .speakers import SpeakerPrompt
+
+    text = result.as_numpy("prompt_text")
+    return SpeakerPrompt(prompt_tokens=result.as_numpy("prompt_tokens")[0].astype(np.int32),
+                         prompt_mel=result.as_numpy("prompt_mel")[0].astype(np.float32),
+                         embedding=result.as_numpy("embedding")[0].astype(np.float32),
+                         prompt_text_tokens=result.as_numpy("prompt_text_tokens")[0].astype(np.int32),
+                         prompt_text=bytes(text.reshape(-1)[0]).decode("utf-8") if text is not None else "")
+
+
+def _ids(result) -> list[str]:
+    ids = result.as_numpy("speaker_ids")
+    return [] if ids is None else [bytes(x).decode("utf-8") for x in ids.reshape(-1)]
 
 
 def _result(response, latency: float) -> VCResult:
@@ -179,6 +293,22 @@ def inference_statistics(client, protocol: str, model: str = "") -> dict:
     return client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
 
+def _vc_inputs(module, source, prompt, source_sr, prompt_sr, seed, speaker_id, encoded) -> list:
+    src, s_sr = _payload(source, source_sr, "source", encoded)
+    if prompt is None:
+        if speaker_id is None:
+            raise AudioError("prompt: give the prompt audio or a registered speaker_id")
+        return build_inputs(module, src, s_sr, None, None, seed, speaker_id=speaker_id)
+    prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
+    return build_inputs(module, src, s_sr, prm, p_sr, seed, speaker_id=speaker_id)
+
+
+def _tts_inputs(module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed, encoded) -> list:
+    prm, p_sr = (None, None) if prompt is None else _payload(prompt, prompt_sr, "prompt", encoded)
+    return build_tts_inputs(module, text, prompt=prm, prompt_sr=p_sr, prompt_text=prompt_text, instruct=instruct,
+                            speaker_id=speaker_id, mode=mode, seed=seed)
+
+
 class VCClient:
     """Synchronous client; one connection (pool) reused for every call. Not for use from several threads
     at once: ``convert_many`` runs requests concurrently itself."""
@@ -221,18 +351,20 @@ class VCClient:
         prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
         return build_inputs(self._module, src, s_sr, prm, p_sr, seed)
 
-    def infer_raw(self, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None) -> VCResult:
+    def infer_raw(self, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
+                  model: str | None = None) -> VCResult:
         """Send prepared ``tritonclient`` inputs (for tests of malformed requests); raises :class:`VCError`."""
         t0 = time.perf_counter()
+        res = self._infer(model or self.model, inputs, parameters)
+        return _result(res, time.perf_counter() - t0)
+
+    def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None):
         try:
             if self.protocol == "http":
-                res = self._client.infer(self.model, list(inputs), parameters=parameters)
-            else:
-                res = self._client.infer(self.model, list(inputs), parameters=parameters,
-                                         client_timeout=self.timeout)
+                return self._client.infer(model, list(inputs), parameters=parameters)
+            return self._client.infer(model, list(inputs), parameters=parameters, client_timeout=self.timeout)
         except Exception as exc:
             raise VCError.from_exception(exc) from exc
-        return _result(res, time.perf_counter() - t0)
 
     def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                 seed: int | None = None, parameters: Mapping[str, Any] | None = None,
@@ -279,6 +411,93 @@ class VCClient:
 
         self._client.async_infer(self.model, inputs, done, parameters=parameters, client_timeout=self.timeout)
         return fut
+
+    # ------------------------------------------------------------------------ streaming (gRPC)
+
+    def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
+                   stats: StreamStats | None = None) -> Iterator[StreamChunk]:
+        """Chunks of a decoupled model as they arrive over a gRPC stream. Closing the generator early (``break``)
+        cancels the request on the server. An error on the stream raises :class:`VCError` with its message."""
+        if self.protocol != "grpc":
+            raise VCError(f"{model}: streaming needs protocol='grpc' (Triton's HTTP infer answers 501 for a "
+                          "decoupled model)", "client")
+        responses: queue.Queue = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        done, stats = False, stats if stats is not None else StreamStats()
+        t0 = time.perf_counter()
+        try:
+            self._client.async_stream_infer(model, list(inputs), parameters=parameters,
+                                            enable_empty_final_response=True)
+            index = 0
+            while True:
+                try:
+                    result, error = responses.get(timeout=self.timeout)
+                except queue.Empty:
+                    raise VCError(f"{model}: no streamed response within {self.timeout:g} s", "timeout") from None
+                if error is not None:
+                    done = True  # an error is the stream's last response
+                    raise VCError.from_exception(error)
+                final = _is_final(result)
+                if result.as_numpy("waveform") is not None:
+                    chunk = _chunk(result, t0, index)
+                    index += 1
+                    stats.add(chunk)
+                    yield chunk
+                if final:
+                    done = True
+                    return
+        finally:
+            self._client.stop_stream(cancel_requests=not done)
+
+    def convert_stream(self, source, prompt=None, *, speaker_id: str | None = None, source_sr: int | None = None,
+                       prompt_sr: int | None = None, seed: int | None = None,
+                       parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> Iterator[StreamChunk]:
+        """Streaming voice conversion (gRPC): chunks on the official schedule as the server sends them. The
+        voice: ``prompt`` audio or a registered ``speaker_id``. ``stats`` gets the first-chunk latency."""
+        return self.stream_raw(model, _vc_inputs(self._module, source, prompt, source_sr, prompt_sr, seed,
+                                                 speaker_id, encoded), parameters=parameters, stats=stats)
+
+    # -------------------------------------------------------------------------- text to speech
+
+    def tts(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
+            instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
+            seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+            model: str = TTS_MODEL) -> VCResult:
+        """Text to speech, the whole answer (HTTP or gRPC). The voice: ``prompt`` (path, bytes, or samples with
+        ``prompt_sr``) with an optional ``prompt_text``, or a registered ``speaker_id``."""
+        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
+                             encoded)
+        return self.infer_raw(inputs, parameters=parameters, model=model)
+
+    def tts_stream(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
+                   instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
+                   seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> Iterator[StreamChunk]:
+        """Streaming text to speech (gRPC): chunks as they arrive (see :meth:`tts` and :meth:`stream_raw`)."""
+        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
+                             encoded)
+        return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
+
+    # ------------------------------------------------------------------------------- speakers
+
+    def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
+                         prompt_text: str | None = None, encoded: bool = False):
+        """Register (or replace) ``speaker_id`` from prompt audio (and its transcript); returns its
+        :class:`~cosyvoice_triton.speakers.SpeakerPrompt` as the server computed it."""
+        audio_, sr = _payload(prompt, prompt_sr, "prompt", encoded)
+        res = self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "register", speaker_id, prompt=audio_,
+                                                               prompt_sr=sr, prompt_text=prompt_text))
+        return _speaker_prompt(res)
+
+    def get_speaker(self, speaker_id: str):
+        return _speaker_prompt(self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "get", speaker_id)))
+
+    def list_speakers(self) -> list[str]:
+        return _ids(self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list")))
+
+    def delete_speaker(self, speaker_id: str) -> None:
+        self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id))
 
 
 class AsyncVCClient:
@@ -350,3 +569,91 @@ class AsyncVCClient:
                     return VCError(str(exc), "client")
 
         return list(await asyncio.gather(*(one(_pair_args(p)) for p in pairs)))
+
+    async def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None):
+        try:
+            if self.protocol == "http":
+                return await self._client.infer(model, list(inputs), parameters=parameters)
+            return await self._client.infer(model, list(inputs), parameters=parameters, client_timeout=self.timeout)
+        except Exception as exc:
+            raise VCError.from_exception(exc) from exc
+
+    async def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
+                         stats: StreamStats | None = None) -> AsyncIterator[StreamChunk]:
+        """Chunks of a decoupled model as they arrive (``tritonclient.grpc.aio`` stream); closing the generator
+        early cancels the call, and with it the request on the server."""
+        if self.protocol != "grpc":
+            raise VCError(f"{model}: streaming needs protocol='grpc' (Triton's HTTP infer answers 501 for a "
+                          "decoupled model)", "client")
+        request = {"model_name": model, "inputs": list(inputs), "parameters": parameters}
+
+        async def requests():
+            yield request
+
+        stats = stats if stats is not None else StreamStats()
+        t0 = time.perf_counter()
+        call = self._client.stream_infer(requests(), stream_timeout=self.timeout)
+        done, index = False, 0
+        try:
+            async for result, error in call:
+                if error is not None:
+                    done = True
+                    raise VCError.from_exception(error)
+                if result.as_numpy("waveform") is not None:
+                    chunk = _chunk(result, t0, index)
+                    index += 1
+                    stats.add(chunk)
+                    yield chunk
+                if _is_final(result):
+                    break
+            done = True
+        finally:
+            if not done:
+                call.cancel()
+
+    def convert_stream(self, source, prompt=None, *, speaker_id: str | None = None, source_sr: int | None = None,
+                       prompt_sr: int | None = None, seed: int | None = None,
+                       parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
+        """``async for chunk in client.convert_stream(...)``: see :meth:`VCClient.convert_stream`."""
+        return self.stream_raw(model, _vc_inputs(self._module, source, prompt, source_sr, prompt_sr, seed,
+                                                 speaker_id, encoded), parameters=parameters, stats=stats)
+
+    async def tts(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
+                  instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
+                  seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+                  model: str = TTS_MODEL) -> VCResult:
+        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
+                             encoded)
+        t0 = time.perf_counter()
+        res = await self._infer(model, inputs, parameters)
+        return _result(res, time.perf_counter() - t0)
+
+    def tts_stream(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
+                   instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
+                   seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
+                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
+        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
+                             encoded)
+        return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
+
+    async def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
+                               prompt_text: str | None = None, encoded: bool = False):
+        audio_, sr = _payload(prompt, prompt_sr, "prompt", encoded)
+        return _speaker_prompt(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(
+            self._module, "register", speaker_id, prompt=audio_, prompt_sr=sr, prompt_text=prompt_text)))
+
+    async def get_speaker(self, speaker_id: str):
+        return _speaker_prompt(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "get",
+                                                                                      speaker_id)))
+
+    async def list_speakers(self) -> list[str]:
+        return _ids(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list")))
+
+    async def delete_speaker(self, speaker_id: str) -> None:
+        await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id))
+
+
+#: One client class serves VC, TTS and speakers; these names read better in TTS code.
+TTSClient = VCClient
+AsyncTTSClient = AsyncVCClient

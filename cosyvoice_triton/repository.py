@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 
 from .serving.model_params import MODEL_PARAMS
+from .serving.speakers import SPEAKER_INPUTS, SPEAKER_OUTPUTS
+from .serving.vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTPUTS
 from .shapes import (
     GRAPHS,
     STAGES,
@@ -141,6 +143,10 @@ class Tunables:
     max_waiting_requests: int = 16  # TTS: requests waiting for an LM row; beyond, refused at once (UNAVAILABLE)
     tts_wait_timeout_s: float = 60.0  # TTS: a request that waits longer for an LM row is refused
     max_text_chars: int = 2000  # TTS: longest accepted text
+    speaker_dir: str = "build/speakers"  # speakers: where registered speakers persist (relative: server work dir)
+    speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
+    vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
+    vc_max_waiting: int = 4  # cosyvoice_vc_stream: streams waiting for a worker; beyond, refused at once (UNAVAILABLE)
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -598,6 +604,21 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)), kind="ensemble", values=_vc_values,
                 doc="voice conversion: preprocess -> speech_tokenizer x2, speaker_encoder -> flow -> hift -> "
                     "postprocess"),
+    ServedModel("speakers", "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
+                frozenset(t.name for t in SPEAKER_INPUTS[1:]), parameters=lambda ctx: {
+                    "model_dir": str(ctx.model_dir), "speaker_dir": ctx.tunables.speaker_dir,
+                    "capacity": ctx.tunables.speaker_capacity, "min_seconds": ctx.tunables.min_seconds,
+                    "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us},
+                doc="register / get / list / delete speakers (one instance owns the store); BLS: speech_tokenizer, "
+                    "speaker_encoder"),
+    ServedModel(VC_STREAM_MODEL, f"ensemble/{VC_STREAM_MODEL}", VC_STREAM_INPUTS, VC_STREAM_OUTPUTS,
+                frozenset(t.name for t in VC_STREAM_INPUTS), decoupled=True, parameters=lambda ctx: {
+                    "model_dir": str(ctx.model_dir), "n_timesteps": ctx.tunables.n_timesteps,
+                    "default_seed": ctx.tunables.default_seed, "min_seconds": ctx.tunables.min_seconds,
+                    "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
+                    "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting},
+                doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
+                    "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
 )
 SERVED_NAMES = tuple(m.name for m in SERVED_MODELS)
 

@@ -24,7 +24,7 @@ import torch
 from ..config import CFMConfig
 from ..errors import CosyVoiceError
 from ..models.cfm import cfm_noise, cosine_t_span, solve_euler
-from ..shapes import GRAPHS
+from ..shapes import GRAPHS, MAX_LOOKAHEAD
 from .batching import ItemResult, RequestError, run_per_item
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ class FlowItem:
     prompt_tokens: np.ndarray
     prompt_mel: np.ndarray
     embedding: np.ndarray
+    #: a streaming chunk (``condition(streaming=True, finalize=False)``): chunk-causal attention in the encoder
+    #: and estimator, and the last ``lookahead`` source tokens only feed the encoder's look-ahead (0 or 3)
+    streaming: bool = False
+    lookahead: int = 0
 
     @classmethod
     def from_tensors(cls, t: Mapping[str, np.ndarray]) -> FlowItem:
@@ -89,6 +93,9 @@ class FlowSolver:
             raise RequestError("flow: source and prompt need at least one speech token each")
         if item.prompt_mel.ndim != 2 or item.prompt_mel.shape[1] != 80 or item.prompt_mel.shape[0] < 1:
             raise RequestError(f"flow: prompt_mel must be [frames, 80], got {list(item.prompt_mel.shape)}")
+        if item.lookahead not in (0, MAX_LOOKAHEAD) or item.lookahead >= item.source_tokens.size:
+            raise RequestError(f"flow: lookahead must be 0 or {MAX_LOOKAHEAD} and leave a source token, got "
+                               f"{item.lookahead} of {item.source_tokens.size}")
         if item.embedding.shape != (192,):
             raise RequestError(f"flow: speaker_embedding must have 192 values, got {list(item.embedding.shape)}")
         lo, hi = GRAPHS["flow_encoder"].tensor("speech_tokens").values
@@ -159,12 +166,13 @@ class FlowSolver:
         tokens = np.zeros((b, int(lens.max())), np.int32)
         for i, it in enumerate(items):
             tokens[i, : lens[i]] = np.concatenate([it.prompt_tokens, it.source_tokens])
+        flags = np.array([it.streaming for it in items], bool)
         enc = encoder({
             "speech_tokens": tokens,
             "speech_token_len": lens,
-            "lookahead_len": np.zeros(b, np.int32),
+            "lookahead_len": np.array([it.lookahead for it in items], np.int32),
             "speaker_embedding": np.stack([it.embedding for it in items]).astype(np.float32),
-            "streaming": np.zeros(b, bool),
+            "streaming": flags,
         })
         mu = torch.from_numpy(np.ascontiguousarray(enc["mu"], dtype=np.float32))  # [B, 80, T]
         mel_len = np.asarray(enc["mel_len"]).reshape(-1).astype(np.int64)
@@ -181,7 +189,7 @@ class FlowSolver:
         def estimator_fn(x, m, mu_, t_, spks_, cond_, streaming):
             out = estimator({"x": x.numpy(), "mask": m.numpy(), "mu": mu_.numpy(),
                              "t": t_.contiguous().numpy(), "spks": spks_.numpy(), "cond": cond_.numpy(),
-                             "streaming": np.zeros(x.shape[0], bool)})
+                             "streaming": np.concatenate([flags, flags])})  # CFG rows: cond, uncond
             return torch.from_numpy(np.ascontiguousarray(out["velocity"], dtype=np.float32))
 
         x = solve_euler(estimator_fn, z, mask, mu, spks, cond, self.t_span, self.cfm.inference_cfg_rate, False)

@@ -157,6 +157,31 @@ class Preprocessor:
             prompt_mel=np.ascontiguousarray(prompt_mel, dtype=np.float32),
         )
 
+    def utterance(self, which: str, samples=None, rate=None, encoded=None) -> tuple[np.ndarray, int]:
+        """One utterance (``which``: source or prompt) from its request tensors, validated: (mono float32, rate)."""
+        return self._utterance(which, samples, rate, encoded)
+
+    def source_features(self, wave: np.ndarray, sample_rate: int) -> np.ndarray:
+        """Whisper log-mel ``[128, T]`` of a validated source, as :meth:`one` computes it."""
+        whisper, n = features.whisper_log_mel_batch([audio.resample(wave, orig_sr=sample_rate,
+                                                                    target_sr=audio.TOKENIZER_SR)])
+        return np.ascontiguousarray(whisper[0, :, : int(n[0])])
+
+    def prompt_features(self, wave: np.ndarray, sample_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whisper log-mel ``[128, T]``, mean-normalised Kaldi fbank ``[Tf, 80]`` and 24 kHz mel ``[Tm, 80]`` of a
+        validated prompt, as :meth:`one` computes them."""
+        p16 = audio.resample(wave, orig_sr=sample_rate, target_sr=audio.TOKENIZER_SR)
+        p24 = audio.resample(wave, orig_sr=sample_rate, target_sr=self.sample_rate)
+        whisper, n = features.whisper_log_mel_batch([p16])
+        fbank, fbank_len = features.kaldi_fbank_batch([p16])
+        fbank = fbank[0, : int(fbank_len[0])]
+        fbank = fbank - fbank.mean(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
+        mel = features.cosyvoice_mel(p24, sample_rate=self.sample_rate, config=self.mel)
+        if mel.shape[0] < 1:
+            raise AudioError("prompt_audio: too short for one mel frame")
+        return (np.ascontiguousarray(whisper[0, :, : int(n[0])]), np.ascontiguousarray(fbank, dtype=np.float32),
+                np.ascontiguousarray(mel, dtype=np.float32))
+
     def batch(self, requests: Sequence[Mapping[str, np.ndarray | None]]) -> list[ItemResult[FrontendFeatures]]:
         """Each request: its input tensors by name (absent ones None). A bad request fails alone."""
         names = [n for group in VC_UTTERANCE_INPUTS.values() for n in group]

@@ -1,0 +1,208 @@
+"""``speakers``: register, get, list and delete speakers on the server (one process owns the store).
+
+:class:`SpeakerService` answers one request of the ``speakers`` model (inputs and outputs: :data:`SPEAKER_INPUTS`,
+:data:`SPEAKER_OUTPUTS`). ``register`` computes the prompt as :meth:`CosyVoice2.prompt
+<cosyvoice_triton.pipeline.CosyVoice2.prompt>` does: the audio decoded / validated / resampled by the
+:class:`~.frontend.Preprocessor`, its speech tokens and CAM++ embedding from the ``speech_tokenizer`` and
+``speaker_encoder`` graphs (:data:`~.flow.GraphFn`, BLS in Triton), tokens and 24 kHz mel cut to a common length
+(two mel frames per token), and the transcript normalised and tokenized by :class:`~cosyvoice_triton.text.TextFrontend`
+when given. The prompt is kept in a :class:`~cosyvoice_triton.speakers.SpeakerStore` (LRU, persisted folder, ids
+validated, thread-safe). Every refusal is a :class:`~cosyvoice_triton.errors.CosyVoiceError` naming the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import SpeakerError
+from ..shapes import TensorSpec
+from ..speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
+from .batching import RequestError
+from .flow import GraphFn
+from .frontend import Preprocessor
+
+__all__ = ["ACTIONS", "SPEAKER_INPUTS", "SPEAKER_OUTPUTS", "BlsSpeakers", "SpeakerService", "build_service",
+           "bytes_scalar", "prompt_tensors"]
+
+ACTIONS = ("register", "get", "list", "delete")
+_B = "batch"
+#: Inputs of the ``speakers`` model (batch 1 per request); all but ``action`` optional.
+SPEAKER_INPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("action", "bytes", (_B, 1)),
+    TensorSpec("speaker_id", "bytes", (_B, 1)),
+    TensorSpec("prompt_audio", "float32", (_B, "prompt_samples")),
+    TensorSpec("prompt_sample_rate", "int32", (_B, 1)),
+    TensorSpec("prompt_audio_bytes", "bytes", (_B, 1)),
+    TensorSpec("prompt_text", "bytes", (_B, 1)),
+)
+#: Outputs: ``speaker_ids`` always (the list, or the id acted on); the prompt for ``get`` and ``register``.
+SPEAKER_OUTPUTS: tuple[TensorSpec, ...] = (
+    TensorSpec("speaker_ids", "bytes", (_B, "speakers")),
+    TensorSpec("prompt_tokens", "int32", (_B, "prompt_tokens")),
+    TensorSpec("prompt_mel", "float32", (_B, "prompt_mel_frames", 80)),
+    TensorSpec("embedding", "float32", (_B, 192)),
+    TensorSpec("prompt_text_tokens", "int32", (_B, "prompt_text_tokens")),
+    TensorSpec("prompt_text", "bytes", (_B, 1)),
+)
+
+
+def bytes_scalar(value, name: str) -> str:
+    """The one UTF-8 string of a ``[1]`` BYTES tensor."""
+    arr = np.asarray(value, dtype=object).reshape(-1)
+    if arr.size != 1:
+        raise RequestError(f"{name}: expected one value, got {arr.size}")
+    item = arr[0]
+    if isinstance(item, (bytes, bytearray)):
+        try:
+            return bytes(item).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(f"{name}: not valid UTF-8") from None
+    return str(item)
+
+
+def prompt_tensors(prompt: SpeakerPrompt) -> dict[str, np.ndarray]:
+    """The ``get`` outputs of a prompt."""
+    return {"prompt_tokens": np.array(prompt.prompt_tokens, np.int32),
+            "prompt_mel": np.array(prompt.prompt_mel, np.float32),
+            "embedding": np.array(prompt.embedding, np.float32),
+            "prompt_text_tokens": np.array(prompt.prompt_text_tokens, np.int32),
+            "prompt_text": np.array([prompt.prompt_text.encode("utf-8")], dtype=object)}
+
+
+class SpeakerService:
+    """The ``speakers`` model's work.
+
+    Args:
+        store: where the prompts live.
+        pre: decodes, validates and resamples the prompt audio and computes its features.
+        graphs: ``speech_tokenizer`` and ``speaker_encoder`` callables.
+        text_frontend: ``() -> TextFrontend`` (built on first use; ``None``: registration with a transcript is
+            refused, the model folder has no text front end).
+        token_mel_ratio: mel frames per speech token (2).
+    """
+
+    def __init__(self, store: SpeakerStore, pre: Preprocessor, graphs: Mapping[str, GraphFn], *,
+                 text_frontend: Callable[[], Any] | None = None, token_mel_ratio: int = 2):
+        self.store, self.pre, self.graphs = store, pre, graphs
+        self._text_factory, self._text = text_frontend, None
+        self.ratio = int(token_mel_ratio)
+
+    def text(self):
+        if self._text is None:
+            if self._text_factory is None:
+                raise RequestError("prompt_text: this server has no text front end (CosyVoice-BlankEN/ missing in "
+                                   "the model folder); register without a transcript")
+            self._text = self._text_factory()
+        return self._text
+
+    def prompt(self, prompt_audio=None, prompt_sample_rate=None, prompt_audio_bytes=None,
+               prompt_text: str | None = None) -> SpeakerPrompt:
+        """The prompt of a recording (and its transcript), as ``CosyVoice2.prompt`` computes it."""
+        wave, sr = self.pre.utterance("prompt", prompt_audio, prompt_sample_rate, prompt_audio_bytes)
+        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
+        text_tokens = np.zeros(0, np.int32)
+        if prompt_text is not None:
+            text_tokens = np.asarray(self.text().prompt_tokens(prompt_text), np.int32)
+        tokens = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
+                                                  "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
+        tokens = np.asarray(tokens["speech_tokens"], np.int32).reshape(-1)
+        embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
+        n = min(mel.shape[0] // self.ratio, tokens.size)
+        if n < 1:
+            raise RequestError("prompt_audio: too short for one speech token")
+        return SpeakerPrompt(prompt_tokens=tokens[:n], prompt_mel=np.ascontiguousarray(mel[: self.ratio * n]),
+                             embedding=np.asarray(embedding, np.float32).reshape(-1),
+                             prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text)
+
+    def get(self, speaker_id: str) -> SpeakerPrompt:
+        return self.store.get(speaker_id)
+
+    def handle(self, tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        """One request's outputs; raises :class:`~cosyvoice_triton.errors.CosyVoiceError` for bad input."""
+        if tensors.get("action") is None:
+            raise RequestError(f"missing input 'action' (one of {', '.join(ACTIONS)})")
+        action = bytes_scalar(tensors["action"], "action").strip().lower()
+        if action not in ACTIONS:
+            raise RequestError(f"action {action!r} is not one of {', '.join(ACTIONS)}")
+        if action == "list":
+            return {"speaker_ids": _ids(self.store.list())}
+        if tensors.get("speaker_id") is None:
+            raise RequestError(f"action {action} needs input 'speaker_id'")
+        speaker_id = validate_speaker_id(bytes_scalar(tensors["speaker_id"], "speaker_id"))
+        if action == "get":
+            return {"speaker_ids": _ids([speaker_id]), **prompt_tensors(self.store.get(speaker_id))}
+        if action == "delete":
+            self.store.delete(speaker_id)
+            return {"speaker_ids": _ids([speaker_id])}
+        text = tensors.get("prompt_text")
+        text = None if text is None else bytes_scalar(text, "prompt_text")
+        if text is not None and not text.strip():
+            raise SpeakerError("prompt_text: empty transcript (leave the input out for a speaker without one)")
+        prompt = self.prompt(tensors.get("prompt_audio"), tensors.get("prompt_sample_rate"),
+                             tensors.get("prompt_audio_bytes"), text)
+        self.store.put(speaker_id, prompt)
+        return {"speaker_ids": _ids([speaker_id]), **prompt_tensors(prompt)}
+
+
+def _ids(ids) -> np.ndarray:
+    return np.array([i.encode("utf-8") for i in ids], dtype=object)
+
+
+#: The text front end's tokenizer folder inside a CosyVoice2 model folder.
+TEXT_DIR = "CosyVoice-BlankEN"
+
+
+def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], GraphFn]) -> SpeakerService:
+    """The service of a ``speakers`` model from its config parameters (``MODEL_PARAMS["speakers"]``);
+    ``graph_fn(model, graph)``: a callable of the Triton model ``model`` serving graph ``graph``. A relative
+    ``speaker_dir`` is under the server's working directory."""
+    from pathlib import Path
+
+    from ..config import ModelConfig
+
+    model_dir = Path(params["model_dir"])
+    config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+    pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=params["min_seconds"],
+                       max_seconds=params["max_seconds"])
+    store = SpeakerStore(Path(params["speaker_dir"]).resolve(), capacity=params["capacity"])
+    text = None
+    if (model_dir / TEXT_DIR).is_dir():
+        def text():
+            from ..text import TextFrontend
+
+            return TextFrontend(model_dir / TEXT_DIR)
+    graphs = {"speech_tokenizer": graph_fn(params["tokenizer_model"], "speech_tokenizer"),
+              "speaker_encoder": graph_fn(params["speaker_encoder_model"], "speaker_encoder")}
+    return SpeakerService(store, pre, graphs, text_frontend=text, token_mel_ratio=config.token_mel_ratio)
+
+
+class BlsSpeakers:
+    """``speaker_id -> SpeakerPrompt`` by a BLS ``get`` to the ``speakers`` model (``pb``:
+    ``triton_python_backend_utils``). An unknown or bad id comes back as the model's INVALID_ARG, raised as a
+    :class:`~cosyvoice_triton.errors.SpeakerError` with its message."""
+
+    def __init__(self, pb, model: str = "speakers", *, timeout_us: int = 0):
+        self.pb, self.model, self.timeout_us = pb, model, int(timeout_us)
+
+    def __call__(self, speaker_id: str) -> SpeakerPrompt:
+        pb = self.pb
+        inputs = [pb.Tensor("action", np.array([[b"get"]], dtype=object)),
+                  pb.Tensor("speaker_id", np.array([[speaker_id.encode("utf-8")]], dtype=object))]
+        kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
+        names = [t.name for t in SPEAKER_OUTPUTS[1:]]
+        res = pb.InferenceRequest(model_name=self.model, inputs=inputs, requested_output_names=names,
+                                  **kwargs).exec()
+        if res.has_error():
+            err = res.error()
+            if hasattr(err, "code") and err.code() == pb.TritonError.INVALID_ARG:
+                raise SpeakerError(err.message())
+            raise RuntimeError(f"{self.model}: {err.message()}")
+        out = {n: pb.get_output_tensor_by_name(res, n).as_numpy()[0] for n in names}
+        return SpeakerPrompt(prompt_tokens=out["prompt_tokens"].astype(np.int32),
+                             prompt_mel=out["prompt_mel"].astype(np.float32),
+                             embedding=out["embedding"].astype(np.float32),
+                             prompt_text_tokens=out["prompt_text_tokens"].astype(np.int32),
+                             prompt_text=bytes_scalar(out["prompt_text"], "prompt_text"))

@@ -1,0 +1,355 @@
+"""Streaming token-to-wav and streaming voice conversion over the graphs: what ``cosyvoice_vc_stream`` serves.
+
+:class:`StreamingToken2Wav` is :meth:`CosyVoice2.tokens2wav_stream
+<cosyvoice_triton.pipeline.CosyVoice2.tokens2wav_stream>` with the four token-to-wav graphs as callables
+(:data:`~.flow.GraphFn`: BLS calls in Triton, :class:`~.graphs.GraphRunner` in process): the official chunk
+schedule (hops of 25, 50, then 100 tokens, the first padded so that prompt + chunk is a multiple of 25, 3
+look-ahead tokens), each chunk through :class:`~.flow.FlowSolver` as a streaming item (chunk-causal encoder and
+estimator), then HiFT with the 8-frame mel cache, the 3840-sample source cache and the Hamming crossfade. The
+NSF noise of every HiFT call comes from one generator seeded with ``seed``, drawn as ``HiFTGenerator.draw_noise``
+draws it, so the chunks equal the in-process ones (within float rounding of onnxruntime against torch). It takes
+speech tokens as an iterable, so streaming TTS can feed it the LM's tokens as they are sampled.
+
+:class:`VCStreamer` is the voice-conversion front of it: the request's tensors (the ``cosyvoice_vc`` inputs, or
+``speaker_id`` instead of the prompt), the :class:`~.frontend.Preprocessor` features, the ``speech_tokenizer`` and
+``speaker_encoder`` graphs, then the chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import CosyVoiceError
+from ..shapes import (
+    GRAPHS,
+    MAX_LOOKAHEAD,
+    NSF_HARMONICS,
+    SAMPLES_PER_MEL_FRAME,
+    VC_INPUTS,
+    VC_OPTIONAL_INPUTS,
+    VC_OUTPUTS,
+    TensorSpec,
+)
+from ..speakers import SpeakerPrompt
+from .batching import RequestError
+from .flow import FlowItem, FlowSolver, GraphFn
+from .frontend import Preprocessor
+from .vocoder import parse_seed
+
+__all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
+           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors", "draw_nsf_noise",
+           "stream_chunk_ends"]
+
+#: Inputs of ``cosyvoice_vc_stream``: the ``cosyvoice_vc`` ones and ``speaker_id`` (a registered prompt).
+STREAM_INPUTS = ("source_audio", "source_sample_rate", "source_audio_bytes", "prompt_audio", "prompt_sample_rate",
+                 "prompt_audio_bytes", "speaker_id", "seed")
+
+TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE = 25, 100, 2, 8
+
+
+class StreamCancelled(Exception):
+    """The client cancelled the stream (or went away): the work stops before the next graph call."""
+
+
+def stream_chunk_ends(n_tokens: int, n_prompt_tokens: int, *, lookahead: int = MAX_LOOKAHEAD) -> list[int]:
+    """Where the non-final chunks end, in source tokens (the same schedule as ``CosyVoice2.stream_chunk_ends``)."""
+    pad = -n_prompt_tokens % TOKEN_HOP
+    hop, offset, ends = TOKEN_HOP, 0, []
+    while n_tokens - offset >= hop + pad + lookahead:
+        offset += hop + pad
+        ends.append(offset)
+        hop, pad = min(TOKEN_MAX_HOP, hop * STREAM_SCALE), 0
+    return ends
+
+
+def draw_nsf_noise(frames: int, generator: torch.Generator, *, upsample: int = SAMPLES_PER_MEL_FRAME,
+                   harmonics: int = NSF_HARMONICS) -> np.ndarray:
+    """``[1, upsample * frames, harmonics]`` float32 from ``generator``, advancing it as
+    ``HiFTGenerator.draw_noise(1, frames, generator)`` does (three draws), so a stream's calls continue one
+    sequence."""
+    length = upsample * frames
+    torch.rand(1, harmonics, generator=generator)
+    noise = torch.empty(1, harmonics, length).transpose(1, 2).normal_(generator=generator)
+    torch.randn(1, length, 1, generator=generator)
+    return noise.contiguous().numpy()
+
+
+@dataclass(frozen=True)
+class StreamPrompt:
+    """The flow's prompt: tokens [Tp] int32, 24 kHz mel [Tf, 80] float32, CAM++ embedding [192] float32."""
+
+    prompt_tokens: np.ndarray
+    prompt_mel: np.ndarray
+    embedding: np.ndarray
+
+    @classmethod
+    def from_speaker(cls, speaker: SpeakerPrompt) -> StreamPrompt:
+        return cls(np.array(speaker.prompt_tokens), np.array(speaker.prompt_mel), np.array(speaker.embedding))
+
+
+class StreamingToken2Wav:
+    """Speech tokens to 24 kHz float32 chunks on the official streaming schedule (see the module docstring).
+
+    ``graphs``: ``flow_encoder``, ``flow_estimator``, ``hift_source``, ``hift_decoder`` -> :data:`~.flow.GraphFn`.
+    """
+
+    def __init__(self, solver: FlowSolver, graphs: Mapping[str, GraphFn], *, lookahead: int = MAX_LOOKAHEAD):
+        missing = sorted({"flow_encoder", "flow_estimator", "hift_source", "hift_decoder"} - set(graphs))
+        if missing:
+            raise ValueError(f"StreamingToken2Wav: no callable for graph(s) {', '.join(missing)}")
+        self.solver, self.graphs, self.lookahead = solver, graphs, int(lookahead)
+        self.ratio = solver.token_mel_ratio
+        self.source_cache = MEL_CACHE * SAMPLES_PER_MEL_FRAME
+        self.fade = np.hamming(2 * self.source_cache)
+        self.min_frames = max(GRAPHS["hift_source"].axes["mel_frames"].min,
+                              GRAPHS["hift_decoder"].axes["mel_frames"].min)
+
+    def stream(self, prompt: StreamPrompt, tokens: Iterable[int], *, seed: int = 0,
+               cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
+        """Float32 chunks; a chunk runs as soon as its hop plus the look-ahead tokens have arrived, the last when
+        ``tokens`` ends. ``cancelled()`` is asked before each chunk: True raises :class:`StreamCancelled`."""
+        generator = torch.Generator().manual_seed(int(seed))
+        pad = -len(prompt.prompt_tokens) % TOKEN_HOP
+        hop, offset, cache, got = TOKEN_HOP, 0, None, []
+        for token in tokens:
+            got.append(int(token))
+            if len(got) - offset < hop + pad + self.lookahead:
+                continue
+            self._check(cancelled)
+            end = offset + hop + pad
+            mel = self._flow(prompt, got[: end + self.lookahead], self.lookahead)[:, offset * self.ratio:]
+            speech, cache = self._hift(mel, cache, generator, final=False)
+            offset, hop, pad = end, min(TOKEN_MAX_HOP, hop * STREAM_SCALE), 0
+            yield speech
+        if not got:
+            raise RequestError("no speech tokens to synthesise")
+        self._check(cancelled)
+        mel = self._flow(prompt, got, 0)[:, offset * self.ratio:]
+        speech, _ = self._hift(mel, cache, generator, final=True)
+        yield speech
+
+    @staticmethod
+    def _check(cancelled: Callable[[], bool] | None) -> None:
+        if cancelled is not None and cancelled():
+            raise StreamCancelled("the client cancelled the stream")
+
+    def _flow(self, prompt: StreamPrompt, tokens: list[int], lookahead: int) -> np.ndarray:
+        item = FlowItem(np.asarray(tokens, np.int32), np.asarray(prompt.prompt_tokens, np.int32),
+                        np.asarray(prompt.prompt_mel, np.float32), np.asarray(prompt.embedding, np.float32),
+                        streaming=lookahead > 0, lookahead=lookahead)
+        (res,) = self.solver.run([item], self.graphs["flow_encoder"], self.graphs["flow_estimator"])
+        return res.unwrap()  # [80, T] without the prompt frames
+
+    def _hift(self, mel: np.ndarray, cache: dict | None, generator: torch.Generator, *, final: bool):
+        if cache is not None:
+            mel = np.concatenate([cache["mel"], mel], axis=1)
+        frames = mel.shape[1]
+        noise = draw_nsf_noise(frames, generator)
+        feed = mel
+        if frames < self.min_frames:  # below the graphs' minimum: pad, and drop what the padding produced
+            feed = np.pad(mel, ((0, 0), (0, self.min_frames - frames)), mode="edge")
+            noise = np.pad(noise, ((0, 0), (0, (self.min_frames - frames) * SAMPLES_PER_MEL_FRAME), (0, 0)))
+        feed = np.ascontiguousarray(feed[None], dtype=np.float32)
+        source = np.array(self.graphs["hift_source"]({"mel": feed, "nsf_noise": noise})["source"], np.float32)
+        if cache is not None:
+            source[:, :, : cache["source"].shape[-1]] = cache["source"]
+        wave = self.graphs["hift_decoder"]({"mel": feed, "source": source})["waveform"]
+        n = frames * SAMPLES_PER_MEL_FRAME
+        speech = np.asarray(wave, np.float32)[0, :n].astype(np.float64)
+        source = source[:, :, :n]
+        if cache is not None:  # crossfade with the held-back tail of the previous chunk
+            c = self.source_cache
+            speech[:c] = speech[:c] * self.fade[:c] + cache["speech"] * self.fade[c:]
+        new_cache = None
+        if not final:
+            new_cache = {"mel": mel[:, -MEL_CACHE:], "source": source[:, :, -self.source_cache:],
+                         "speech": speech[-self.source_cache:]}
+            speech = speech[: -self.source_cache]
+        return speech.astype(np.float32), new_cache
+
+
+def _speaker_id(value) -> str:
+    arr = np.asarray(value, dtype=object).reshape(-1)
+    if arr.size != 1:
+        raise RequestError(f"speaker_id: expected one id, got {arr.size} values")
+    item = arr[0]
+    if isinstance(item, (bytes, bytearray)):
+        try:
+            return bytes(item).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError("speaker_id: not valid UTF-8") from None
+    return str(item)
+
+
+class VCStreamer:
+    """Streaming voice conversion of one request: front end, tokenizer and speaker encoder, then the chunks.
+
+    ``graphs``: the six graphs as :data:`~.flow.GraphFn`; ``speakers``: ``speaker_id -> SpeakerPrompt`` (the
+    ``speakers`` model by BLS in Triton), needed only for requests that name a registered speaker.
+    """
+
+    def __init__(self, pre: Preprocessor, solver: FlowSolver, graphs: Mapping[str, GraphFn], *,
+                 speakers: Callable[[str], SpeakerPrompt] | None = None, default_seed: int = 0):
+        self.pre, self.graphs, self.speakers = pre, graphs, speakers
+        self.token2wav = StreamingToken2Wav(solver, graphs)
+        self.default_seed = int(default_seed)
+
+    def _tokens(self, whisper: np.ndarray) -> np.ndarray:
+        out = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
+                                               "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
+        return np.asarray(out["speech_tokens"], np.int32).reshape(-1)
+
+    def prepare(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None
+                ) -> tuple[StreamPrompt, np.ndarray, int]:
+        """(prompt, source tokens, seed) of one request; raises a :class:`CosyVoiceError` naming what is wrong."""
+        t = {k: tensors.get(k) for k in STREAM_INPUTS}
+        if t["seed"] is not None:
+            seed = parse_seed(t["seed"])
+        elif parameters and "seed" in parameters:
+            seed = parse_seed(parameters["seed"], name="parameter seed")
+        else:
+            seed = self.default_seed
+        src, src_sr = self.pre.utterance("source", t["source_audio"], t["source_sample_rate"],
+                                         t["source_audio_bytes"])
+        if t["speaker_id"] is not None:
+            given = [n for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes") if t[n] is not None]
+            if given:
+                raise RequestError(f"send either speaker_id or the prompt audio, not both (got speaker_id and "
+                                   f"{', '.join(given)})")
+            if self.speakers is None:
+                raise RequestError("speaker_id: this model has no speaker store")
+            prompt = StreamPrompt.from_speaker(self.speakers(_speaker_id(t["speaker_id"])))
+            return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
+        wave, sr = self.pre.utterance("prompt", t["prompt_audio"], t["prompt_sample_rate"], t["prompt_audio_bytes"])
+        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
+        embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
+        prompt = StreamPrompt(self._tokens(whisper), mel, np.asarray(embedding, np.float32).reshape(-1))
+        return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
+
+    def stream(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None, *,
+               cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
+        """Float32 24 kHz chunks of one request (errors: :class:`CosyVoiceError` for bad input)."""
+        prompt, tokens, seed = self.prepare(tensors, parameters)
+        if tokens.size < 1:
+            raise CosyVoiceError("source_audio: no speech tokens (too short)")
+        yield from self.token2wav.stream(prompt, tokens.tolist(), seed=seed, cancelled=cancelled)
+
+
+VC_STREAM_MODEL = "cosyvoice_vc_stream"
+#: ``cosyvoice_vc_stream``: the ``cosyvoice_vc`` inputs and ``speaker_id`` (instead of the prompt audio), all optional
+#: in the config (the request is checked here); one response per chunk, then an empty final response.
+VC_STREAM_INPUTS: tuple[TensorSpec, ...] = (*VC_INPUTS, *VC_OPTIONAL_INPUTS,
+                                            TensorSpec("speaker_id", "bytes", ("batch", 1)))
+VC_STREAM_OUTPUTS: tuple[TensorSpec, ...] = (*VC_OUTPUTS, TensorSpec("chunk_index", "int32", ("batch", 1)))
+
+
+def chunk_tensors(chunk: np.ndarray, index: int, sample_rate: int) -> dict[str, np.ndarray]:
+    """One streamed response's outputs (batch 1)."""
+    return {"waveform": np.ascontiguousarray(chunk, np.float32)[None],
+            "sample_rate": np.array([[sample_rate]], np.int32), "chunk_index": np.array([[index]], np.int32)}
+
+
+def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
+                   speakers: Callable[[str], SpeakerPrompt] | None) -> VCStreamer:
+    """The streamer of a ``cosyvoice_vc_stream`` model from its config parameters
+    (``MODEL_PARAMS["cosyvoice_vc_stream"]``); ``graph_fn(model, graph)`` as in :func:`.speakers.build_service`."""
+    from pathlib import Path
+
+    from ..config import ModelConfig
+
+    config = ModelConfig.from_yaml(Path(params["model_dir"]) / "cosyvoice2.yaml")
+    pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=params["min_seconds"],
+                       max_seconds=params["max_seconds"])
+    solver = FlowSolver(config.flow.cfm, token_mel_ratio=config.token_mel_ratio,
+                        n_timesteps=params["n_timesteps"] or None)
+    graphs = {g: graph_fn(g, g) for g in GRAPHS}
+    return VCStreamer(pre, solver, graphs, speakers=speakers, default_seed=params["default_seed"])
+
+
+class StreamWorkers:
+    """Serve streams of a decoupled Python model from worker threads, so that ``execute()`` returns at once and
+    streams run side by side.
+
+    ``pb``: ``triton_python_backend_utils``; ``stream(tensors, parameters, cancelled) -> iterator of chunk
+    tensors``. At most ``max_streams`` run at once and ``max_waiting`` wait for a worker; a request beyond that
+    is answered at once with UNAVAILABLE (retry later) on its stream. A bad request gets INVALID_ARG, a failure
+    INTERNAL, a cancelled stream (``is_cancelled()``, checked before each chunk) CANCELLED; each as its stream's
+    final response, nothing hangs.
+    """
+
+    def __init__(self, pb, stream: Callable[..., Iterator[Mapping[str, np.ndarray]]], input_names: Iterable[str], *,
+                 max_streams: int, max_waiting: int, name: str = "stream"):
+        from concurrent.futures import ThreadPoolExecutor
+        from threading import Lock
+
+        if max_streams < 1 or max_waiting < 0:
+            raise ValueError(f"need max_streams >= 1 and max_waiting >= 0, got {max_streams}, {max_waiting}")
+        self.pb, self.stream, self.inputs, self.name = pb, stream, list(input_names), name
+        self.max_streams, self.max_waiting = int(max_streams), int(max_waiting)
+        self.pool = ThreadPoolExecutor(self.max_streams, thread_name_prefix=name)
+        self.lock, self.pending = Lock(), 0
+        self.counts = {"started": 0, "finished": 0, "refused": 0, "cancelled": 0, "failed": 0}
+
+    def submit(self, request) -> None:
+        """Take one request of ``execute()``: run it in a worker, or refuse it at once."""
+        from . import triton_io
+
+        pb = self.pb
+        sender = request.get_response_sender()
+        with self.lock:
+            busy = self.pending >= self.max_streams + self.max_waiting
+            if not busy:
+                self.pending += 1
+            else:
+                self.counts["refused"] += 1
+        if busy:
+            msg = (f"{self.name}: too many concurrent streams ({self.max_streams} running, {self.max_waiting} "
+                   "waiting, the configured maximum); retry later")
+            sender.send(pb.InferenceResponse(error=pb.TritonError(msg, pb.TritonError.UNAVAILABLE)),
+                        flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        try:
+            tensors = triton_io.read_inputs(pb, request, self.inputs)
+            params = triton_io.request_parameters(request)
+        except Exception as exc:
+            self._done("failed")
+            sender.send(triton_io.error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        self.pool.submit(self._run, request, sender, tensors, params)
+
+    def _done(self, what: str) -> None:
+        with self.lock:
+            self.pending -= 1
+            self.counts[what] += 1
+
+    def _run(self, request, sender, tensors, params) -> None:
+        from . import triton_io
+
+        pb, final = self.pb, self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        outcome = "finished"
+
+        def cancelled() -> bool:
+            return bool(sender.is_cancelled() if hasattr(sender, "is_cancelled") else request.is_cancelled())
+
+        try:
+            with self.lock:
+                self.counts["started"] += 1
+            for out in self.stream(tensors, params, cancelled=cancelled):
+                sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, np.ascontiguousarray(v))
+                                                                 for k, v in out.items()]))
+            sender.send(flags=final)
+        except StreamCancelled as exc:
+            outcome = "cancelled"
+            sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.CANCELLED)), flags=final)
+        except Exception as exc:
+            outcome = "finished" if isinstance(exc, CosyVoiceError) else "failed"
+            sender.send(triton_io.error_response(pb, exc), flags=final)
+        finally:
+            self._done(outcome)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

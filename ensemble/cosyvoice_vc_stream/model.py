@@ -1,0 +1,36 @@
+"""Triton Python-backend adapter of ``cosyvoice_vc_stream`` (decoupled BLS orchestrator): each request runs in a
+worker thread (``StreamWorkers``) through ``VCStreamer``: front end, tokenizer and speaker encoder, then the
+chunked flow and HiFT graphs by BLS; one response per chunk on the official schedule, then the final flag."""
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.speakers import BlsSpeakers
+from cosyvoice_triton.serving.vc_stream import STREAM_INPUTS, StreamWorkers, build_streamer, chunk_tensors
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_vc_stream"], model=args["model_name"])
+        timeout = p["bls_timeout_us"]
+        self.streamer = build_streamer(p, lambda model, graph: triton_io.BlsGraph(pb_utils, model, graph,
+                                                                                  timeout_us=timeout),
+                                       BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=timeout))
+        rate = self.streamer.pre.sample_rate
+
+        def stream(tensors, parameters, cancelled):
+            for i, chunk in enumerate(self.streamer.stream(tensors, parameters, cancelled=cancelled)):
+                yield chunk_tensors(chunk, i, rate)
+
+        self.workers = StreamWorkers(pb_utils, stream, STREAM_INPUTS, max_streams=p["max_streams"],
+                                     max_waiting=p["max_waiting"], name=args["model_name"])
+
+    def execute(self, requests):
+        for request in requests:
+            self.workers.submit(request)
+        return None
+
+    def finalize(self):
+        self.workers.close()

@@ -1,0 +1,242 @@
+"""Streaming voice conversion: ``StreamingToken2Wav`` / ``VCStreamer`` in process against
+``CosyVoice2.token2wav_stream``, and the served ``cosyvoice_vc_stream`` (decoupled, gRPC stream) against both:
+chunks on the official schedule, registered speakers, errors on the stream, cancellation, too many streams, the
+HTTP side (501 for infer; the generate-stream endpoint)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import FIXTURES, rel_err
+
+from cosyvoice_triton.client import VCClient, VCError
+from cosyvoice_triton.serving.vc_stream import StreamCancelled, VCStreamer, stream_chunk_ends
+
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def speech():
+    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
+    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
+    return src[: int(4.0 * ssr)], ssr, prm[: int(1.5 * psr)], psr
+
+
+@pytest.fixture(scope="module")
+def local(serving_assets):
+    from cosyvoice_triton.serving.local import LocalPipeline
+
+    return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
+
+
+@pytest.fixture(scope="module")
+def model(serving_assets):
+    from cosyvoice_triton.pipeline import CosyVoice2
+
+    return CosyVoice2.from_pretrained(serving_assets["model_dir"])
+
+
+def _request(src, ssr, prm, psr, seed=SEED):
+    return {"source_audio": src[None], "source_sample_rate": np.array([[ssr]], np.int32),
+            "prompt_audio": prm[None], "prompt_sample_rate": np.array([[psr]], np.int32),
+            "seed": np.array([[seed]], np.int64)}
+
+
+@pytest.fixture(scope="module")
+def reference(model, speech):
+    """The in-process streaming chunks (torch) of the module's pair."""
+    src, ssr, prm, psr = speech
+    inputs = model.frontend_vc(src, prm, source_sr=ssr, prompt_sr=psr)
+    return inputs, list(model.token2wav_stream(inputs, seed=SEED))
+
+
+def test_schedule_matches_the_pipeline(model):
+    for n, p in [(10, 7), (28, 0), (27, 25), (60, 13), (300, 49), (1000, 1)]:
+        assert stream_chunk_ends(n, p) == model.stream_chunk_ends(n, p), (n, p)
+
+
+def test_in_process_chunks_equal_token2wav_stream(local, speech, reference):
+    graphs = {k: v.run for k, v in local.graphs.items()}
+    streamer = VCStreamer(local.pre, local.flow, graphs)
+    inputs, ref = reference
+    prompt, tokens, _ = streamer.prepare(_request(*speech))
+    np.testing.assert_array_equal(tokens, inputs.source_tokens)
+    np.testing.assert_array_equal(prompt.prompt_tokens, inputs.prompt_tokens)
+    chunks = list(streamer.stream(_request(*speech)))
+    assert len(ref) == len(stream_chunk_ends(len(tokens), len(prompt.prompt_tokens))) + 1 >= 3
+    assert [len(c) for c in chunks] == [len(c) for c in ref]
+    for got, want in zip(chunks, ref, strict=True):
+        assert rel_err(got, want) < 1e-3  # the fp32 bar: onnxruntime graphs against the torch pipeline
+
+
+def test_in_process_cancellation_stops_the_graph_calls(local, speech):
+    calls = {"n": 0}
+
+    def counted(fn):
+        def call(feeds):
+            calls["n"] += 1
+            return fn(feeds)
+        return call
+
+    graphs = {k: counted(v.run) if k == "flow_encoder" else v.run for k, v in local.graphs.items()}
+    streamer = VCStreamer(local.pre, local.flow, graphs)
+    got = []
+    with pytest.raises(StreamCancelled):
+        for chunk in streamer.stream(_request(*speech), cancelled=lambda: len(got) >= 1):
+            got.append(chunk)
+    assert len(got) == 1 and calls["n"] == 1  # the second chunk's encoder call never happened
+
+
+# ------------------------------------------------------------------------------------------ served
+@pytest.fixture(scope="module")
+def grpc(triton_server):
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+        yield c
+
+
+def _encoder_count(triton_server) -> int:
+    with VCClient(triton_server.http_url) as c:
+        return int(c.statistics("flow_encoder")["model_stats"][0]["inference_count"])
+
+
+def test_served_stream_equals_in_process(grpc, speech, reference):
+    src, ssr, prm, psr = speech
+    chunks = list(grpc.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED))
+    _, ref = reference
+    assert [c.index for c in chunks] == list(range(len(ref)))
+    assert all(c.sample_rate == 24000 for c in chunks)
+    assert [len(c.waveform) for c in chunks] == [len(r) for r in ref]
+    for got, want in zip(chunks, ref, strict=True):
+        assert rel_err(got.waveform, want) < 1e-3
+    times = [c.elapsed_s for c in chunks]
+    assert times == sorted(times) and times[0] < times[-1]  # they arrived one by one
+
+
+def test_served_stream_by_speaker_id(grpc, speech, model):
+    src, ssr, prm, psr = speech
+    grpc.register_speaker("stream_voice", prm, prompt_sr=psr)
+    try:
+        chunks = list(grpc.convert_stream(src, speaker_id="stream_voice", source_sr=ssr, seed=SEED))
+    finally:
+        grpc.delete_speaker("stream_voice")
+    speaker = model.prompt(prm, prompt_sr=psr)  # what register computes, in process
+    inputs = model.frontend_vc(src, prm, source_sr=ssr, prompt_sr=psr)
+    inputs.prompt_tokens, inputs.prompt_mel = np.array(speaker.prompt_tokens), np.array(speaker.prompt_mel)
+    ref = list(model.token2wav_stream(inputs, seed=SEED))
+    assert len(chunks) == len(ref)
+    assert rel_err(np.concatenate([c.waveform for c in chunks]), np.concatenate(ref)) < 1e-3
+
+
+@pytest.mark.parametrize("case", ["unknown_speaker", "speaker_and_prompt", "bad_audio", "no_prompt"])
+def test_errors_arrive_on_the_stream(grpc, speech, case):
+    src, ssr, prm, psr = speech
+    kw = {"unknown_speaker": {"speaker_id": "nobody_here"},
+          "speaker_and_prompt": {"prompt": prm, "prompt_sr": psr, "speaker_id": "nobody_here"},
+          "bad_audio": {"prompt": np.full(psr, np.nan, np.float32), "prompt_sr": psr},
+          "no_prompt": {}}[case]
+    want = {"unknown_speaker": "unknown speaker 'nobody_here'", "speaker_and_prompt": "not both",
+            "bad_audio": "prompt_audio", "no_prompt": "prompt"}[case]
+    with pytest.raises((VCError, ValueError)) as info:
+        list(grpc.convert_stream(src, source_sr=ssr, **kw))
+    assert want in str(info.value)
+    assert grpc.is_ready()
+
+
+def test_cancel_stops_the_work(triton_server, speech):
+    src, ssr, prm, psr = speech
+    long_src = np.concatenate([src, src, src])  # 12 s: 300 tokens, 4 chunks
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+        before = _encoder_count(triton_server)
+        full = list(c.convert_stream(long_src, prm, source_sr=ssr, prompt_sr=psr))
+        per_stream = _encoder_count(triton_server) - before
+        assert len(full) == per_stream >= 4
+        before = _encoder_count(triton_server)
+        stream = c.convert_stream(long_src, prm, source_sr=ssr, prompt_sr=psr)
+        next(stream)
+        stream.close()  # cancels the request on the server
+        time.sleep(3.0)  # a chunk in flight finishes; nothing after it starts
+        cancelled = _encoder_count(triton_server) - before
+        time.sleep(2.0)
+        assert _encoder_count(triton_server) - before == cancelled  # and nothing runs later
+    assert cancelled <= 2 < per_stream, (cancelled, per_stream)
+
+
+def test_too_many_streams_are_refused_at_once(triton_server, speech):
+    """max_streams + max_waiting streams (4 + 4 by default) are taken; the next is refused with UNAVAILABLE,
+    at once; then every stream is cancelled and the model still answers."""
+    src, ssr, prm, psr = speech
+    short = np.concatenate([src, src, src])  # long enough that no stream ends before all have arrived
+    results, lock = [], threading.Lock()
+    clients = [VCClient(triton_server.grpc_url, protocol="grpc", timeout=60) for _ in range(10)]
+    streams = [c.convert_stream(short, prm, source_sr=ssr, prompt_sr=psr) for c in clients]
+
+    def run(stream):
+        t0 = time.perf_counter()
+        try:
+            next(stream)
+            out = "ok"
+        except VCError as exc:
+            out = str(exc)
+        except StopIteration:
+            out = "ok"
+        with lock:
+            results.append((out, time.perf_counter() - t0))
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a stream hung"
+    refused = [(r, dt) for r, dt in results if "too many concurrent streams" in r]
+    assert len(refused) == 2, results
+    assert all(dt < 10 for _, dt in refused), refused  # answered at once, not after the others
+    for s in streams:
+        s.close()
+    for c in clients:
+        c.close()
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+        assert len(list(c.convert_stream(src[: ssr * 2], prm, source_sr=ssr, prompt_sr=psr))) >= 1
+
+
+def test_stream_model_over_http_infer_is_refused(triton_server, speech):
+    src, ssr, prm, psr = speech
+    with VCClient(triton_server.http_url, model="cosyvoice_vc_stream", timeout=60) as c, \
+            pytest.raises(VCError) as info:
+        c.convert(src, prm, source_sr=ssr, prompt_sr=psr)
+    assert "decoupled" in info.value.message.lower() or info.value.status == "501", info.value
+    with VCClient(triton_server.http_url, timeout=60) as c, pytest.raises(VCError, match="grpc"):
+        list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr))
+
+
+def test_stream_request_to_a_non_streaming_model(grpc, speech):
+    """cosyvoice_vc over a gRPC stream answers once (whole audio, one 'chunk') and ends: no hang."""
+    src, ssr, prm, psr = speech
+    chunks = list(grpc.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, model="cosyvoice_vc"))
+    assert len(chunks) == 1 and abs(len(chunks[0].waveform) / 24000 - 4.0) < 0.1
+
+
+def test_http_generate_stream(triton_server, speech):
+    """Triton 2.51's HTTP generate-stream endpoint for the decoupled model: server-sent events, one per chunk."""
+    src, ssr, prm, psr = speech
+    body = {"source_audio": [src[: ssr * 2].tolist()], "source_sample_rate": [[ssr]],
+            "prompt_audio": [prm.tolist()], "prompt_sample_rate": [[psr]]}
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/cosyvoice_vc_stream/generate_stream",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    except urllib.error.HTTPError as exc:
+        pytest.skip(f"generate_stream refused by this Triton: {exc.code} {exc.read()[:200]!r}")
+    errors = [e for e in events if "error" in e]
+    if errors:
+        pytest.skip(f"generate_stream cannot carry these inputs: {errors[0]['error'][:200]}")
+    chunks = [e for e in events if "waveform" in e]
+    assert len(chunks) >= 1 and [int(np.ravel(e["chunk_index"])[0]) for e in chunks] == list(range(len(chunks)))

@@ -86,7 +86,7 @@ class _Sink:
         import numpy as np
 
         if self.stdout:
-            sys.stdout.buffer.write((np.clip(wave, -1, 1) * 32767).astype("<i2").tobytes())
+            sys.stdout.buffer.write(np.rint(np.clip(wave, -1, 1) * 32767).astype("<i2").tobytes())
             sys.stdout.buffer.flush()
             return
         if self.file is None:

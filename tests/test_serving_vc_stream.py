@@ -224,19 +224,34 @@ def test_stream_request_to_a_non_streaming_model(grpc, speech):
 
 
 def test_http_generate_stream(triton_server, speech):
-    """Triton 2.51's HTTP generate-stream endpoint for the decoupled model: server-sent events, one per chunk."""
+    """Triton 2.51's HTTP generate-stream endpoint for the decoupled model: server-sent events, one per chunk.
+    Its JSON maps each field to one input; the layouts tried: batch-major (as the gRPC request) and flat."""
     src, ssr, prm, psr = speech
-    body = {"source_audio": [src[: ssr * 2].tolist()], "source_sample_rate": [[ssr]],
-            "prompt_audio": [prm.tolist()], "prompt_sample_rate": [[psr]]}
-    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/cosyvoice_vc_stream/generate_stream",
-                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
-    except urllib.error.HTTPError as exc:
-        pytest.skip(f"generate_stream refused by this Triton: {exc.code} {exc.read()[:200]!r}")
-    errors = [e for e in events if "error" in e]
-    if errors:
-        pytest.skip(f"generate_stream cannot carry these inputs: {errors[0]['error'][:200]}")
-    chunks = [e for e in events if "waveform" in e]
-    assert len(chunks) >= 1 and [int(np.ravel(e["chunk_index"])[0]) for e in chunks] == list(range(len(chunks)))
+    s2 = src[: ssr * 2].tolist()
+    bodies = {"batch-major": {"source_audio": [s2], "source_sample_rate": [[ssr]], "prompt_audio": [prm.tolist()],
+                              "prompt_sample_rate": [[psr]]},
+              "flat": {"source_audio": s2, "source_sample_rate": [ssr], "prompt_audio": prm.tolist(),
+                       "prompt_sample_rate": [psr]},
+              "scalar rates": {"source_audio": s2, "source_sample_rate": ssr, "prompt_audio": prm.tolist(),
+                               "prompt_sample_rate": psr}}
+    refusals = {}
+    for layout, body in bodies.items():
+        req = urllib.request.Request(
+            f"http://{triton_server.http_url}/v2/models/cosyvoice_vc_stream/generate_stream",
+            data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                events = [json.loads(line[5:]) for line in resp.read().decode().splitlines()
+                          if line.startswith("data:")]
+        except urllib.error.HTTPError as exc:
+            refusals[layout] = f"{exc.code} {exc.read()[:160].decode(errors='replace')}"
+            continue
+        errors = [e["error"] for e in events if "error" in e]
+        if errors:
+            refusals[layout] = errors[0][:160]
+            continue
+        chunks = [e for e in events if "waveform" in e]
+        assert len(chunks) >= 1
+        assert [int(np.ravel(e["chunk_index"])[0]) for e in chunks] == list(range(len(chunks)))
+        return
+    pytest.skip(f"Triton 2.51's generate_stream does not carry these inputs: {refusals}")

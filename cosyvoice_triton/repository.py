@@ -57,7 +57,13 @@ from .serving.vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTP
 from .shapes import (
     GRAPHS,
     STAGES,
+    TTS_INPUTS,
+    TTS_MODEL,
+    TTS_OPTIONAL_INPUTS,
+    TTS_OUTPUTS,
+    TTS_STREAM_EXTRA_INPUTS,
     TTS_STREAM_MODEL,
+    TTS_STREAM_OUTPUTS,
     VC_INPUTS,
     VC_MODEL,
     VC_OPTIONAL_INPUTS,
@@ -619,18 +625,29 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
+    ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",
+                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
+                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)), max_batch_size=8,
+                decoupled=True, parameters=_tts_params, when=_tts,
+                doc="streaming TTS (BLS orchestrator, decoupled): text front end, prompt features "
+                    "(speech_tokenizer, speaker_encoder or the speakers model), ONE in-flight batched LM loop per "
+                    "instance, token2wav per chunk (flow_encoder / flow_estimator / hift_source / hift_decoder)"),
+    ServedModel(TTS_MODEL, f"ensemble/{TTS_MODEL}", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS), TTS_OUTPUTS,
+                frozenset(t.name for t in TTS_OPTIONAL_INPUTS), max_batch_size=8, parameters=_tts_front_params,
+                when=_tts, doc=f"non-streaming TTS: each request of a batch sent on to {TTS_STREAM_MODEL} "
+                               "(stream=false: one answer per text segment) by BLS, the segments concatenated"),
 )
 SERVED_NAMES = tuple(m.name for m in SERVED_MODELS)
 
 
-def _has_tts(model_dir: Path, tun: Tunables, allow_missing: bool) -> bool:
+def _has_tts(model_dir: Path, tun: Tunables) -> bool:
     """Render the TTS models? ``tts=on`` always, ``off`` never, ``auto``: when the folder has the LM files (a
     voice-conversion-only folder still serves VC)."""
     if tun.tts != "auto":
         return tun.tts == "on"
     from .pipeline import TTS_FILES
 
-    return allow_missing or all((model_dir / f).is_file() for f in TTS_FILES)
+    return all((model_dir / f).is_file() for f in TTS_FILES)
 
 
 def _clean(out: Path) -> None:
@@ -780,8 +797,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
               templates / "graph" / "config.pbtxt.in")
 
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
-    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun,
-                                                                                           allow_missing))
+    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun))
     for entry in SERVED_MODELS:
         if not entry.enabled(ctx):
             continue

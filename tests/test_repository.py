@@ -59,7 +59,8 @@ def rendered(request, model_dir, tmp_path_factory):
 
 def test_every_model_has_a_config_that_triton_parses(rendered):
     flavor, out, report = rendered
-    expected = {*GRAPHS, *STAGE_NAMES, VC_MODEL, "speakers", "cosyvoice_vc_stream"}
+    expected = {*GRAPHS, *STAGE_NAMES, VC_MODEL, "speakers", "cosyvoice_vc_stream", "cosyvoice_tts",
+                "cosyvoice_tts_stream"}
     assert set(report.models) == expected
     assert {p.name for p in out.iterdir() if p.is_dir()} == expected
     for name in expected:
@@ -157,6 +158,29 @@ def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypa
     assert "ensemble/echo_stream/model.py" in (out / "echo_stream" / "config.pbtxt").read_text()
     assert not _parse(out / "flow" / "config.pbtxt").model_transaction_policy.decoupled
     assert (out / VC_MODEL / "config.pbtxt").is_file()  # the ensemble, from ensemble/cosyvoice_vc
+
+
+def test_tts_models_follow_the_public_api(rendered, model_dir, tmp_path):
+    from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS
+
+    _, out, _ = rendered
+    stream = _parse(out / "cosyvoice_tts_stream" / "config.pbtxt")
+    whole = _parse(out / "cosyvoice_tts" / "config.pbtxt")
+    assert stream.model_transaction_policy.decoupled and not whole.model_transaction_policy.decoupled
+    names = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]
+    assert [i.name for i in whole.input] == names and [i.name for i in stream.input] == [*names, "stream"]
+    assert [i.name for i in whole.input if not i.optional] == ["text"]
+    assert [o.name for o in stream.output] == [t.name for t in TTS_STREAM_OUTPUTS]
+    read_parameters(_config_dict(stream), MODEL_PARAMS["cosyvoice_tts_stream"])
+    assert stream.parameters["max_active_requests"].string_value == "8"
+    # a voice-conversion-only folder (no llm.pt) serves no TTS, unless asked
+    vc_only = tmp_path / "vc_only"
+    shutil.copytree(model_dir, vc_only, ignore=shutil.ignore_patterns("llm.pt"))
+    report = render_repository("local", tmp_path / "r", model_dir=vc_only, onnx_dir=tmp_path, allow_missing=True)
+    assert "cosyvoice_tts" not in report.models and "cosyvoice_vc" in report.models
+    report = render_repository("local", tmp_path / "r", model_dir=vc_only, onnx_dir=tmp_path, allow_missing=True,
+                               tts="on")
+    assert "cosyvoice_tts_stream" in report.models
 
 
 def test_tunables_reach_the_configs(model_dir, tmp_path):

@@ -1,0 +1,416 @@
+"""Served text-to-speech: what ``ensemble/cosyvoice_tts_stream`` (and through it ``cosyvoice_tts``) runs per request.
+
+:class:`TTSService` does what :meth:`CosyVoice2.tts_stream <cosyvoice_triton.pipeline.CosyVoice2.tts_stream>`
+does, with the served pieces:
+
+- the request's tensors are checked (:meth:`TTSService.prepare`): text (UTF-8, :class:`~..text.TextFrontend`
+  rules), mode, the prompt as audio (samples + rate or an encoded file) or a registered ``speaker_id``;
+- prompt features: the 16 kHz Whisper log-mel and Kaldi fbank and the 24 kHz mel computed here (as
+  ``CosyVoice2.prompt``), the speech tokens and CAM++ embedding from the ``speech_tokenizer`` and
+  ``speaker_encoder`` graphs (callables: BLS in Triton); a ``speaker_id`` is fetched from the ``speakers`` model;
+- the LM: each text segment joins the ONE in-flight batch of :class:`~.lm_engine.LMEngine` (seeded draws shared by
+  the segments of a request, as in process);
+- token to wav: non-streaming, the ``flow`` and ``hift`` stages (callables: BLS) on the whole segment;
+  streaming, the official chunk schedule (:meth:`CosyVoice2.stream_chunk_ends`) over the tokens as they arrive,
+  each chunk through :class:`~.flow.FlowSolver` with the chunk's streaming flag and look-ahead (graphs
+  ``flow_encoder`` / ``flow_estimator``) and HiFT with the previous chunk's mel / source cache, continued NSF
+  noise and the Hamming crossfade (graphs ``hift_source`` / ``hift_decoder``).
+
+The stages keep no per-request state, which a stream needs (the HiFT cache, the noise generator, the chunk
+offsets): that state lives here, and the graphs it calls still batch across requests (dynamic batching).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import LLMError, TextError
+from ..models.llm import QWEN_DIR, LMRequest, load_llm
+from ..pipeline import TTS_MODES, CosyVoice2
+from ..shapes import SAMPLES_PER_MEL_FRAME
+from ..speakers import SpeakerPrompt
+from .batching import RequestError
+from .flow import FlowItem, FlowSolver, GraphFn
+from .frontend import Preprocessor
+from .lm_engine import LMEngine
+from .vocoder import parse_seed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TTSPlan", "TTSService", "bytes_input", "draw_nsf_noise"]
+
+#: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
+FlowFn = Callable[[FlowItem], np.ndarray]
+HiftFn = Callable[[np.ndarray, int], np.ndarray]
+SpeakerFn = Callable[[str], SpeakerPrompt]
+
+
+def bytes_input(x, name: str, *, text: bool = True) -> str | bytes | None:
+    """One ``[1, 1]`` BYTES tensor -> ``str`` (UTF-8 checked, ``text=True``) or ``bytes``; None stays None."""
+    if x is None:
+        return None
+    if isinstance(x, (bytes, bytearray)):
+        item = bytes(x)
+    else:
+        arr = np.asarray(x, dtype=object)
+        if arr.size != 1:
+            raise RequestError(f"{name}: expected one value per request, got shape {list(arr.shape)}")
+        item = arr.reshape(-1)[0]
+        if isinstance(item, str):
+            item = item.encode()
+        if not isinstance(item, (bytes, bytearray)):
+            raise RequestError(f"{name}: expected BYTES, got {type(item).__name__}")
+        item = bytes(item)
+    if not text:
+        return item
+    try:
+        return item.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TextError(f"{name}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def draw_nsf_noise(generator: torch.Generator, frames: int) -> np.ndarray:
+    """``[1, 480 * frames, 9]`` float32: ``HiFTGenerator.draw_noise(1, frames, generator)``'s three draws from a
+    generator that goes on across the chunks of a stream (as in process)."""
+    length, h = SAMPLES_PER_MEL_FRAME * frames, 9
+    torch.rand(1, h, generator=generator)
+    noise = torch.empty(1, h, length).transpose(1, 2).normal_(generator=generator)
+    torch.randn(1, length, 1, generator=generator)
+    return noise.contiguous().numpy()
+
+
+@dataclass
+class TTSPlan:
+    """One checked request: the segments' text tokens, the LM prompt, the flow prompt, the seed."""
+
+    segments: list[tuple[str, np.ndarray]]
+    lm_prompt_text_tokens: np.ndarray
+    lm_prompt_speech_tokens: np.ndarray
+    prompt: SpeakerPrompt
+    seed: int
+    mode: str
+
+
+class TTSService:
+    """The served TTS of one model folder (see the module docstring).
+
+    Args:
+        model_dir: the CosyVoice2 folder (``llm.pt``, ``CosyVoice-BlankEN/``, ``cosyvoice2.yaml``).
+        graphs: callables of ``speech_tokenizer``, ``speaker_encoder``, ``flow_encoder``, ``flow_estimator``,
+            ``hift_source``, ``hift_decoder`` (numpy dicts named as :data:`~..shapes.GRAPHS`).
+        flow, hift: the non-streaming stages (None: :class:`FlowSolver` / HiFT on ``graphs`` here).
+        speakers: ``speaker_id -> SpeakerPrompt`` (None: ``speaker_id`` is refused).
+        max_active, max_waiting, wait_timeout_s: the LM engine's queue policy.
+        max_text_chars: longest accepted text.
+        min_seconds, max_seconds: accepted prompt duration.
+    """
+
+    def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
+                 hift: HiftFn | None = None, speakers: SpeakerFn | None = None, max_active: int = 8,
+                 max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
+                 n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
+                 device: str = "cpu"):
+        from ..text import TextFrontend
+
+        model_dir = Path(model_dir)
+        self.config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+        self.sample_rate = self.config.sample_rate
+        self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars)
+        self.lm = load_llm(model_dir, self.config, device=device)
+        self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
+        self.pre = Preprocessor(self.config.mel, sample_rate=self.sample_rate, min_seconds=min_seconds,
+                                max_seconds=max_seconds)
+        self.graphs = graphs
+        self.solver = FlowSolver(self.config.flow.cfm, token_mel_ratio=self.config.token_mel_ratio,
+                                 n_timesteps=n_timesteps, max_batch=1)
+        self.flow = flow or self._flow_here
+        self.hift = hift or self._hift_here
+        self.speakers = speakers
+        self.ratio = self.config.token_mel_ratio
+        self.lookahead = self.config.flow.pre_lookahead_len
+        self.source_cache = CosyVoice2.MEL_CACHE * SAMPLES_PER_MEL_FRAME
+        self.fade_window = np.hamming(2 * self.source_cache)
+        self.stats = {"streams_started": 0, "streams_finished": 0, "streams_cancelled": 0}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ------------------------------------------------------------------------------------ the request
+
+    def prepare(self, t: Mapping[str, np.ndarray | None]) -> TTSPlan:
+        """Check one request's tensors and compute its prompt: :class:`TTSPlan`, or a client error
+        (:class:`~..errors.CosyVoiceError`: TextError, AudioError, RequestError, SpeakerError)."""
+        if t.get("text") is None:
+            raise TextError("text: missing input (the text to speak, UTF-8)")
+        text = self.text.check(bytes_input(t["text"], "text"))
+        prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
+        instruct = bytes_input(t.get("instruct_text"), "instruct_text")
+        speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
+        mode = bytes_input(t.get("mode"), "mode")
+        seed = parse_seed(t.get("seed"))
+        has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
+        if mode is not None and mode not in TTS_MODES:
+            raise TextError(f"mode must be one of {', '.join(TTS_MODES)}, got {mode!r}")
+        if not has_audio and speaker_id is None:
+            raise TextError("prompt_text without prompt audio: send prompt_audio with prompt_sample_rate, or "
+                            "prompt_audio_bytes (or a registered speaker_id)" if prompt_text is not None else
+                            "a voice prompt is needed: prompt_audio with prompt_sample_rate, prompt_audio_bytes, or "
+                            "a registered speaker_id")
+        if has_audio and speaker_id is not None:
+            raise TextError("give prompt audio or a speaker_id, not both")
+        if speaker_id is not None:
+            if prompt_text is not None:
+                raise TextError("prompt_text belongs to prompt audio: register the speaker with its text instead")
+            if self.speakers is None:
+                raise TextError("speaker_id: this server has no speakers model")
+            speaker = self.speakers(speaker_id)
+        else:
+            speaker = self.prompt(t, prompt_text)
+        if mode is None:
+            mode = "instruct" if instruct is not None else (
+                "zero_shot" if len(speaker.prompt_text_tokens) else "cross_lingual")
+        if mode == "instruct" and instruct is None:
+            raise TextError("instruct mode needs instruct_text")
+        if mode != "instruct" and instruct is not None:
+            raise TextError(f"instruct_text is only used in instruct mode, not {mode}")
+        if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
+            raise TextError("zero_shot needs the prompt's transcript (prompt_text); without it use cross_lingual")
+        segments = self.text.tts_segments(text)
+        lm_text = {"zero_shot": speaker.prompt_text_tokens, "cross_lingual": np.zeros(0, np.int32),
+                   "instruct": None if instruct is None else self.text.instruct_tokens(instruct)}[mode]
+        lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
+        return TTSPlan([(s, np.asarray(ids, np.int32)) for s, ids in segments], np.asarray(lm_text, np.int32),
+                       np.asarray(lm_speech, np.int32), speaker, seed, mode)
+
+    def prompt(self, t: Mapping[str, np.ndarray | None], prompt_text: str | None) -> SpeakerPrompt:
+        """``CosyVoice2.prompt`` with the graphs: tokens, mel (cut to 2 frames per token), embedding, transcript."""
+        wave, sr = self.pre.utterance("prompt", t.get("prompt_audio"), t.get("prompt_sample_rate"),
+                                      t.get("prompt_audio_bytes"))
+        text_tokens = np.zeros(0, np.int32)
+        if prompt_text is not None:
+            text_tokens = self.text.prompt_tokens(prompt_text).astype(np.int32)
+        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
+        tokens = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
+                                                  "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
+        tokens = tokens["speech_tokens"]
+        tokens = np.asarray(tokens).reshape(-1)
+        embedding = self.graphs["speaker_encoder"]({"fbank": np.ascontiguousarray(fbank[None], dtype=np.float32)})
+        n = min(len(mel) // self.ratio, len(tokens))
+        if n < 1:
+            raise RequestError("prompt audio: too short for one speech token")
+        return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: self.ratio * n],
+                             embedding=np.asarray(embedding["speaker_embedding"], np.float32).reshape(-1),
+                             prompt_text_tokens=text_tokens, prompt_text=prompt_text or "")
+
+    def synthesize(self, plan: TTSPlan, *, stream: bool, cancelled: Callable[[], bool] = lambda: False
+                   ) -> Iterator[np.ndarray]:
+        """float32 chunks at 24 kHz: the official streaming schedule (``stream=True``) or one per segment. The
+        LM jobs leave the batch when ``cancelled()`` turns true or the consumer stops iterating."""
+        draws = torch.Generator().manual_seed(plan.seed)
+        for text, ids in plan.segments:
+            job = self.engine.submit(LMRequest(ids, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
+                                               draws=draws), cancelled=cancelled)
+            try:
+                tokens = job.tokens()
+                if stream:
+                    yield from self.stream_token2wav(plan.prompt, tokens, seed=plan.seed)
+                else:
+                    got = np.asarray(list(tokens), np.int32)
+                    if not got.size:
+                        raise LLMError(f"the LM produced no speech token for {text!r}")
+                    yield self.token2wav(plan.prompt, got, seed=plan.seed)
+            finally:
+                job.cancel()  # a no-op once it has finished; frees its row if the consumer stopped early
+            if job.hit_max_len:
+                log.warning("the LM reached its maximum number of speech tokens without end-of-speech for %r", text)
+
+    def responses(self, t: Mapping[str, np.ndarray | None], *, cancelled: Callable[[], bool] = lambda: False
+                  ) -> Iterator[dict[str, np.ndarray]]:
+        """One request of ``cosyvoice_tts_stream``, as the response tensors of each chunk (``stream`` input
+        absent or true: the chunk schedule; false: one per segment). Raises :class:`~.lm_engine.JobCancelled`
+        once ``cancelled()`` turns true."""
+        from .lm_engine import JobCancelled
+
+        plan = self.prepare(t)
+        stream = t.get("stream") is None or bool(np.asarray(t["stream"]).reshape(-1)[0])
+        rate = np.array([[self.sample_rate]], np.int32)
+        self._count("streams_started")
+        try:
+            for i, chunk in enumerate(self.synthesize(plan, stream=stream, cancelled=cancelled)):
+                if cancelled():
+                    raise JobCancelled("the client went away")
+                yield {"waveform": chunk[None], "sample_rate": rate, "chunk_index": np.array([[i]], np.int32)}
+        except JobCancelled:
+            self._count("streams_cancelled")
+            raise
+        self._count("streams_finished")
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.stats[what] += 1
+
+    def snapshot(self) -> dict[str, int]:
+        """The LM engine's counters (:meth:`.lm_engine.LMEngine.snapshot`) and the streams': started, finished,
+        cancelled (by the client, before their end)."""
+        with self._lock:
+            return {**self.engine.snapshot(), **self.stats}
+
+    # -------------------------------------------------------------------------------- token to wav
+
+    def _item(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, streaming: bool, lookahead: int) -> FlowItem:
+        return FlowItem(np.asarray(tokens, np.int32), np.array(prompt.prompt_tokens), np.array(prompt.prompt_mel),
+                        np.array(prompt.embedding), streaming=streaming, lookahead=lookahead)
+
+    def _flow_here(self, item: FlowItem) -> np.ndarray:
+        return self.solver.run([item], self.graphs["flow_encoder"], self.graphs["flow_estimator"])[0].unwrap()
+
+    def _hift_here(self, mel: np.ndarray, seed: int) -> np.ndarray:
+        from .vocoder import HiftRunner
+
+        return HiftRunner().run([mel], [seed], self.graphs["hift_source"], self.graphs["hift_decoder"])[0].unwrap()
+
+    def token2wav(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, seed: int) -> np.ndarray:
+        """Non-streaming (``CosyVoice2.token2wav``): the ``flow`` then the ``hift`` stage."""
+        mel = self.flow(self._item(prompt, tokens, streaming=False, lookahead=0))
+        return np.asarray(self.hift(mel, seed), np.float32).reshape(-1)
+
+    def stream_token2wav(self, prompt: SpeakerPrompt, tokens: Iterable[int], *, seed: int) -> Iterator[np.ndarray]:
+        """``CosyVoice2.tokens2wav_stream`` over tokens as they arrive: a chunk as soon as its hop plus the
+        look-ahead tokens are in, the last one when ``tokens`` ends."""
+        la, ratio = self.lookahead, self.ratio
+        generator = torch.Generator().manual_seed(int(seed))
+        pad = -len(prompt.prompt_tokens) % CosyVoice2.TOKEN_HOP  # the first chunk only
+        hop, offset, cache, got = CosyVoice2.TOKEN_HOP, 0, None, []
+        for token in tokens:
+            got.append(int(token))
+            if len(got) - offset < hop + pad + la:
+                continue
+            end = offset + hop + pad
+            mel = self._solve(prompt, np.asarray(got[: end + la], np.int32), streaming=True, lookahead=la)
+            speech, cache = self._hift_chunk(mel[:, offset * ratio:], cache, generator, final=False)
+            offset, hop, pad = end, min(CosyVoice2.TOKEN_MAX_HOP, hop * CosyVoice2.STREAM_SCALE), 0
+            yield speech
+        if not got:
+            raise LLMError("the LM produced no speech token")
+        mel = self._solve(prompt, np.asarray(got, np.int32), streaming=False, lookahead=0)
+        speech, _ = self._hift_chunk(mel[:, offset * ratio:], cache, generator, final=True)
+        yield speech
+
+    def _solve(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, streaming: bool, lookahead: int) -> np.ndarray:
+        item = self._item(prompt, tokens, streaming=streaming, lookahead=lookahead)
+        return self.solver.run([item], self.graphs["flow_encoder"], self.graphs["flow_estimator"])[0].unwrap()
+
+    def _hift_chunk(self, mel: np.ndarray, cache: dict | None, generator: torch.Generator, *, final: bool
+                    ) -> tuple[np.ndarray, dict | None]:
+        if cache is not None:
+            mel = np.concatenate([cache["mel"], mel], axis=1)
+        mel = np.ascontiguousarray(mel[None], dtype=np.float32)
+        noise = draw_nsf_noise(generator, mel.shape[2])
+        source = np.array(self.graphs["hift_source"]({"mel": mel, "nsf_noise": noise})["source"], np.float32)
+        if cache is not None:
+            source[:, :, : cache["source"].shape[2]] = cache["source"]
+        wave = self.graphs["hift_decoder"]({"mel": mel, "source": source})["waveform"]
+        speech = np.asarray(wave, np.float64)[0]
+        if cache is not None:  # crossfade with the held-back tail of the previous chunk, as in process
+            n = self.source_cache
+            speech[:n] = speech[:n] * self.fade_window[:n] + cache["speech"] * self.fade_window[n:]
+        new_cache = None
+        if not final:
+            new_cache = {"mel": mel[0, :, -CosyVoice2.MEL_CACHE:], "source": source[:, :, -self.source_cache:],
+                         "speech": speech[-self.source_cache:]}
+            speech = speech[: -self.source_cache]
+        return speech.astype(np.float32), new_cache
+
+
+# ------------------------------------------------------------------------------------- Triton glue (pb passed in)
+
+
+def error_response(pb, exc: BaseException):
+    """:func:`.triton_io.error_response`, with UNAVAILABLE for a full LM queue (:class:`~.lm_engine.EngineBusy`)."""
+    from .lm_engine import EngineBusy
+    from .triton_io import error_response as base
+
+    if isinstance(exc, EngineBusy):
+        return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.UNAVAILABLE))
+    return base(pb, exc)
+
+
+def error_code(pb, message: str):
+    """The ``TritonError`` code of a message that :func:`error_response` wrote (a decoupled BLS response carries
+    the message but not the code in Triton 2.51): INTERNAL for ours (``internal error: ...``), UNAVAILABLE for
+    a full LM queue, INVALID_ARG for the client's."""
+    from .lm_engine import BUSY
+
+    if message.startswith("internal error"):
+        return pb.TritonError.INTERNAL
+    return pb.TritonError.UNAVAILABLE if BUSY in message else pb.TritonError.INVALID_ARG
+
+
+def bls(pb, model: str, tensors: Mapping[str, np.ndarray], outputs: Iterable[str], *, timeout_us: int = 0
+        ) -> dict[str, np.ndarray]:
+    """One BLS call of a (non-decoupled) model; its error raised as :class:`.triton_io.BlsError` (a client error
+    when the callee answered INVALID_ARG)."""
+    from .triton_io import BlsError, _InvalidBls
+
+    kwargs = {"timeout": int(timeout_us)} if timeout_us else {}
+    req = pb.InferenceRequest(model_name=model, inputs=[pb.Tensor(k, np.ascontiguousarray(v)) if np.asarray(v).dtype
+                                                        != object else pb.Tensor(k, np.asarray(v, dtype=object))
+                                                        for k, v in tensors.items()],
+                              requested_output_names=list(outputs), **kwargs)
+    res = req.exec()
+    if res.has_error():
+        err = res.error()
+        invalid = hasattr(err, "code") and err.code() in (pb.TritonError.INVALID_ARG, pb.TritonError.NOT_FOUND)
+        raise (_InvalidBls if invalid else BlsError)(model, err.message(), invalid)
+    out = {}
+    for name in outputs:
+        t = pb.get_output_tensor_by_name(res, name)
+        if t is None:
+            raise BlsError(model, f"response has no output {name!r}")
+        out[name] = t.as_numpy()
+    return out
+
+
+def stage_callables(pb, *, flow_model: str = "flow", hift_model: str = "hift", speakers_model: str = "speakers",
+                    timeout_us: int = 0) -> tuple[FlowFn, HiftFn, SpeakerFn]:
+    """The ``flow`` / ``hift`` stages and the ``speakers`` model as :class:`TTSService` callables (BLS)."""
+    from ..errors import SpeakerError
+    from .triton_io import BlsError
+
+    def flow(item: FlowItem) -> np.ndarray:
+        out = bls(pb, flow_model, {"source_speech_tokens": item.source_tokens[None],
+                                   "prompt_speech_tokens": item.prompt_tokens[None],
+                                   "prompt_mel": item.prompt_mel[None].astype(np.float32),
+                                   "speaker_embedding": item.embedding[None].astype(np.float32)}, ["mel"],
+                  timeout_us=timeout_us)
+        return out["mel"][0]
+
+    def hift(mel: np.ndarray, seed: int) -> np.ndarray:
+        out = bls(pb, hift_model, {"mel": np.ascontiguousarray(mel[None], np.float32),
+                                   "seed": np.array([[seed]], np.int64)}, ["waveform"], timeout_us=timeout_us)
+        return out["waveform"][0]
+
+    def speaker(speaker_id: str) -> SpeakerPrompt:
+        names = ("prompt_tokens", "prompt_mel", "embedding", "prompt_text_tokens", "prompt_text")
+        try:
+            out = bls(pb, speakers_model, {"action": np.array([[b"get"]], object),
+                                           "speaker_id": np.array([[speaker_id.encode()]], object)}, names,
+                      timeout_us=timeout_us)
+        except BlsError as exc:
+            raise SpeakerError(f"speaker_id {speaker_id!r}: {exc}") from None
+        text = out["prompt_text"].reshape(-1)[0]
+        return SpeakerPrompt(prompt_tokens=out["prompt_tokens"].reshape(-1), prompt_mel=out["prompt_mel"][0],
+                             embedding=out["embedding"].reshape(-1),
+                             prompt_text_tokens=out["prompt_text_tokens"].reshape(-1),
+                             prompt_text=text.decode() if isinstance(text, bytes) else str(text))
+
+    return flow, hift, speaker

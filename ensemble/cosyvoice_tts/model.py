@@ -1,0 +1,56 @@
+"""Triton Python-backend adapter of ``cosyvoice_tts`` (non-streaming, batched): every request of a batch is sent
+on to ``cosyvoice_tts_stream`` by BLS at once (``stream`` = false: one answer per text segment; their LM work
+shares the in-flight batch there), and its segments are concatenated into one ``waveform``."""
+
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.tts import error_code
+from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS
+
+INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts"], model=args["model_name"])
+        self.stream_model, self.rate = p["stream_model"], p["model_sample_rate"]
+        self.kwargs = {"timeout": p["bls_timeout_us"]} if p["bls_timeout_us"] else {}
+
+    def _one(self, request, out, i):
+        inputs = [pb_utils.Tensor(n, v) for n, v in triton_io.read_inputs(pb_utils, request, INPUTS).items()
+                  if v is not None]
+        inputs.append(pb_utils.Tensor("stream", np.zeros((1, 1), bool)))
+        try:
+            bls = pb_utils.InferenceRequest(model_name=self.stream_model, inputs=inputs,
+                                            requested_output_names=["waveform", "sample_rate"], **self.kwargs)
+            parts = []
+            for res in bls.exec(decoupled=True):
+                if res.has_error():  # the same message; the code from it (a decoupled BLS answer loses it)
+                    message = res.error().message()
+                    out[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(pb_utils,
+                                                                                                       message)))
+                    return
+                wave = pb_utils.get_output_tensor_by_name(res, "waveform")
+                if wave is not None:
+                    parts.append(wave.as_numpy().reshape(-1))
+            wave = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+            out[i] = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("waveform", wave[None]),
+                pb_utils.Tensor("sample_rate", np.array([[self.rate]], np.int32))])
+        except Exception as exc:
+            out[i] = triton_io.error_response(pb_utils, exc)
+
+    def execute(self, requests):
+        out = [None] * len(requests)
+        threads = [threading.Thread(target=self._one, args=(r, out, i)) for i, r in enumerate(requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out

@@ -1,0 +1,70 @@
+"""Triton Python-backend adapter of ``cosyvoice_tts_stream`` (decoupled BLS orchestrator): each request gets a
+worker thread that runs ``TTSService.prepare`` + ``synthesize`` and sends one response per audio chunk (or per
+text segment when ``stream`` is false), then the FINAL flag; ``execute`` returns at once. The instance holds ONE
+in-flight LM decode loop (``cosyvoice_triton.serving.lm_engine``); its counters are Triton custom metrics."""
+
+import contextlib
+import threading
+
+import torch
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.lm_engine import JobCancelled
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.tts import TTSService, error_response, stage_callables
+from cosyvoice_triton.shapes import GRAPHS, TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
+
+INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts_stream"], model=args["model_name"])
+        torch.set_num_threads(p["torch_threads"])
+        graphs = {g: triton_io.BlsGraph(pb_utils, g, g, timeout_us=p["bls_timeout_us"]) for g in GRAPHS}
+        flow, hift, speakers = stage_callables(pb_utils, speakers_model=p["speakers_model"],
+                                               timeout_us=p["bls_timeout_us"])
+        self.tts = TTSService(p["model_dir"], graphs, flow=flow, hift=hift, speakers=speakers,
+                              max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
+                              wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
+                              n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
+                              max_seconds=p["max_seconds"])
+        self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
+            name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "
+            "load; label what)", kind=pb_utils.MetricFamily.GAUGE)
+        self.metrics = {k: family.Metric(labels={"model": args["model_name"], "instance": args["model_instance_name"],
+                                                 "what": k}) for k in self.tts.snapshot()}
+        self.stop = threading.Event()
+        threading.Thread(target=self._report, daemon=True).start()
+
+    def _report(self):
+        while not self.stop.wait(0.1):
+            for k, v in self.tts.snapshot().items():
+                self.metrics[k].set(float(v))
+
+    def execute(self, requests):
+        for request in requests:
+            inputs = triton_io.read_inputs(pb_utils, request, INPUTS)
+            sender = request.get_response_sender()
+            threading.Thread(target=self._run, args=(inputs, sender), daemon=True).start()
+        return None
+
+    def _run(self, inputs, sender):
+        try:
+            for tensors in self.tts.responses(inputs, cancelled=sender.is_cancelled):
+                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v)
+                                                                       for k, v in tensors.items()]))
+            final = None
+        except JobCancelled:
+            final = None
+        except Exception as exc:
+            final = error_response(pb_utils, exc)
+        with contextlib.suppress(Exception):  # a cancelled stream may refuse it: nothing left to close
+            sender.send(final, flags=FINAL)
+
+    def finalize(self):
+        self.stop.set()
+        self.tts.close()

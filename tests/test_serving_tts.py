@@ -1,0 +1,320 @@
+"""Served TTS (``cosyvoice_tts``, ``cosyvoice_tts_stream``) against a real ``tritonserver`` (local flavor, tiny demo).
+
+One server for the module, rendered with a small LM queue (2 rows, 1 waiting) so the queue policy is reachable.
+Parity: the served answer equals ``CosyVoice2.tts`` / ``tts_stream`` with the same seed within the fp32 bar
+(1e-3: the served graphs run on onnxruntime, the in-process path on PyTorch; the LM runs on PyTorch in both and
+samples the same tokens). In-flight batching and cancellation are read from the engine's custom metrics
+(``cosyvoice_llm{what=...}`` on the metrics port).
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import FIXTURES, rel_err, served
+
+TEXT = "Hello there, this is a test of the served pipeline."
+LONG_TEXT = ("This is a much longer sentence that keeps the language model busy for a good while, so that a "
+             "client can walk away in the middle of it and the server has to notice.")
+PROMPT_TEXT = "the prompt says hello"
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    wave, sr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
+    return wave[: int(1.5 * sr)], sr
+
+
+@pytest.fixture(scope="module")
+def server(serving_assets, tmp_path_factory):
+    from cosyvoice_triton.repository import render_repository
+
+    repo = tmp_path_factory.mktemp("tts") / "model_repository"
+    report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
+                               onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=5000, max_active_requests=2,
+                               max_waiting_requests=1, tts_wait_timeout_s=60.0)
+    assert report.models["cosyvoice_tts_stream"] == "python (decoupled)"
+    with served(repo) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(serving_assets):
+    from cosyvoice_triton.pipeline import CosyVoice2
+
+    return CosyVoice2.from_pretrained(serving_assets["model_dir"])
+
+
+def _inputs(mod, prompt, text=TEXT, **extra):
+    wave, sr = prompt
+    if not isinstance(text, np.ndarray):
+        text = np.array([[text.encode() if isinstance(text, str) else text]], object)
+    arrays = {"text": text,
+              "prompt_audio": wave[None].astype(np.float32), "prompt_sample_rate": np.array([[sr]], np.int32),
+              "prompt_text": np.array([[PROMPT_TEXT.encode()]], object), "seed": np.array([[SEED]], np.int64)}
+    for k, v in extra.items():
+        if v is None:
+            arrays.pop(k, None)
+        else:
+            arrays[k] = v
+    out = []
+    for name, arr in arrays.items():
+        dtype = "BYTES" if arr.dtype == object else {"float32": "FP32", "int32": "INT32", "int64": "INT64",
+                                                     "bool": "BOOL"}[str(arr.dtype)]
+        t = mod.InferInput(name, list(arr.shape), dtype)
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def _bytes(s):
+    return np.array([[s]], object)
+
+
+def _stream(server, inputs_fn, *, model="cosyvoice_tts_stream", cancel_after=None, timeout=240):
+    """Run one gRPC stream: (chunks, error, final_seen)."""
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer(model, inputs_fn(grpcclient), enable_empty_final_response=True)
+    chunks, error, final = [], None, False
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                result, err = results.get(timeout=1)
+            except queue.Empty:
+                continue
+            if err is not None:
+                error = err
+                break
+            wave = result.as_numpy("waveform")
+            if wave is not None:
+                chunks.append((int(result.as_numpy("chunk_index").reshape(-1)[0]), wave.reshape(-1)))
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
+                break
+            if cancel_after is not None and len(chunks) >= cancel_after:
+                break
+        else:
+            raise AssertionError(f"stream did not finish within {timeout} s")
+    finally:
+        client.stop_stream(cancel_requests=cancel_after is not None)
+        client.close()
+    return chunks, error, final
+
+
+def _metrics(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^cosyvoice_llm\{([^}]*)\} (\S+)$', text, re.M):
+        what = re.search(r'what="([^"]+)"', m.group(1)).group(1)
+        out[what] = out.get(what, 0.0) + float(m.group(2))
+    assert out, "no cosyvoice_llm metrics on the metrics port"
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- parity
+
+
+def test_non_streaming_http_and_grpc_equal_in_process(server, prompt, reference):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=240) as c:
+        res = c.infer("cosyvoice_tts", _inputs(httpclient, prompt))
+    wave = res.as_numpy("waveform").reshape(-1)
+    assert int(res.as_numpy("sample_rate").reshape(-1)[0]) == 24000
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        wave_grpc = g.infer("cosyvoice_tts", _inputs(grpcclient, prompt), client_timeout=240).as_numpy("waveform")
+    finally:
+        g.close()
+    np.testing.assert_array_equal(wave_grpc.reshape(-1), wave)
+    ref = reference.tts(TEXT, prompt_audio=prompt[0], prompt_sr=prompt[1], prompt_text=PROMPT_TEXT, seed=SEED)
+    assert wave.shape == ref.shape
+    assert rel_err(wave, ref) < 1e-3
+
+
+def test_streamed_chunks_equal_in_process_chunks(server, prompt, reference):
+    chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt))
+    assert error is None and final
+    ref = list(reference.tts_stream(TEXT, prompt_audio=prompt[0], prompt_sr=prompt[1], prompt_text=PROMPT_TEXT,
+                                    seed=SEED, stream=True))
+    assert [i for i, _ in chunks] == list(range(len(ref)))
+    assert len(ref) >= 2  # the schedule really chunked this text
+    for (_, got), want in zip(chunks, ref, strict=True):
+        assert got.shape == want.shape
+        assert rel_err(got, want) < 1e-3
+
+
+def test_encoded_prompt_and_modes(server, prompt):
+    data = (FIXTURES / "prompt_en_3s.wav").read_bytes()
+    chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt, prompt_audio=None, prompt_sample_rate=None,
+                                                           prompt_audio_bytes=_bytes(data), prompt_text=None,
+                                                           mode=_bytes(b"cross_lingual"), stream=np.array([[False]])))
+    assert error is None and len(chunks) == 1 and chunks[0][1].size > 0
+    chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt, prompt_text=None,
+                                                           instruct_text=_bytes(b"Speak slowly.<|endofprompt|>"),
+                                                           stream=np.array([[False]])))
+    assert error is None and chunks[0][1].size > 0
+
+
+# ------------------------------------------------------------------------- in-flight batching, cancel
+
+
+def test_overlapping_streams_decode_in_the_same_lm_steps(server, prompt):
+    before = _metrics(server)
+    out: list = [None, None]
+
+    def run(i):
+        out[i] = _stream(server, lambda mod: _inputs(mod, prompt, text=LONG_TEXT, seed=np.array([[i]], np.int64)))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(o is not None and o[1] is None and o[2] for o in out), out
+    time.sleep(0.5)  # the metrics are refreshed every 0.1 s
+    after = _metrics(server)
+    steps = after["steps"] - before["steps"]
+    request_steps = after["request_steps"] - before["request_steps"]
+    # two requests, each decoded alone, would need request_steps steps; together they share most of them
+    assert request_steps > steps, (steps, request_steps)
+    assert after["max_batch"] >= 2
+
+
+def test_cancelled_stream_frees_its_lm_row(server, prompt, reference):
+    text = LONG_TEXT * 3
+    segments = len(reference._text().tts_segments(text))
+    assert segments >= 2
+    before = _metrics(server)
+    chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt, text=text), cancel_after=1)
+    assert error is None and len(chunks) == 1 and not final
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = _metrics(server)
+        if now["streams_cancelled"] > before["streams_cancelled"] and now["active"] == 0:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the cancelled stream did not stop: {before} -> {now}")
+    assert now["streams_finished"] == before["streams_finished"]  # it stopped before its natural end
+    # its LM work stopped too: the segment decoding at the time left the batch, or the next ones never joined
+    left_early = now["cancelled"] - before["cancelled"]
+    joined = now["admitted"] - before["admitted"]
+    assert left_early == 1 or joined < segments, (left_early, joined, segments)
+    chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt, stream=np.array([[False]])))
+    assert error is None and final and chunks  # and the server keeps serving
+
+
+def test_lm_engine_cancel_and_queue_policy(serving_assets):
+    """In process: a cancelled job leaves the running batch at once; a full queue refuses; nothing hangs."""
+    from cosyvoice_triton.config import ModelConfig
+    from cosyvoice_triton.models.llm import LMRequest, load_llm
+    from cosyvoice_triton.serving.lm_engine import EngineBusy, JobCancelled, LMEngine
+
+    md = serving_assets["model_dir"]
+    lm = load_llm(md, ModelConfig.from_yaml(md / "cosyvoice2.yaml"))
+    engine = LMEngine(lm, max_active=1, max_waiting=1, wait_timeout_s=30)
+    try:
+        long = LMRequest(list(range(1, 60)), draws=1, min_token_text_ratio=20)  # at least 1180 tokens
+        job = engine.submit(long)
+        waiting = engine.submit(LMRequest([5, 6, 7], draws=2))
+        with pytest.raises(EngineBusy, match="too many concurrent"):
+            engine.submit(LMRequest([5, 6, 7], draws=3))
+        tokens = job.tokens()
+        first = [next(tokens) for _ in range(5)]
+        assert len(first) == 5
+        job.cancel()
+        with pytest.raises(JobCancelled):
+            list(tokens)
+        assert len(list(waiting.tokens())) >= 6  # the freed row went to the waiting job
+        snap = engine.snapshot()
+        assert snap["cancelled"] == 1 and snap["finished"] == 1 and snap["refused"] == 1 and snap["active"] == 0
+        assert snap["request_steps"] < 1180  # the long one stopped early
+    finally:
+        engine.close()
+
+
+def test_too_many_streams_are_refused_not_hung(server, prompt):
+    out: list = [None] * 5
+
+    def run(i):
+        out[i] = _stream(server, lambda mod: _inputs(mod, prompt, text=LONG_TEXT, seed=np.array([[i]], np.int64)),
+                         timeout=300)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(320)
+    errors = [str(o[1]) for o in out if o[1] is not None]
+    assert all(o is not None for o in out)
+    assert errors and all("too many concurrent TTS requests" in e for e in errors), errors
+    assert sum(o[2] for o in out) >= 3  # 2 rows + 1 waiting always get through
+
+
+# -------------------------------------------------------------------------------------------- bad input
+
+BAD = [
+    ({"text": _bytes(b"")}, "empty"),
+    ({"text": _bytes(b"?!... ,")}, "only punctuation"),
+    ({"text": _bytes(b"a" * 2001)}, "more than the maximum"),
+    ({"text": _bytes(b"\xff\xfe hello")}, "UTF-8"),
+    ({"text": _bytes(b"hello [nonsense_tag] world")}, "unknown control tag"),
+    ({"prompt_audio": None, "prompt_sample_rate": None}, "without prompt audio"),
+    ({"mode": _bytes(b"karaoke")}, "mode must be one of"),
+    ({"mode": _bytes(b"instruct")}, "needs instruct_text"),
+    ({"prompt_audio": None, "prompt_sample_rate": None, "prompt_text": None, "speaker_id": _bytes(b"nobody")},
+     "speaker_id 'nobody'"),
+    ({"prompt_sample_rate": np.array([[7]], np.int32)}, "sample"),
+]
+
+
+@pytest.mark.parametrize("extra, words", BAD, ids=[w for _, w in BAD])
+def test_bad_input_http(server, prompt, extra, words):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=120) as c:
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("cosyvoice_tts", _inputs(httpclient, prompt, **extra))
+        assert info.value.status() == "400", (info.value.status(), info.value.message())
+        assert words in info.value.message()
+        assert c.is_server_live() and c.is_model_ready("cosyvoice_tts")
+
+
+@pytest.mark.parametrize("extra, words", BAD, ids=[w for _, w in BAD])
+def test_bad_input_grpc_stream(server, prompt, extra, words):
+    chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt, **extra), timeout=120)
+    assert error is not None and not chunks
+    assert words in str(error), str(error)
+
+
+def test_wrong_protocol_for_the_model_kind(server, prompt):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    with httpclient.InferenceServerClient(server.http_url) as c, pytest.raises(InferenceServerException) as info:
+        c.infer("cosyvoice_tts_stream", _inputs(httpclient, prompt))
+    assert "decoupled" in info.value.message() or info.value.status() in ("400", "501")
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            g.infer("cosyvoice_tts_stream", _inputs(grpcclient, prompt), client_timeout=60)
+        assert "decoupled" in info.value.message()
+    finally:
+        g.close()

@@ -383,14 +383,21 @@ class CosyVoice2:
             raise TextError(f"an instruction text is only used in instruct mode, not {mode}")
         if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
             raise TextError("zero-shot needs the prompt's transcript (prompt text); without it use cross_lingual")
+        from .models.llm import mode_request
+
         with timer.stage("frontend"):
             segments = front.tts_segments(text)
-            lm_text = {"zero_shot": speaker.prompt_text_tokens, "cross_lingual": np.zeros(0, np.int32),
-                       "instruct": None if instruct is None else front.instruct_tokens(instruct)}[mode]
-        lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
-        return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32),
-                           lm_prompt_text_tokens=np.asarray(lm_text, np.int32), lm_prompt_speech_tokens=lm_speech,
-                           prompt=speaker) for segment, ids in segments]
+            instruct_tokens = () if instruct is None else front.instruct_tokens(instruct)
+        out = []
+        for segment, ids in segments:
+            lm = mode_request(mode, np.asarray(ids, np.int32), instruct_tokens=instruct_tokens,
+                              prompt_text_tokens=speaker.prompt_text_tokens if mode == "zero_shot" else (),
+                              prompt_speech_tokens=speaker.prompt_tokens)
+            out.append(TTSRequest(text=segment, text_tokens=lm.text_tokens,
+                                  lm_prompt_text_tokens=np.asarray(lm.prompt_text_tokens, np.int32),
+                                  lm_prompt_speech_tokens=np.asarray(lm.prompt_speech_tokens, np.int32),
+                                  prompt=speaker))
+        return out
 
     def speech_tokens(self, request: TTSRequest, *, draws=None):
         """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an

@@ -224,34 +224,20 @@ def test_stream_request_to_a_non_streaming_model(grpc, speech):
 
 
 def test_http_generate_stream(triton_server, speech):
-    """Triton 2.51's HTTP generate-stream endpoint for the decoupled model: server-sent events, one per chunk.
-    Its JSON maps each field to one input; the layouts tried: batch-major (as the gRPC request) and flat."""
+    """Triton 2.51's HTTP generate-stream endpoint serves the decoupled model: server-sent events, one per chunk.
+    Its JSON maps each field to one input of batch 1: flat fields (a batch-major ``[[...]]`` layout is refused)."""
     src, ssr, prm, psr = speech
-    s2 = src[: ssr * 2].tolist()
-    bodies = {"batch-major": {"source_audio": [s2], "source_sample_rate": [[ssr]], "prompt_audio": [prm.tolist()],
-                              "prompt_sample_rate": [[psr]]},
-              "flat": {"source_audio": s2, "source_sample_rate": [ssr], "prompt_audio": prm.tolist(),
-                       "prompt_sample_rate": [psr]},
-              "scalar rates": {"source_audio": s2, "source_sample_rate": ssr, "prompt_audio": prm.tolist(),
-                               "prompt_sample_rate": psr}}
-    refusals = {}
-    for layout, body in bodies.items():
-        req = urllib.request.Request(
-            f"http://{triton_server.http_url}/v2/models/cosyvoice_vc_stream/generate_stream",
-            data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as resp:
-                events = [json.loads(line[5:]) for line in resp.read().decode().splitlines()
-                          if line.startswith("data:")]
-        except urllib.error.HTTPError as exc:
-            refusals[layout] = f"{exc.code} {exc.read()[:160].decode(errors='replace')}"
-            continue
-        errors = [e["error"] for e in events if "error" in e]
-        if errors:
-            refusals[layout] = errors[0][:160]
-            continue
-        chunks = [e for e in events if "waveform" in e]
-        assert len(chunks) >= 1
-        assert [int(np.ravel(e["chunk_index"])[0]) for e in chunks] == list(range(len(chunks)))
-        return
-    pytest.skip(f"Triton 2.51's generate_stream does not carry these inputs: {refusals}")
+    body = {"source_audio": src.tolist(), "source_sample_rate": [ssr], "prompt_audio": prm.tolist(),
+            "prompt_sample_rate": [psr], "seed": [SEED]}
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/cosyvoice_vc_stream/generate_stream",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        events = [json.loads(line[5:]) for line in resp.read().decode().splitlines() if line.startswith("data:")]
+    assert not [e for e in events if "error" in e], events
+    chunks = [e for e in events if "waveform" in e]
+    assert [int(np.ravel(e["chunk_index"])[0]) for e in chunks] == list(range(len(chunks)))
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+        want = list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED))
+    assert len(chunks) == len(want) >= 3
+    for event, chunk in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(np.ravel(event["waveform"]), chunk.waveform, atol=1e-6)  # JSON floats

@@ -3,6 +3,7 @@
 ``python -m cosyvoice_triton.serve_demo demo``: demo model (if missing) -> ONNX export (if missing) -> render
 ``build/model_repository`` (flavor ``local``) -> start the ``tritonserver`` of the ``nvidia-pytriton`` wheel
 -> convert the bundled sample through the ``cosyvoice_vc`` ensemble with the client -> write the result ->
+speak one sentence through ``cosyvoice_tts`` in the prompt's voice (when the model folder has the TTS files) ->
 print the latency and per-stage figures from Triton's statistics API -> stop the server.
 
 ``python -m cosyvoice_triton.serve_demo serve``: the same preparation, then serve in the foreground on fixed
@@ -12,6 +13,7 @@ ports until Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL_DIR = "models/cosyvoice2-demo-tiny"
 DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "source_en_5s.wav"
 DEFAULT_PROMPT = ROOT / "tests" / "fixtures" / "prompt_en_3s.wav"
+DEFAULT_TTS_TEXT = "Hello from CosyVoice on Triton: this sentence was spoken by the served text to speech pipeline."
 
 
 @dataclass
@@ -39,6 +42,9 @@ class DemoReport:
     latencies: list[float]  # per conversion, first (cold) included
     server_start_s: float
     statistics: dict[str, Any] = field(default_factory=dict)
+    tts_output: Path | None = None  # the sentence spoken through cosyvoice_tts (None: no TTS in this model folder)
+    tts_seconds: float = 0.0
+    tts_latency_s: float = 0.0
 
     @property
     def warm_latency(self) -> float:
@@ -95,9 +101,11 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
              prompt: str | Path = DEFAULT_PROMPT, output: str | Path = "build/vc_served_demo.wav",
              onnx_dir: str | Path = "build/onnx", repository: str | Path = "build/model_repository",
              protocol: str = "http", repeats: int = 3, seed: int = 0, startup_timeout: float = 300.0,
+             tts_text: str = DEFAULT_TTS_TEXT, tts_output: str | Path = "build/tts_served_demo.wav",
              **tunables) -> DemoReport:
     """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
     from .client import VCClient
+    from .repository import MARKER
     from .server import TritonServer
 
     repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, **tunables)
@@ -115,11 +123,21 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
                 result = client.convert(source, prompt, seed=seed)
                 latencies.append(result.latency_s)
             out = result.write(output)
+            spoken = None
+            if "cosyvoice_tts" in json.loads((Path(repo) / MARKER).read_text())["models"]:
+                print(f"== speaking {tts_text!r} through cosyvoice_tts in the voice of {prompt} over {protocol}")
+                spoken = client.tts(tts_text, prompt=prompt, seed=seed)
+                spoken_path = spoken.write(tts_output)
             stats = client.statistics()
     finally:
         server.stop()
     report = DemoReport(Path(out), result.seconds, latencies, server.start_seconds or 0.0, stats)
     print(f"wrote {out}: {report.seconds:.2f} s at {result.sample_rate} Hz")
+    if spoken is not None:
+        report.tts_output, report.tts_seconds = Path(spoken_path), spoken.seconds
+        report.tts_latency_s = spoken.latency_s
+        print(f"wrote {spoken_path}: {spoken.seconds:.2f} s of text to speech in {spoken.latency_s * 1000:.0f} ms "
+              f"(real-time factor {spoken.latency_s / max(spoken.seconds, 1e-9):.3f})")
     print(f"latency: first {latencies[0] * 1000:.0f} ms, warm median {report.warm_latency * 1000:.0f} ms "
           f"(real-time factor {report.warm_latency / max(report.seconds, 1e-9):.3f})")
     print("per-model statistics (Triton statistics API; graphs count batch rows):")
@@ -179,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--protocol", choices=("http", "grpc"), default="http")
             s.add_argument("--repeats", type=int, default=3)
             s.add_argument("--seed", type=int, default=0)
+            s.add_argument("--tts-text", default=DEFAULT_TTS_TEXT, help="the sentence spoken through cosyvoice_tts")
+            s.add_argument("--tts-output", default="build/tts_served_demo.wav")
         else:
             s.add_argument("--host", default="127.0.0.1")
             s.add_argument("--http-port", type=int, default=8000)
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             run_demo(args.model_dir, source=args.source, prompt=args.prompt, output=args.output,
                      onnx_dir=args.onnx_dir, repository=args.repository, protocol=args.protocol,
-                     repeats=args.repeats, seed=args.seed)
+                     repeats=args.repeats, seed=args.seed, tts_text=args.tts_text, tts_output=args.tts_output)
             return 0
         return serve(args.model_dir, onnx_dir=args.onnx_dir, repository=args.repository, host=args.host,
                      http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)

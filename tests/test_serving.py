@@ -292,9 +292,12 @@ def test_run_demo_end_to_end(serving_assets, tmp_path, capsys):
     from cosyvoice_triton.serve_demo import run_demo
 
     report = run_demo(serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
-                      repository=tmp_path / "model_repository", output=tmp_path / "demo.wav", repeats=2)
+                      repository=tmp_path / "model_repository", output=tmp_path / "demo.wav", repeats=2,
+                      tts_output=tmp_path / "tts.wav")
     out = capsys.readouterr().out
     assert report.output.is_file() and abs(report.seconds - 5.0) < 0.1 and len(report.latencies) == 2
+    assert report.tts_output == tmp_path / "tts.wav" and report.tts_output.is_file() and report.tts_seconds > 0.1
+    assert "through cosyvoice_tts" in out
     names = {s["name"] for s in report.statistics["model_stats"]}
     assert {"cosyvoice_vc", "preprocess", "flow", "flow_estimator", "hift", "postprocess"} <= names
     assert "latency: first" in out and "flow_estimator" in out

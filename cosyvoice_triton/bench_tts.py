@@ -7,7 +7,8 @@ the LM's prefill time, time to first token and decode tokens/s at batch 1, 4 and
 :class:`~cosyvoice_triton.models.llm.BatchDecoder`), and the real-time factor of one utterance of
 ``--utterance-s`` seconds through the whole path (LM tokens -> flow -> HiFT). With ``--official`` (a checkout of
 FunAudioLLM/CosyVoice) the official ``Qwen2LM.inference`` runs on the same weights in the same process for the
-LM figures. Figures, not assertions: nothing here fails on a slow machine.
+LM figures; the two sides run in interleaved rounds (medians reported), so that load from other processes
+drifting during the run skews both alike. Figures, not assertions: nothing here fails on a slow machine.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import resource
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -57,42 +57,41 @@ def _ratio(n_tokens: int, text_tokens: int) -> float:
     return (n_tokens + 0.5) / text_tokens
 
 
-def _median(fn: Callable[[], float], repeats: int) -> float:
-    return statistics.median(fn() for _ in range(repeats))
+class ProjectLM:
+    """The project's LM figures: one measurement per call, so that rounds can interleave with the official."""
 
+    def __init__(self, lm, decode_tokens: int):
+        self.lm, self.decode_tokens = lm, decode_tokens
+        self.inputs = _inputs(lm, 0)
+        self.prompt_positions = sum(len(t) for t in self.inputs) + 2
 
-@torch.inference_mode()
-def bench_project_lm(lm, *, decode_tokens: int, batches: tuple[int, ...], repeats: int) -> dict:
-    from .models.llm import LMRequest
-
-    text, prompt_text, prompt_speech = _inputs(lm, 0)
-
-    def prefill() -> float:
+    @torch.inference_mode()
+    def prefill(self) -> float:
         t0 = time.perf_counter()
-        lm.qwen(inputs_embeds=lm.lm_input(text, prompt_text, prompt_speech))
+        self.lm.qwen(inputs_embeds=self.lm.lm_input(*self.inputs))
         return time.perf_counter() - t0
 
-    def first_token() -> float:
+    @torch.inference_mode()
+    def first_token(self) -> float:
         t0 = time.perf_counter()
-        next(lm.generate(text, prompt_text, prompt_speech, draws=0))
+        next(self.lm.generate(*self.inputs, draws=0))
         return time.perf_counter() - t0
 
-    out = {"prompt_positions": len(text) + len(prompt_text) + len(prompt_speech) + 2,
-           "prefill_s": _median(prefill, repeats), "ttft_s": _median(first_token, repeats), "decode": {}}
-    ratio = _ratio(decode_tokens, len(text))
-    for batch in batches:
-        decoder = lm.batch_decoder()
+    @torch.inference_mode()
+    def decode(self, batch: int) -> tuple[int, float]:
+        """Tokens after the first of ``batch`` requests decoded together, and their seconds."""
+        from .models.llm import LMRequest
+
+        ratio = _ratio(self.decode_tokens, TEXT_TOKENS)
+        decoder = self.lm.batch_decoder()
         for i in range(batch):
-            t, pt, ps = _inputs(lm, 100 + i)
+            t, pt, ps = _inputs(self.lm, 100 + i)
             decoder.add(LMRequest(t, pt, ps, draws=i, min_token_text_ratio=ratio, max_token_text_ratio=ratio))
         decoder.step()  # prefills every request and samples its first token
         t0, tokens = time.perf_counter(), 0
         while len(decoder):
             tokens += sum(1 for token in decoder.step().values() if token >= 0)
-        seconds = time.perf_counter() - t0
-        out["decode"][batch] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-        print(f"  project batch {batch}: {tokens} tokens in {seconds:.2f} s", flush=True)
-    return out
+        return tokens, time.perf_counter() - t0
 
 
 def official_lm(checkout: Path, model_dir: Path, lm):
@@ -112,38 +111,72 @@ def official_lm(checkout: Path, model_dir: Path, lm):
     return model.eval()
 
 
-@torch.inference_mode()
-def bench_official_lm(model, lm, *, decode_tokens: int, repeats: int) -> dict:
-    text, prompt_text, prompt_speech = _inputs(lm, 0)
-    as_row = lambda t: t.to(torch.int32)[None]
-    length = lambda t: torch.tensor([len(t)], dtype=torch.int32)
+class OfficialLM:
+    """The official ``Qwen2LM.inference`` on the same weights and inputs (its own torch-RNG sampling)."""
 
-    def run(n_tokens: int) -> tuple[float, float, int]:
+    def __init__(self, model, lm, decode_tokens: int):
+        self.model, self.decode_tokens = model, decode_tokens
+        self.inputs = _inputs(lm, 0)
+
+    def _run(self, n_tokens: int) -> tuple[float, float, int]:
+        text, prompt_text, prompt_speech = self.inputs
+        row, length = (lambda t: t.to(torch.int32)[None]), (lambda t: torch.tensor([len(t)], dtype=torch.int32))
         ratio = _ratio(n_tokens, len(text))
-        gen = model.inference(text=as_row(text), text_len=length(text), prompt_text=as_row(prompt_text),
-                              prompt_text_len=length(prompt_text), prompt_speech_token=as_row(prompt_speech),
-                              prompt_speech_token_len=length(prompt_speech), embedding=torch.zeros(1, 0),
-                              min_token_text_ratio=ratio, max_token_text_ratio=ratio)
+        gen = self.model.inference(text=row(text), text_len=length(text), prompt_text=row(prompt_text),
+                                   prompt_text_len=length(prompt_text), prompt_speech_token=row(prompt_speech),
+                                   prompt_speech_token_len=length(prompt_speech), embedding=torch.zeros(1, 0),
+                                   min_token_text_ratio=ratio, max_token_text_ratio=ratio)
         t0 = time.perf_counter()
         next(gen)
         t1 = time.perf_counter()
         n = sum(1 for _ in gen)
         return t1 - t0, time.perf_counter() - t1, n
 
-    def prefill() -> float:
+    @torch.inference_mode()
+    def prefill(self) -> float:
+        m = self.model
+        text, prompt_text, prompt_speech = self.inputs
         t0 = time.perf_counter()
-        lm_input = torch.cat([model.llm_embedding.weight[None, :1], model.llm.model.model.embed_tokens(
-            torch.cat([prompt_text, text])[None]), model.llm_embedding.weight[None, 1:],
-            model.speech_embedding(prompt_speech[None])], dim=1)
+        lm_input = torch.cat([m.llm_embedding.weight[None, :1], m.llm.model.model.embed_tokens(
+            torch.cat([prompt_text, text])[None]), m.llm_embedding.weight[None, 1:],
+            m.speech_embedding(prompt_speech[None])], dim=1)
         masks = torch.tril(torch.ones((1, lm_input.shape[1], lm_input.shape[1]))).to(torch.bool)
-        model.llm.forward_one_step(lm_input, masks=masks, cache=None)
+        m.llm.forward_one_step(lm_input, masks=masks, cache=None)
         return time.perf_counter() - t0
 
-    torch.manual_seed(0)
-    out = {"prefill_s": _median(prefill, repeats), "ttft_s": _median(lambda: run(1)[0], repeats)}
-    _, seconds, n = run(decode_tokens)
-    out["decode"] = {1: {"tokens": n, "seconds": seconds, "tokens_per_s": n / seconds}}
-    print(f"  official batch 1: {n} tokens in {seconds:.2f} s", flush=True)
+    def first_token(self) -> float:
+        return self._run(1)[0]
+
+    def decode(self, batch: int) -> tuple[int, float]:
+        if batch != 1:
+            raise ValueError("the official Qwen2LM.inference decodes one request at a time")
+        _, seconds, n = self._run(self.decode_tokens)
+        return n, seconds
+
+
+def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[int, ...], rounds: int) -> dict:
+    """Interleaved rounds (project, then official, every figure once a round); medians over the rounds, so that
+    a machine whose load drifts during the run affects both sides alike."""
+    sides = {"project": project, "official": official} if official is not None else {"project": project}
+    raw: dict[str, dict[str, list]] = {name: {"prefill_s": [], "ttft_s": [], "decode": []} for name in sides}
+    for r in range(rounds):
+        for name, side in sides.items():
+            raw[name]["prefill_s"].append(side.prefill())
+            raw[name]["ttft_s"].append(side.first_token())
+            for batch in batches if name == "project" else (1,):
+                tokens, seconds = side.decode(batch)
+                raw[name]["decode"].append((batch, tokens, seconds))
+                print(f"  round {r + 1}/{rounds}: {name} batch {batch}: {tokens} tokens in {seconds:.2f} s", flush=True)
+    out = {}
+    for name, d in raw.items():
+        decode = {}
+        for batch in sorted({b for b, _, _ in d["decode"]}):
+            runs = [(t, s) for b, t, s in d["decode"] if b == batch]
+            decode[batch] = {"tokens": runs[0][0], "tokens_per_s": statistics.median(t / s for t, s in runs),
+                             "seconds": [s for _, s in runs]}
+        out[name] = {"prefill_s": statistics.median(d["prefill_s"]), "ttft_s": statistics.median(d["ttft_s"]),
+                     "decode": decode}
+    out["project"]["prompt_positions"] = project.prompt_positions
     return out
 
 
@@ -211,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens per request in the decode figures")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--utterance-s", type=float, default=10.0, help="0 skips the whole-path RTF")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the LM figures (medians)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out-json", type=Path, default=Path("build/bench-tts.json"))
     args = ap.parse_args(argv)
@@ -229,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(config, llm=LLMConfig.full())
     lm = load_llm(model_dir, config)
     print(f"bench-tts: {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
-    project = bench_project_lm(lm, decode_tokens=args.decode_tokens, batches=batches, repeats=args.repeats)
-    official = None
+    off = None
     if args.official is not None:
-        model = official_lm(args.official, model_dir, lm)
-        official = bench_official_lm(model, lm, decode_tokens=args.decode_tokens, repeats=args.repeats)
-        del model
+        off = OfficialLM(official_lm(args.official, model_dir, lm), lm, args.decode_tokens)
+    figures = bench_lm(ProjectLM(lm, args.decode_tokens), off, batches=batches, rounds=args.repeats)
+    project, official = figures["project"], figures.get("official")
+    del off
     rtf = bench_rtf(model_dir, lm, utterance_s=args.utterance_s) if args.utterance_s > 0 else None
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(_table(project, official, rtf, batches))

@@ -318,3 +318,39 @@ def test_wrong_protocol_for_the_model_kind(server, prompt):
         assert "decoupled" in info.value.message()
     finally:
         g.close()
+
+
+def test_http_generate_stream_serves_the_decoupled_model(server, prompt):
+    """Triton 2.51 serves a decoupled Python model over HTTP's generate_stream (server-sent events): the same
+    chunks as the gRPC stream."""
+    import json
+
+    wave, sr = prompt
+    body = {"text": TEXT, "prompt_audio": wave.tolist(), "prompt_sample_rate": sr, "prompt_text": PROMPT_TEXT,
+            "seed": SEED}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/cosyvoice_tts_stream/generate_stream",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=240) as r:
+        events = [json.loads(line[len("data: "):]) for line in r.read().decode().splitlines()
+                  if line.startswith("data: ")]
+    chunks = [e for e in events if "waveform" in e]
+    grpc_chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt))
+    assert error is None and [c["chunk_index"] for c in chunks] == [i for i, _ in grpc_chunks]
+    for c, (_, g) in zip(chunks, grpc_chunks, strict=True):
+        assert c["sample_rate"] == 24000
+        np.testing.assert_allclose(np.asarray(c["waveform"], np.float32), g, atol=1e-6)
+
+
+def test_registered_speaker_equals_its_prompt(server, prompt):
+    """TTS by speaker_id (fetched from the speakers model by BLS) == TTS with the same prompt audio and text."""
+    from cosyvoice_triton.client import VCClient
+
+    wave, sr = prompt
+    with VCClient(server.http_url, timeout=240) as c:
+        c.register_speaker("tts_alice", wave, prompt_sr=sr, prompt_text=PROMPT_TEXT)
+        try:
+            by_id = c.tts(TEXT, speaker_id="tts_alice", seed=SEED)
+            by_audio = c.tts(TEXT, prompt=wave, prompt_sr=sr, prompt_text=PROMPT_TEXT, seed=SEED)
+        finally:
+            c.delete_speaker("tts_alice")
+    np.testing.assert_allclose(by_id.waveform, by_audio.waveform, atol=1e-5)

@@ -57,6 +57,8 @@ from .serving.vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTP
 from .shapes import (
     GRAPHS,
     STAGES,
+    TRTLLM_INPUTS,
+    TRTLLM_OUTPUTS,
     TTS_INPUTS,
     TTS_MODEL,
     TTS_OPTIONAL_INPUTS,
@@ -85,8 +87,8 @@ FLAVORS = ("local", "onnx", "trt")
 MARKER = "cosyvoice_repository.json"  # written into every rendered repository (and read before deleting one)
 STAGE_MODELS = ("preprocess", "flow", "hift", "postprocess")
 _PLACEHOLDER = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
-_DTYPES = {"float32": "TYPE_FP32", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "bool": "TYPE_BOOL",
-           "bytes": "TYPE_STRING"}
+_DTYPES = {"float32": "TYPE_FP32", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "uint64": "TYPE_UINT64",
+           "bool": "TYPE_BOOL", "bytes": "TYPE_STRING"}
 AUDIO_BYTES = TensorSpec("audio_bytes", "bytes", ("batch", 1))
 
 
@@ -149,6 +151,9 @@ class Tunables:
     max_waiting_requests: int = 16  # TTS: requests waiting for an LM row; beyond, refused at once (UNAVAILABLE)
     tts_wait_timeout_s: float = 60.0  # TTS: a request that waits longer for an LM row is refused
     max_text_chars: int = 2000  # TTS: longest accepted text
+    #: GPU flavors: also render the TensorRT-LLM backend's ``tensorrt_llm`` model for the LM (``tensorrtllm``; its
+    #: engine from ``<engine_dir>/llm``, see model_repository/README.md), or not (``python``: the in-process loop)
+    lm_backend: str = "python"
     speaker_dir: str = "build/speakers"  # speakers: where registered speakers persist (relative: server work dir)
     speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
     vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
@@ -166,6 +171,8 @@ class Tunables:
                               f"{self.runtime!r}")
         if self.instance_kind not in ("", "KIND_CPU", "KIND_GPU"):
             raise RenderError(f"tunable instance_kind must be KIND_CPU or KIND_GPU, got {self.instance_kind!r}")
+        if self.lm_backend not in ("python", "tensorrtllm"):
+            raise RenderError(f"tunable lm_backend must be python or tensorrtllm, got {self.lm_backend!r}")
         if self.tts not in ("auto", "on", "off"):
             raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
         for name in ("max_active_requests", "max_text_chars"):
@@ -515,6 +522,7 @@ class RenderContext:
     tunables: Tunables
     model_dir: Path
     has_tts: bool
+    engine_dir: Path = Path("build/engines")
 
 
 @dataclass(frozen=True)
@@ -523,8 +531,9 @@ class ServedModel:
 
     ``folder``: where its sources live, relative to the source root (``model_repository/<name>`` for a stage,
     ``ensemble/<name>`` for a pipeline): ``model.py`` of a Python model (copied to ``<name>/1/model.py``), or
-    ``config.pbtxt.in`` of an ensemble (``kind="ensemble"``: rendered with ``name``, ``inputs``, ``outputs`` and
-    what ``values(ctx)`` adds). A Python model's config comes from ``template`` (the shared
+    ``config.pbtxt.in`` of an ensemble or of a model of another backend (``kind="ensemble"`` / ``"backend"``:
+    rendered with ``name``, ``inputs``, ``outputs`` and what ``values(ctx)`` adds; ``doc`` starts with the
+    backend's name). A Python model's config comes from ``template`` (the shared
     ``model_repository/stage/config.pbtxt.in``) with the tensors, ``max_batch_size``, ragged batching,
     ``decoupled`` (``model_transaction_policy``), the instance count (tunable ``instances``, else
     ``instances``), ``parameters(ctx)`` (keys declared in ``MODEL_PARAMS[params_key or name]``) and the warm-up
@@ -536,7 +545,7 @@ class ServedModel:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     optional: frozenset[str] = frozenset()
-    kind: str = "python"  # python | ensemble
+    kind: str = "python"  # python | ensemble | backend (another backend's config from the folder's template)
     template: str = "model_repository/stage/config.pbtxt.in"
     max_batch_size: int = 1
     decoupled: bool = False
@@ -582,6 +591,11 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
     return {"stream_model": TTS_STREAM_MODEL, "bls_timeout_us": ctx.tunables.bls_timeout_us,
             "model_sample_rate": _model_sample_rate(ctx.model_dir)}
+
+
+def _trtllm_values(ctx: RenderContext) -> dict[str, Any]:
+    return {"max_batch_size": ctx.tunables.max_active_requests,
+            "engine_dir": str(ctx.engine_dir / "llm")}
 
 
 def _tts(ctx: RenderContext) -> bool:
@@ -636,6 +650,10 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in TTS_OPTIONAL_INPUTS), max_batch_size=8, parameters=_tts_front_params,
                 when=_tts, doc=f"non-streaming TTS: each request of a batch sent on to {TTS_STREAM_MODEL} "
                                "(stream=false: one answer per text segment) by BLS, the segments concatenated"),
+    ServedModel("tensorrt_llm", "model_repository/tensorrt_llm", TRTLLM_INPUTS, TRTLLM_OUTPUTS,
+                frozenset(t.name for t in TRTLLM_INPUTS[2:]), kind="backend", values=_trtllm_values,
+                when=lambda ctx: ctx.tunables.lm_backend == "tensorrtllm",
+                doc="tensorrtllm: the LM as a TensorRT-LLM engine (in-flight batching, paged KV cache, streaming)"),
 )
 SERVED_NAMES = tuple(m.name for m in SERVED_MODELS)
 
@@ -695,6 +713,9 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     if profile:
         tunables = _apply_profile(profile, flavor, plan, tunables)
     tun = Tunables(**tunables)
+    if tun.lm_backend == "tensorrtllm" and flavor == "local":
+        raise RenderError("lm_backend=tensorrtllm needs a GPU flavor (onnx or trt): the TensorRT-LLM backend runs "
+                          "on NVIDIA GPUs only")
     templates = Path(templates_dir) if templates_dir else default_templates_dir()
     root = templates.parent  # model_repository/ and ensemble/ side by side
     if ensemble_dir is not None and Path(ensemble_dir).resolve() != (root / "ensemble").resolve():
@@ -797,20 +818,21 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
               templates / "graph" / "config.pbtxt.in")
 
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
-    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun))
+    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun),
+                        engine_dir=engine_dir)
     for entry in SERVED_MODELS:
         if not entry.enabled(ctx):
             continue
         name = entry.name
         src_dir = source(entry.folder)
-        if entry.kind == "ensemble":
-            outputs = list(entry.outputs) + ([AUDIO_BYTES] if tun.output_format else [])
+        if entry.kind in ("ensemble", "backend"):
+            outputs = list(entry.outputs) + ([AUDIO_BYTES] if tun.output_format and name == VC_MODEL else [])
             write(name, f"{entry.folder}/config.pbtxt.in", {
                 "name": name, "inputs": _io_block("input", entry.inputs, optional=entry.optional),
                 "outputs": _io_block("output", outputs), **(entry.values(ctx) if entry.values else {})},
                   src_dir / "config.pbtxt.in")
-            (out / name / "1").mkdir(parents=True, exist_ok=True)  # an ensemble needs an (empty) version folder
-            models[name] = "ensemble"
+            (out / name / "1").mkdir(parents=True, exist_ok=True)  # a version folder (empty: the config says all)
+            models[name] = entry.kind if entry.kind == "ensemble" else entry.doc.split(":")[0]
             continue
         params = dict(entry.parameters(ctx)) if entry.parameters else {}
         declared = {p.name for p in MODEL_PARAMS.get(entry.params_key or name, ())}

@@ -251,6 +251,30 @@ SPEAKER_PROMPT_OUTPUTS: tuple[TensorSpec, ...] = (
 )
 
 
+#: The GPU flavors' LM (``lm_backend=tensorrtllm``): the inputs / outputs of the TensorRT-LLM backend's
+#: ``tensorrt_llm`` model that a TTS orchestrator uses (a subset of that backend's interface; the first two are
+#: required). ``input_ids``: the prompt in the converted engine's extended vocabulary (text ids, then sos, task
+#: id and the speech-token ids shifted past the text vocabulary); ``output_ids``: speech tokens, shifted back.
+TRTLLM_INPUTS: tuple[TensorSpec, ...] = (
+    _t("input_ids", "int32", _B, "tokens"),
+    _t("input_lengths", "int32", _B, 1),
+    _t("request_output_len", "int32", _B, 1),
+    _t("end_id", "int32", _B, 1),
+    _t("pad_id", "int32", _B, 1),
+    _t("streaming", "bool", _B, 1),
+    _t("runtime_top_k", "int32", _B, 1),
+    _t("runtime_top_p", "float32", _B, 1),
+    _t("temperature", "float32", _B, 1),
+    _t("random_seed", "uint64", _B, 1),
+    _t("min_length", "int32", _B, 1),
+    _t("stop", "bool", _B, 1),
+)
+TRTLLM_OUTPUTS: tuple[TensorSpec, ...] = (
+    _t("output_ids", "int32", _B, "beams", "tokens"),
+    _t("sequence_length", "int32", _B, "beams"),
+)
+
+
 # ------------------------------------------------------------------------------------ served stages
 @dataclass(frozen=True)
 class StageSpec:

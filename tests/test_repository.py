@@ -183,6 +183,27 @@ def test_tts_models_follow_the_public_api(rendered, model_dir, tmp_path):
     assert "cosyvoice_tts_stream" in report.models
 
 
+def test_gpu_flavor_lm_on_tensorrt_llm_renders_and_parses(model_dir, tmp_path):
+    """Structural only (no GPU, no TensorRT-LLM here): the tensorrt_llm config parses with Triton's schema."""
+    from cosyvoice_triton.shapes import TRTLLM_INPUTS
+
+    out = tmp_path / "trt"
+    report = render_repository("trt", out, model_dir=model_dir, onnx_dir=tmp_path, engine_dir=tmp_path / "engines",
+                               allow_missing=True, lm_backend="tensorrtllm", max_active_requests=12)
+    assert report.models["tensorrt_llm"] == "tensorrtllm"
+    cfg = _parse(out / "tensorrt_llm" / "config.pbtxt")
+    assert cfg.backend == "tensorrtllm" and cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 12
+    assert [i.name for i in cfg.input] == [t.name for t in TRTLLM_INPUTS]
+    assert [i.name for i in cfg.input if not i.optional] == ["input_ids", "input_lengths"]
+    assert cfg.parameters["gpt_model_path"].string_value == str((tmp_path / "engines" / "llm").resolve())
+    assert cfg.parameters["gpt_model_type"].string_value == "inflight_fused_batching"
+    assert "tensorrt_llm" not in render_repository("trt", tmp_path / "plain", model_dir=model_dir, onnx_dir=tmp_path,
+                                                   allow_missing=True).models
+    with pytest.raises(RenderError, match="GPU flavor"):
+        render_repository("local", tmp_path / "local", model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
+                          lm_backend="tensorrtllm")
+
+
 def test_tunables_reach_the_configs(model_dir, tmp_path):
     out = tmp_path / "repo"
     render_repository("local", out, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,

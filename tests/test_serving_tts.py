@@ -100,7 +100,8 @@ def _stream(server, inputs_fn, *, model="cosyvoice_tts_stream", cancel_after=Non
                 break
             wave = result.as_numpy("waveform")
             if wave is not None:
-                chunks.append((int(result.as_numpy("chunk_index").reshape(-1)[0]), wave.reshape(-1)))
+                index = result.as_numpy("chunk_index")  # absent from cosyvoice_tts
+                chunks.append((-1 if index is None else int(index.reshape(-1)[0]), wave.reshape(-1)))
             if result.get_response().parameters["triton_final_response"].bool_param:
                 final = True
                 break
@@ -318,6 +319,9 @@ def test_wrong_protocol_for_the_model_kind(server, prompt):
         assert "decoupled" in info.value.message()
     finally:
         g.close()
+    # the reverse: Triton serves a non-decoupled model over a stream, as one final response
+    chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt), model="cosyvoice_tts")
+    assert error is None and final and len(chunks) == 1 and chunks[0][1].size > 0
 
 
 def test_http_generate_stream_serves_the_decoupled_model(server, prompt):

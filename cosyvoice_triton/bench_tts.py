@@ -159,6 +159,8 @@ def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[
     a machine whose load drifts during the run affects both sides alike."""
     sides = {"project": project, "official": official} if official is not None else {"project": project}
     raw: dict[str, dict[str, list]] = {name: {"prefill_s": [], "ttft_s": [], "decode": []} for name in sides}
+    for side in sides.values():  # warm-up: the first pass pages in ~2 GB of freshly loaded weights
+        side.first_token()
     for r in range(rounds):
         for name, side in sides.items():
             raw[name]["prefill_s"].append(side.prefill())

@@ -33,7 +33,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LLMError, TextError
-from ..models.llm import QWEN_DIR, LMRequest, load_llm
+from ..models.llm import QWEN_DIR, LMRequest, load_llm, mode_request
 from ..pipeline import TTS_MODES, CosyVoice2
 from ..shapes import SAMPLES_PER_MEL_FRAME
 from ..speakers import SpeakerPrompt
@@ -184,12 +184,13 @@ class TTSService:
             raise TextError(f"instruct_text is only used in instruct mode, not {mode}")
         if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
             raise TextError("zero_shot needs the prompt's transcript (prompt_text); without it use cross_lingual")
-        segments = self.text.tts_segments(text)
-        lm_text = {"zero_shot": speaker.prompt_text_tokens, "cross_lingual": np.zeros(0, np.int32),
-                   "instruct": None if instruct is None else self.text.instruct_tokens(instruct)}[mode]
-        lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
-        return TTSPlan([(s, np.asarray(ids, np.int32)) for s, ids in segments], np.asarray(lm_text, np.int32),
-                       np.asarray(lm_speech, np.int32), speaker, seed, mode)
+        segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
+        lm = mode_request(mode, segments[0][1], instruct_tokens=() if instruct is None else
+                          self.text.instruct_tokens(instruct),
+                          prompt_text_tokens=speaker.prompt_text_tokens if mode == "zero_shot" else (),
+                          prompt_speech_tokens=speaker.prompt_tokens)  # the LM prompt of the mode (one mapping)
+        return TTSPlan(segments, np.asarray(lm.prompt_text_tokens, np.int32),
+                       np.asarray(lm.prompt_speech_tokens, np.int32), speaker, seed, mode)
 
     def prompt(self, t: Mapping[str, np.ndarray | None], prompt_text: str | None) -> SpeakerPrompt:
         """``CosyVoice2.prompt`` with the graphs: tokens, mel (cut to 2 frames per token), embedding, transcript."""

@@ -29,6 +29,7 @@ from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .speakers import SpeakerPrompt, SpeakerStore
 from .speech_models import SpeakerEncoder, SpeechTokenizer
+from .streaming import MEL_CACHE, STREAM_SCALE, TOKEN_HOP, TOKEN_MAX_HOP, stream_chunk_ends, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +74,8 @@ class CosyVoice2:
     """The models of one CosyVoice2 folder on one torch device (CPU by default); ``llm`` and ``text`` are
     ``None`` for a folder without the TTS files (voice conversion only)."""
 
-    # streaming constants of the official CosyVoice2Model
-    TOKEN_HOP = 25
-    TOKEN_MAX_HOP = 100
-    STREAM_SCALE = 2
-    MEL_CACHE = 8
+    # streaming constants (cosyvoice_triton.streaming)
+    TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE = TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE
 
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",
@@ -227,43 +225,19 @@ class CosyVoice2:
         :meth:`stream_chunk_ends` for the final token count, whatever the arrival times; the last chunk runs
         when ``tokens`` is exhausted. ``inputs.source_tokens`` is ignored.
         """
-        la, ratio = self.flow.pre_lookahead_len, self.flow.token_mel_ratio
-        generator = _generator(seed)
+        ratio, generator = self.flow.token_mel_ratio, _generator(seed)
         noises = iter(hift_noise) if hift_noise is not None else None
-        pad = -len(inputs.prompt_tokens) % self.TOKEN_HOP  # the first chunk only
-        hop, offset, cache, got = self.TOKEN_HOP, 0, None, []
-        for token in tokens:
-            got.append(int(token))
-            if len(got) - offset < hop + pad + la:
-                continue
-            end = offset + hop + pad
-            mel = self._flow(inputs, np.asarray(got[: end + la], dtype=np.int32), streaming=True, finalize=False,
-                             timer=timer)[:, :, offset * ratio:]
-            speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=False)
-            offset, hop, pad = end, min(self.TOKEN_MAX_HOP, hop * self.STREAM_SCALE), 0
+        cache = None
+        for chunk in stream_chunks(tokens, len(inputs.prompt_tokens), lookahead=self.flow.pre_lookahead_len):
+            mel = self._flow(inputs, chunk.tokens, streaming=not chunk.final, finalize=chunk.final,
+                             timer=timer)[:, :, chunk.offset * ratio:]
+            speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=chunk.final)
             yield speech
-        if not got:
-            raise ValueError("no speech tokens to synthesise")
-        mel = self._flow(inputs, np.asarray(got, dtype=np.int32), streaming=False, finalize=True,
-                         timer=timer)[:, :, offset * ratio:]
-        speech, _ = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=True)
-        yield speech
 
     def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int) -> list[int]:
-        """Where the non-final chunks of :meth:`token2wav_stream` end, in source tokens.
-
-        The official schedule: hops of 25, 50, then 100 tokens, the first one longer by the padding that makes
-        prompt + chunk a multiple of 25; a chunk is only run while its hop plus the look-ahead tokens are
-        available. The final chunk, from the last end to ``n_tokens``, is not listed.
-        """
-        la = self.flow.pre_lookahead_len
-        pad = -n_prompt_tokens % self.TOKEN_HOP  # ceil(n_prompt / 25) * 25 - n_prompt, first chunk only
-        hop, offset, ends = self.TOKEN_HOP, 0, []
-        while n_tokens - offset >= hop + pad + la:
-            offset += hop + pad
-            ends.append(offset)
-            hop, pad = min(self.TOKEN_MAX_HOP, hop * self.STREAM_SCALE), 0
-        return ends
+        """Where the non-final chunks of :meth:`token2wav_stream` end, in source tokens
+        (:func:`~cosyvoice_triton.streaming.stream_chunk_ends` with the flow's look-ahead)."""
+        return stream_chunk_ends(n_tokens, n_prompt_tokens, lookahead=self.flow.pre_lookahead_len)
 
     def _hift_chunk(self, mel: torch.Tensor, cache: dict | None, noise: np.ndarray | None,
                     generator: torch.Generator | None, timer: StageTimer, *, final: bool):

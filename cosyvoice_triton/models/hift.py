@@ -39,6 +39,23 @@ from ..config import HiftConfig
 from .stft import ISTFT, STFT
 
 
+def draw_nsf_noise(batch: int, frames: int, *, upsample: int, harmonics: int,
+                   generator: torch.Generator | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """The NSF source noise of ``frames`` mel frames: ``[batch, upsample * frames, harmonics]`` ~ N(0, 1).
+
+    Replays the official draws (``rand [B, H]`` for the unused initial phase; this noise, drawn into a
+    ``[B, H, L]``-strided tensor, which changes the values torch produces; then a ``randn [B, L, 1]`` that the
+    official code discards), so that after ``torch.manual_seed(s)`` on CPU the default generator gives the
+    official noise and ends in the official state. One generator across the chunks of a stream continues one
+    sequence, as the official code's global generator does.
+    """
+    length = upsample * frames
+    torch.rand(batch, harmonics, generator=generator, device=device)
+    noise = torch.empty(batch, harmonics, length, device=device).transpose(1, 2).normal_(generator=generator)
+    torch.randn(batch, length, 1, generator=generator, device=device)
+    return noise.contiguous()
+
+
 def upsample_linear(x: torch.Tensor, scale: int) -> torch.Tensor:
     """``F.interpolate(x.transpose(1, 2), scale_factor=scale, mode="linear").transpose(1, 2)``, bit-exact.
 
@@ -268,18 +285,9 @@ class HiFTGenerator(nn.Module):
 
     def draw_noise(self, batch: int, frames: int, generator: torch.Generator | None = None,
                    device: torch.device | str | None = None) -> torch.Tensor:
-        """``noise_sine [batch, upsample_factor * frames, nb_harmonics + 1]`` ~ N(0, 1).
-
-        Replays the official draws (``rand [B, H]`` for the unused initial phase; this noise, drawn into a
-        ``[B, H, L]``-strided tensor, which changes the values torch produces; then a ``randn [B, L, 1]``
-        that the official code discards), so that after ``torch.manual_seed(s)`` on CPU the default
-        generator gives the official noise and ends in the official state.
-        """
-        length, h = self.upsample_factor * frames, self.m_source.harmonics
-        torch.rand(batch, h, generator=generator, device=device)
-        noise = torch.empty(batch, h, length, device=device).transpose(1, 2).normal_(generator=generator)
-        torch.randn(batch, length, 1, generator=generator, device=device)
-        return noise.contiguous()
+        """``noise_sine [batch, upsample_factor * frames, nb_harmonics + 1]``: :func:`draw_nsf_noise`."""
+        return draw_nsf_noise(batch, frames, upsample=self.upsample_factor, harmonics=self.m_source.harmonics,
+                              generator=generator, device=device)
 
     @torch.inference_mode()
     def inference(self, speech_feat: torch.Tensor, cache_source: torch.Tensor | None = None,

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import CosyVoiceError
+from ..models.hift import draw_nsf_noise
 from ..shapes import (
     GRAPHS,
     MAX_LOOKAHEAD,
@@ -35,47 +36,23 @@ from ..shapes import (
     TensorSpec,
 )
 from ..speakers import SpeakerPrompt
+from ..streaming import MEL_CACHE, stream_chunks
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
 from .vocoder import parse_seed
 
 __all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
-           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors", "draw_nsf_noise",
-           "stream_chunk_ends"]
+           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors"]
 
 #: Inputs of ``cosyvoice_vc_stream``: the ``cosyvoice_vc`` ones and ``speaker_id`` (a registered prompt).
 STREAM_INPUTS = ("source_audio", "source_sample_rate", "source_audio_bytes", "prompt_audio", "prompt_sample_rate",
                  "prompt_audio_bytes", "speaker_id", "seed")
 
-TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE = 25, 100, 2, 8
 
 
 class StreamCancelled(Exception):
     """The client cancelled the stream (or went away): the work stops before the next graph call."""
-
-
-def stream_chunk_ends(n_tokens: int, n_prompt_tokens: int, *, lookahead: int = MAX_LOOKAHEAD) -> list[int]:
-    """Where the non-final chunks end, in source tokens (the same schedule as ``CosyVoice2.stream_chunk_ends``)."""
-    pad = -n_prompt_tokens % TOKEN_HOP
-    hop, offset, ends = TOKEN_HOP, 0, []
-    while n_tokens - offset >= hop + pad + lookahead:
-        offset += hop + pad
-        ends.append(offset)
-        hop, pad = min(TOKEN_MAX_HOP, hop * STREAM_SCALE), 0
-    return ends
-
-
-def draw_nsf_noise(frames: int, generator: torch.Generator, *, upsample: int = SAMPLES_PER_MEL_FRAME,
-                   harmonics: int = NSF_HARMONICS) -> np.ndarray:
-    """``[1, upsample * frames, harmonics]`` float32 from ``generator``, advancing it as
-    ``HiFTGenerator.draw_noise(1, frames, generator)`` does (three draws), so a stream's calls continue one
-    sequence."""
-    length = upsample * frames
-    torch.rand(1, harmonics, generator=generator)
-    noise = torch.empty(1, harmonics, length).transpose(1, 2).normal_(generator=generator)
-    torch.randn(1, length, 1, generator=generator)
-    return noise.contiguous().numpy()
 
 
 @dataclass(frozen=True)
@@ -113,31 +90,20 @@ class StreamingToken2Wav:
         """Float32 chunks; a chunk runs as soon as its hop plus the look-ahead tokens have arrived, the last when
         ``tokens`` ends. ``cancelled()`` is asked before each chunk: True raises :class:`StreamCancelled`."""
         generator = torch.Generator().manual_seed(int(seed))
-        pad = -len(prompt.prompt_tokens) % TOKEN_HOP
-        hop, offset, cache, got = TOKEN_HOP, 0, None, []
-        for token in tokens:
-            got.append(int(token))
-            if len(got) - offset < hop + pad + self.lookahead:
-                continue
+        cache = None
+        for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead):
             self._check(cancelled)
-            end = offset + hop + pad
-            mel = self._flow(prompt, got[: end + self.lookahead], self.lookahead)[:, offset * self.ratio:]
-            speech, cache = self._hift(mel, cache, generator, final=False)
-            offset, hop, pad = end, min(TOKEN_MAX_HOP, hop * STREAM_SCALE), 0
+            lookahead = 0 if chunk.final else self.lookahead
+            mel = self._flow(prompt, chunk.tokens, lookahead)[:, chunk.offset * self.ratio:]
+            speech, cache = self._hift(mel, cache, generator, final=chunk.final)
             yield speech
-        if not got:
-            raise RequestError("no speech tokens to synthesise")
-        self._check(cancelled)
-        mel = self._flow(prompt, got, 0)[:, offset * self.ratio:]
-        speech, _ = self._hift(mel, cache, generator, final=True)
-        yield speech
 
     @staticmethod
     def _check(cancelled: Callable[[], bool] | None) -> None:
         if cancelled is not None and cancelled():
             raise StreamCancelled("the client cancelled the stream")
 
-    def _flow(self, prompt: StreamPrompt, tokens: list[int], lookahead: int) -> np.ndarray:
+    def _flow(self, prompt: StreamPrompt, tokens: np.ndarray, lookahead: int) -> np.ndarray:
         item = FlowItem(np.asarray(tokens, np.int32), np.asarray(prompt.prompt_tokens, np.int32),
                         np.asarray(prompt.prompt_mel, np.float32), np.asarray(prompt.embedding, np.float32),
                         streaming=lookahead > 0, lookahead=lookahead)
@@ -148,7 +114,8 @@ class StreamingToken2Wav:
         if cache is not None:
             mel = np.concatenate([cache["mel"], mel], axis=1)
         frames = mel.shape[1]
-        noise = draw_nsf_noise(frames, generator)
+        noise = draw_nsf_noise(1, frames, upsample=SAMPLES_PER_MEL_FRAME, harmonics=NSF_HARMONICS,
+                               generator=generator).numpy()
         feed = mel
         if frames < self.min_frames:  # below the graphs' minimum: pad, and drop what the padding produced
             feed = np.pad(mel, ((0, 0), (0, self.min_frames - frames)), mode="edge")

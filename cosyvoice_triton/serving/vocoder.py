@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import CosyVoiceError
+from ..models.hift import draw_nsf_noise
 from ..shapes import GRAPHS, NSF_HARMONICS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, run_per_item
 from .flow import GraphFn
@@ -38,11 +39,7 @@ def nsf_noise(frames: int, seed: int, *, upsample: int = SAMPLES_PER_MEL_FRAME,
     """``[1, upsample * frames, harmonics]`` float32: what ``HiFTGenerator.draw_noise(1, frames, generator)``
     returns for a CPU generator seeded with ``seed`` (the same three draws, in order)."""
     gen = torch.Generator().manual_seed(int(seed))
-    length = upsample * frames
-    torch.rand(1, harmonics, generator=gen)
-    noise = torch.empty(1, harmonics, length).transpose(1, 2).normal_(generator=gen)
-    torch.randn(1, length, 1, generator=gen)
-    return noise.contiguous().numpy()
+    return draw_nsf_noise(1, frames, upsample=upsample, harmonics=harmonics, generator=gen).numpy()
 
 
 def parse_seed(value, *, name: str = "seed") -> int:

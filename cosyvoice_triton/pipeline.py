@@ -29,7 +29,7 @@ from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .speakers import SpeakerPrompt, SpeakerStore
 from .speech_models import SpeakerEncoder, SpeechTokenizer
-from .streaming import MEL_CACHE, STREAM_SCALE, TOKEN_HOP, TOKEN_MAX_HOP, stream_chunk_ends, stream_chunks
+from .streaming import MEL_CACHE, stream_chunk_ends, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,6 @@ class CosyVoice2:
     """The models of one CosyVoice2 folder on one torch device (CPU by default); ``llm`` and ``text`` are
     ``None`` for a folder without the TTS files (voice conversion only)."""
 
-    # streaming constants (cosyvoice_triton.streaming)
-    TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE = TOKEN_HOP, TOKEN_MAX_HOP, STREAM_SCALE, MEL_CACHE
-
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",
                  llm=None, text=None, speakers: SpeakerStore | None = None):
@@ -86,7 +83,7 @@ class CosyVoice2:
         self.hift = hift.to(self.device).eval()
         self.tokenizer = tokenizer
         self.speaker = speaker
-        self.source_cache = self.MEL_CACHE * config.hift.upsample_factor
+        self.source_cache = MEL_CACHE * config.hift.upsample_factor
         self.fade_window = np.hamming(2 * self.source_cache)
         self.llm = None if llm is None else llm.to(self.device).eval()
         self.text = text
@@ -252,7 +249,7 @@ class CosyVoice2:
             speech[:n] = speech[:n] * self.fade_window[:n] + cache["speech"] * self.fade_window[n:]
         new_cache = None
         if not final:
-            new_cache = {"mel": mel[:, :, -self.MEL_CACHE:], "source": source[:, :, -self.source_cache:],
+            new_cache = {"mel": mel[:, :, -MEL_CACHE:], "source": source[:, :, -self.source_cache:],
                          "speech": speech[-self.source_cache:]}
             speech = speech[: -self.source_cache]
         return speech.astype(np.float32), new_cache
@@ -346,32 +343,11 @@ class CosyVoice2:
             speaker = self.speakers.get(speaker_id)
         else:
             speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
-        if mode is None:
-            mode = "instruct" if instruct is not None else (
-                "zero_shot" if len(speaker.prompt_text_tokens) else "cross_lingual")
-        if mode not in TTS_MODES:
-            raise TextError(f"mode must be one of {', '.join(TTS_MODES)}, got {mode!r}")
-        if mode == "instruct" and instruct is None:
-            raise TextError("instruct mode needs an instruction text")
-        if mode != "instruct" and instruct is not None:
-            raise TextError(f"an instruction text is only used in instruct mode, not {mode}")
-        if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
-            raise TextError("zero-shot needs the prompt's transcript (prompt text); without it use cross_lingual")
-        from .models.llm import mode_request
-
         with timer.stage("frontend"):
             segments = front.tts_segments(text)
-            instruct_tokens = () if instruct is None else front.instruct_tokens(instruct)
-        out = []
-        for segment, ids in segments:
-            lm = mode_request(mode, np.asarray(ids, np.int32), instruct_tokens=instruct_tokens,
-                              prompt_text_tokens=speaker.prompt_text_tokens if mode == "zero_shot" else (),
-                              prompt_speech_tokens=speaker.prompt_tokens)
-            out.append(TTSRequest(text=segment, text_tokens=lm.text_tokens,
-                                  lm_prompt_text_tokens=np.asarray(lm.prompt_text_tokens, np.int32),
-                                  lm_prompt_speech_tokens=np.asarray(lm.prompt_speech_tokens, np.int32),
-                                  prompt=speaker))
-        return out
+        mode, lm_text, lm_speech = lm_prompt(front, speaker, mode=mode, instruct=instruct)
+        return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
+                           lm_prompt_speech_tokens=lm_speech, prompt=speaker) for segment, ids in segments]
 
     def speech_tokens(self, request: TTSRequest, *, draws=None):
         """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an
@@ -411,6 +387,31 @@ class CosyVoice2:
         """Text to speech: float32 [N] at 24 kHz, the segments' audio concatenated (see :meth:`tts_stream`)."""
         return np.concatenate(list(self.tts_stream(text, stream=stream, seed=seed, draws=draws, timer=timer,
                                                    **prompt)))
+
+
+def lm_prompt(front, speaker: SpeakerPrompt, *, mode: str | None, instruct: str | bytes | None
+              ) -> tuple[str, np.ndarray, np.ndarray]:
+    """(mode, LM prompt text tokens, LM prompt speech tokens) of a request, as the official front end maps its
+    modes (:func:`~.models.llm.mode_request`); ``mode=None`` picks instruct when ``instruct`` is given, else
+    zero-shot when the prompt's transcript is known, else cross-lingual. Bad combinations raise ``TextError``."""
+    from .models.llm import mode_request
+
+    if mode is None:
+        mode = "instruct" if instruct is not None else (
+            "zero_shot" if len(speaker.prompt_text_tokens) else "cross_lingual")
+    if mode not in TTS_MODES:
+        raise TextError(f"mode must be one of {', '.join(TTS_MODES)}, got {mode!r}")
+    if mode == "instruct" and instruct is None:
+        raise TextError("instruct mode needs instruct_text, the instruction text")
+    if mode != "instruct" and instruct is not None:
+        raise TextError(f"an instruction text (instruct_text) is only used in instruct mode, not {mode}")
+    if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
+        raise TextError("zero-shot needs the prompt's transcript (prompt_text); without it use cross_lingual")
+    lm = mode_request(mode, (0,), instruct_tokens=() if instruct is None else front.instruct_tokens(instruct),
+                      prompt_text_tokens=speaker.prompt_text_tokens if mode == "zero_shot" else (),
+                      prompt_speech_tokens=speaker.prompt_tokens)
+    return (mode, np.asarray(lm.prompt_text_tokens, np.int32).reshape(-1),
+            np.asarray(lm.prompt_speech_tokens, np.int32).reshape(-1))
 
 
 @dataclass

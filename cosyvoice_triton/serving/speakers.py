@@ -25,7 +25,7 @@ from .flow import GraphFn
 from .frontend import Preprocessor
 
 __all__ = ["ACTIONS", "SPEAKER_INPUTS", "SPEAKER_OUTPUTS", "BlsSpeakers", "SpeakerService", "build_service",
-           "bytes_scalar", "prompt_tensors"]
+           "bytes_scalar", "compute_prompt", "prompt_tensors"]
 
 ACTIONS = ("register", "get", "list", "delete")
 _B = "batch"
@@ -61,6 +61,26 @@ def bytes_scalar(value, name: str) -> str:
         except UnicodeDecodeError:
             raise RequestError(f"{name}: not valid UTF-8") from None
     return str(item)
+
+
+def compute_prompt(pre: Preprocessor, graphs: Mapping[str, GraphFn], audio: tuple, *, token_mel_ratio: int,
+                   prompt_text: str | None = None, prompt_text_tokens=None) -> SpeakerPrompt:
+    """``CosyVoice2.prompt`` with the graphs: ``audio`` = (samples, sample rate, encoded bytes) as the request
+    gives them; the speech tokens (``speech_tokenizer``), the CAM++ embedding (``speaker_encoder``), the 24 kHz
+    mel cut with the tokens to 2 frames per token, and the transcript with its (already computed) text tokens."""
+    wave, sr = pre.utterance("prompt", *audio)
+    whisper, fbank, mel = pre.prompt_features(wave, sr)
+    tokens = graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
+                                         "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
+    tokens = np.asarray(tokens["speech_tokens"], np.int32).reshape(-1)
+    embedding = graphs["speaker_encoder"]({"fbank": np.ascontiguousarray(fbank[None], dtype=np.float32)})
+    n = min(mel.shape[0] // token_mel_ratio, tokens.size)
+    if n < 1:
+        raise RequestError("prompt_audio: too short for one speech token")
+    text_tokens = np.zeros(0, np.int32) if prompt_text_tokens is None else np.asarray(prompt_text_tokens, np.int32)
+    return SpeakerPrompt(prompt_tokens=tokens[:n], prompt_mel=np.ascontiguousarray(mel[: token_mel_ratio * n]),
+                         embedding=np.asarray(embedding["speaker_embedding"], np.float32).reshape(-1),
+                         prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text)
 
 
 def prompt_tensors(prompt: SpeakerPrompt) -> dict[str, np.ndarray]:
@@ -101,21 +121,9 @@ class SpeakerService:
     def prompt(self, prompt_audio=None, prompt_sample_rate=None, prompt_audio_bytes=None,
                prompt_text: str | None = None) -> SpeakerPrompt:
         """The prompt of a recording (and its transcript), as ``CosyVoice2.prompt`` computes it."""
-        wave, sr = self.pre.utterance("prompt", prompt_audio, prompt_sample_rate, prompt_audio_bytes)
-        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
-        text_tokens = np.zeros(0, np.int32)
-        if prompt_text is not None:
-            text_tokens = np.asarray(self.text().prompt_tokens(prompt_text), np.int32)
-        tokens = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
-                                                  "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
-        tokens = np.asarray(tokens["speech_tokens"], np.int32).reshape(-1)
-        embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
-        n = min(mel.shape[0] // self.ratio, tokens.size)
-        if n < 1:
-            raise RequestError("prompt_audio: too short for one speech token")
-        return SpeakerPrompt(prompt_tokens=tokens[:n], prompt_mel=np.ascontiguousarray(mel[: self.ratio * n]),
-                             embedding=np.asarray(embedding, np.float32).reshape(-1),
-                             prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text)
+        text_tokens = None if prompt_text is None else self.text().prompt_tokens(prompt_text)
+        return compute_prompt(self.pre, self.graphs, (prompt_audio, prompt_sample_rate, prompt_audio_bytes),
+                              token_mel_ratio=self.ratio, prompt_text=prompt_text, prompt_text_tokens=text_tokens)
 
     def get(self, speaker_id: str) -> SpeakerPrompt:
         return self.store.get(speaker_id)

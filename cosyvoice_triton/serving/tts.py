@@ -33,19 +33,20 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LLMError, TextError
-from ..models.llm import QWEN_DIR, LMRequest, load_llm, mode_request
-from ..pipeline import TTS_MODES, CosyVoice2
-from ..shapes import SAMPLES_PER_MEL_FRAME
+from ..models.llm import QWEN_DIR, LMRequest, load_llm
+from ..pipeline import lm_prompt
 from ..speakers import SpeakerPrompt
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
 from .lm_engine import LMEngine
+from .speakers import compute_prompt
+from .vc_stream import StreamingToken2Wav, StreamPrompt
 from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TTSPlan", "TTSService", "bytes_input", "draw_nsf_noise"]
+__all__ = ["TTSPlan", "TTSService", "bytes_input"]
 
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
@@ -75,16 +76,6 @@ def bytes_input(x, name: str, *, text: bool = True) -> str | bytes | None:
         return item.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TextError(f"{name}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-
-
-def draw_nsf_noise(generator: torch.Generator, frames: int) -> np.ndarray:
-    """``[1, 480 * frames, 9]`` float32: ``HiFTGenerator.draw_noise(1, frames, generator)``'s three draws from a
-    generator that goes on across the chunks of a stream (as in process)."""
-    length, h = SAMPLES_PER_MEL_FRAME * frames, 9
-    torch.rand(1, h, generator=generator)
-    noise = torch.empty(1, h, length).transpose(1, 2).normal_(generator=generator)
-    torch.randn(1, length, 1, generator=generator)
-    return noise.contiguous().numpy()
 
 
 @dataclass
@@ -136,8 +127,7 @@ class TTSService:
         self.speakers = speakers
         self.ratio = self.config.token_mel_ratio
         self.lookahead = self.config.flow.pre_lookahead_len
-        self.source_cache = CosyVoice2.MEL_CACHE * SAMPLES_PER_MEL_FRAME
-        self.fade_window = np.hamming(2 * self.source_cache)
+        self.streamer = StreamingToken2Wav(self.solver, graphs, lookahead=self.lookahead)
         self.stats = {"streams_started": 0, "streams_finished": 0, "streams_cancelled": 0}
         self._lock = threading.Lock()
 
@@ -158,8 +148,6 @@ class TTSService:
         mode = bytes_input(t.get("mode"), "mode")
         seed = parse_seed(t.get("seed"))
         has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
-        if mode is not None and mode not in TTS_MODES:
-            raise TextError(f"mode must be one of {', '.join(TTS_MODES)}, got {mode!r}")
         if not has_audio and speaker_id is None:
             raise TextError("prompt_text without prompt audio: send prompt_audio with prompt_sample_rate, or "
                             "prompt_audio_bytes (or a registered speaker_id)" if prompt_text is not None else
@@ -175,42 +163,16 @@ class TTSService:
             speaker = self.speakers(speaker_id)
         else:
             speaker = self.prompt(t, prompt_text)
-        if mode is None:
-            mode = "instruct" if instruct is not None else (
-                "zero_shot" if len(speaker.prompt_text_tokens) else "cross_lingual")
-        if mode == "instruct" and instruct is None:
-            raise TextError("instruct mode needs instruct_text")
-        if mode != "instruct" and instruct is not None:
-            raise TextError(f"instruct_text is only used in instruct mode, not {mode}")
-        if mode == "zero_shot" and not len(speaker.prompt_text_tokens):
-            raise TextError("zero_shot needs the prompt's transcript (prompt_text); without it use cross_lingual")
         segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
-        lm = mode_request(mode, segments[0][1], instruct_tokens=() if instruct is None else
-                          self.text.instruct_tokens(instruct),
-                          prompt_text_tokens=speaker.prompt_text_tokens if mode == "zero_shot" else (),
-                          prompt_speech_tokens=speaker.prompt_tokens)  # the LM prompt of the mode (one mapping)
-        return TTSPlan(segments, np.asarray(lm.prompt_text_tokens, np.int32),
-                       np.asarray(lm.prompt_speech_tokens, np.int32), speaker, seed, mode)
+        mode, lm_text, lm_speech = lm_prompt(self.text, speaker, mode=mode, instruct=instruct)
+        return TTSPlan(segments, lm_text, lm_speech, speaker, seed, mode)
 
     def prompt(self, t: Mapping[str, np.ndarray | None], prompt_text: str | None) -> SpeakerPrompt:
         """``CosyVoice2.prompt`` with the graphs: tokens, mel (cut to 2 frames per token), embedding, transcript."""
-        wave, sr = self.pre.utterance("prompt", t.get("prompt_audio"), t.get("prompt_sample_rate"),
-                                      t.get("prompt_audio_bytes"))
-        text_tokens = np.zeros(0, np.int32)
-        if prompt_text is not None:
-            text_tokens = self.text.prompt_tokens(prompt_text).astype(np.int32)
-        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
-        tokens = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
-                                                  "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
-        tokens = tokens["speech_tokens"]
-        tokens = np.asarray(tokens).reshape(-1)
-        embedding = self.graphs["speaker_encoder"]({"fbank": np.ascontiguousarray(fbank[None], dtype=np.float32)})
-        n = min(len(mel) // self.ratio, len(tokens))
-        if n < 1:
-            raise RequestError("prompt audio: too short for one speech token")
-        return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: self.ratio * n],
-                             embedding=np.asarray(embedding["speaker_embedding"], np.float32).reshape(-1),
-                             prompt_text_tokens=text_tokens, prompt_text=prompt_text or "")
+        text_tokens = None if prompt_text is None else self.text.prompt_tokens(prompt_text)
+        return compute_prompt(self.pre, self.graphs,
+                              (t.get("prompt_audio"), t.get("prompt_sample_rate"), t.get("prompt_audio_bytes")),
+                              token_mel_ratio=self.ratio, prompt_text=prompt_text, prompt_text_tokens=text_tokens)
 
     def synthesize(self, plan: TTSPlan, *, stream: bool, cancelled: Callable[[], bool] = lambda: False
                    ) -> Iterator[np.ndarray]:
@@ -285,54 +247,8 @@ class TTSService:
         return np.asarray(self.hift(mel, seed), np.float32).reshape(-1)
 
     def stream_token2wav(self, prompt: SpeakerPrompt, tokens: Iterable[int], *, seed: int) -> Iterator[np.ndarray]:
-        """``CosyVoice2.tokens2wav_stream`` over tokens as they arrive: a chunk as soon as its hop plus the
-        look-ahead tokens are in, the last one when ``tokens`` ends."""
-        la, ratio = self.lookahead, self.ratio
-        generator = torch.Generator().manual_seed(int(seed))
-        pad = -len(prompt.prompt_tokens) % CosyVoice2.TOKEN_HOP  # the first chunk only
-        hop, offset, cache, got = CosyVoice2.TOKEN_HOP, 0, None, []
-        for token in tokens:
-            got.append(int(token))
-            if len(got) - offset < hop + pad + la:
-                continue
-            end = offset + hop + pad
-            mel = self._solve(prompt, np.asarray(got[: end + la], np.int32), streaming=True, lookahead=la)
-            speech, cache = self._hift_chunk(mel[:, offset * ratio:], cache, generator, final=False)
-            offset, hop, pad = end, min(CosyVoice2.TOKEN_MAX_HOP, hop * CosyVoice2.STREAM_SCALE), 0
-            yield speech
-        if not got:
-            raise LLMError("the LM produced no speech token")
-        mel = self._solve(prompt, np.asarray(got, np.int32), streaming=False, lookahead=0)
-        speech, _ = self._hift_chunk(mel[:, offset * ratio:], cache, generator, final=True)
-        yield speech
-
-    def _solve(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, streaming: bool, lookahead: int) -> np.ndarray:
-        item = self._item(prompt, tokens, streaming=streaming, lookahead=lookahead)
-        return self.solver.run([item], self.graphs["flow_encoder"], self.graphs["flow_estimator"])[0].unwrap()
-
-    def _hift_chunk(self, mel: np.ndarray, cache: dict | None, generator: torch.Generator, *, final: bool
-                    ) -> tuple[np.ndarray, dict | None]:
-        if cache is not None:
-            mel = np.concatenate([cache["mel"], mel], axis=1)
-        mel = np.ascontiguousarray(mel[None], dtype=np.float32)
-        noise = draw_nsf_noise(generator, mel.shape[2])
-        source = np.array(self.graphs["hift_source"]({"mel": mel, "nsf_noise": noise})["source"], np.float32)
-        if cache is not None:
-            source[:, :, : cache["source"].shape[2]] = cache["source"]
-        wave = self.graphs["hift_decoder"]({"mel": mel, "source": source})["waveform"]
-        speech = np.asarray(wave, np.float64)[0]
-        if cache is not None:  # crossfade with the held-back tail of the previous chunk, as in process
-            n = self.source_cache
-            speech[:n] = speech[:n] * self.fade_window[:n] + cache["speech"] * self.fade_window[n:]
-        new_cache = None
-        if not final:
-            new_cache = {"mel": mel[0, :, -CosyVoice2.MEL_CACHE:], "source": source[:, :, -self.source_cache:],
-                         "speech": speech[-self.source_cache:]}
-            speech = speech[: -self.source_cache]
-        return speech.astype(np.float32), new_cache
-
-
-# ------------------------------------------------------------------------------------- Triton glue (pb passed in)
+        """``CosyVoice2.tokens2wav_stream`` over tokens as they arrive (:class:`~.vc_stream.StreamingToken2Wav`)."""
+        return self.streamer.stream(StreamPrompt.from_speaker(prompt), tokens, seed=seed)
 
 
 def error_response(pb, exc: BaseException):

@@ -108,3 +108,22 @@ def triton_server(serving_assets):
                       max_queue_delay_us=20000)
     with served(repo) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def oracle_model(tiny_dir, tmp_path_factory):
+    """``CosyVoice2`` on the oracle's official-format flow.pt / hift.pt (stand-in tokenizer / CAM++ models)."""
+    import shutil
+
+    from cosyvoice_triton.config import ModelConfig, write_yaml
+    from cosyvoice_triton.pipeline import CosyVoice2
+    from cosyvoice_triton.standins import write_campplus_standin, write_speech_tokenizer_standin
+
+    d = tmp_path_factory.mktemp("oracle")
+    for name in ("flow.pt", "hift.pt"):
+        shutil.copy(tiny_dir / name, d / name)
+    write_yaml(ModelConfig.tiny(), d / "cosyvoice2.yaml")
+    write_speech_tokenizer_standin(d / "speech_tokenizer_v2.onnx")
+    write_campplus_standin(d / "campplus.onnx")
+    return CosyVoice2.from_pretrained(d)
+

@@ -18,18 +18,15 @@ import pytest
 import torch
 from conftest import FIXTURES, ROOT, rel_err
 
-from cosyvoice_triton.config import LLMConfig, ModelConfig, write_yaml
+from cosyvoice_triton.config import LLMConfig, ModelConfig
+from cosyvoice_triton.models import sampling as project_sampling
+from cosyvoice_triton.models.llm import LMRequest, load_llm
 
 ORACLE = FIXTURES / "llm_oracle"
 ORACLE_FULL = ORACLE / "full"
 LOGP_BAR = 1e-4
 WAVE_BAR = 1e-3
 
-try:
-    from cosyvoice_triton.models import sampling as project_sampling
-    from cosyvoice_triton.models.llm import LMRequest, load_llm
-except ImportError as exc:  # the LM is built in parallel with these tests
-    pytest.skip(f"cosyvoice_triton.models.llm is not importable yet ({exc})", allow_module_level=True)
 
 
 def _load_script():
@@ -150,23 +147,8 @@ def test_batch_matches_official(lm, cases, max_batch):
         assert tokens == cases[name]["tokens"].tolist(), name
 
 
-@pytest.fixture(scope="module")
-def tts_model(tiny_dir, tmp_path_factory):
-    """The flow/HiFT oracle's official-format files in a model folder (stand-in front-end models)."""
-    from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.standins import write_campplus_standin, write_speech_tokenizer_standin
-
-    d = tmp_path_factory.mktemp("tts")
-    for name in ("flow.pt", "hift.pt"):
-        shutil.copy(tiny_dir / name, d / name)
-    write_yaml(ModelConfig.tiny(), d / "cosyvoice2.yaml")
-    write_speech_tokenizer_standin(d / "speech_tokenizer_v2.onnx")
-    write_campplus_standin(d / "campplus.onnx")
-    return CosyVoice2.from_pretrained(d)
-
-
 @pytest.mark.parametrize("stream", [False, True])
-def test_text_to_waveform_matches_official(lm, tts_model, stream):
+def test_text_to_waveform_matches_official(lm, oracle_model, stream):
     from cosyvoice_triton.pipeline import VCInputs
 
     with np.load(ORACLE / ("tts_zero_shot_stream.npz" if stream else "tts_zero_shot.npz")) as f:
@@ -177,11 +159,11 @@ def test_text_to_waveform_matches_official(lm, tts_model, stream):
                       prompt_mel=z["prompt_speech_feat"][0], embedding=z["embedding"][0])
     seed = int(z["seed"])
     if stream:
-        chunks = list(tts_model.token2wav_stream(inputs, seed=seed))
+        chunks = list(oracle_model.token2wav_stream(inputs, seed=seed))
         assert [len(c) for c in chunks] == z["chunk_lens"].tolist()
         wave = np.concatenate(chunks)
     else:
-        wave = tts_model.token2wav(inputs, seed=seed)
+        wave = oracle_model.token2wav(inputs, seed=seed)
     assert rel_err(wave, z["speech"][0]) <= WAVE_BAR
 
 

@@ -18,7 +18,6 @@ from cosyvoice_triton.config import ModelConfig, write_yaml
 from cosyvoice_triton.demo import _calibration_mel, build_demo_models, write_demo_model
 from cosyvoice_triton.errors import AudioError, CheckpointError
 from cosyvoice_triton.pipeline import CosyVoice2, StageTimer, VCInputs
-from cosyvoice_triton.standins import write_campplus_standin, write_speech_tokenizer_standin
 
 SOURCE = FIXTURES / "source_en_5s.wav"
 PROMPT = FIXTURES / "prompt_en_3s.wav"
@@ -37,18 +36,6 @@ def demo_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo(demo_dir):
     return CosyVoice2.from_pretrained(demo_dir)
-
-
-@pytest.fixture(scope="module")
-def oracle_model(tiny_dir, tmp_path_factory):
-    """The oracle's official-format flow.pt / hift.pt in a model folder (stand-in front-end models)."""
-    d = tmp_path_factory.mktemp("oracle")
-    for name in ("flow.pt", "hift.pt"):
-        shutil.copy(tiny_dir / name, d / name)
-    write_yaml(ModelConfig.tiny(), d / "cosyvoice2.yaml")
-    write_speech_tokenizer_standin(d / "speech_tokenizer_v2.onnx")
-    write_campplus_standin(d / "campplus.onnx")
-    return CosyVoice2.from_pretrained(d)
 
 
 def _oracle_inputs(z) -> VCInputs:

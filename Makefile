@@ -50,7 +50,7 @@ tts: $(VENV)/.installed ## in-process text to speech of TEXT in the voice of PRO
 	$(PY) -m cosyvoice_triton tts --model-dir $(MODEL_DIR) --text "$(TEXT)" --prompt-audio $(PROMPT) \
 	  $(if $(PROMPT_TEXT),--prompt-text "$(PROMPT_TEXT)") --stream -o $(TTS_OUT)
 
-demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample through cosyvoice_vc
+demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample (cosyvoice_vc), speak a sentence (cosyvoice_tts)
 	$(PY) -m cosyvoice_triton.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
 
 SERVE_FLAVOR ?= local

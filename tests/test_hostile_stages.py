@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from conftest import FIXTURES, ROOT
+from pb_standin import Err, Response, Tensor
 
 from cosyvoice_triton import audio
 from cosyvoice_triton.config import ModelConfig
@@ -178,35 +179,6 @@ def test_postprocess_refuses_non_finite_and_over_long_waveforms():
 
 # ------------------------------------------------------------------------------ finding 4: memory
 
-class _Tensor:
-    def __init__(self, name, arr):
-        self._name, self.arr = name, arr
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self.arr
-
-
-class _Err:
-    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
-
-    def __init__(self, message, code=None):
-        self._m, self._c = message, code
-
-    def message(self):
-        return self._m
-
-    def code(self):
-        return self._c
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.output_tensors, self.err = list(output_tensors), error
-
-
 class _Request:
     def __init__(self, tensors):
         self.tensors = tensors
@@ -217,8 +189,8 @@ class _Request:
 
 def _stand_in_pb():
     return types.SimpleNamespace(
-        TritonError=_Err, Tensor=_Tensor, InferenceResponse=_Response,
-        get_input_tensor_by_name=lambda req, n: (None if req.tensors.get(n) is None else _Tensor(n, req.tensors[n])))
+        TritonError=Err, Tensor=Tensor, InferenceResponse=Response,
+        get_input_tensor_by_name=lambda req, n: (None if req.tensors.get(n) is None else Tensor(n, req.tensors[n])))
 
 
 def _load_adapter(name, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import FIXTURES, rel_err
+from pb_standin import Err, Response, Tensor
 
 from cosyvoice_triton.errors import AudioError
 from cosyvoice_triton.serving import triton_io
@@ -182,41 +183,6 @@ def test_chunks_by_rows():
 
 # ------------------------------------------------------------------------- adapter helpers (stand-in pb)
 
-class _Err:
-    INVALID_ARG, INTERNAL = "INVALID_ARG", "INTERNAL"
-
-    def __init__(self, message, code=None):
-        self._m, self._c = message, code
-
-    def message(self):
-        return self._m
-
-    def code(self):
-        return self._c
-
-
-class _Tensor:
-    def __init__(self, name, arr):
-        self._name, self.arr = name, arr
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self.arr
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.output_tensors, self.err = list(output_tensors), error
-
-    def has_error(self):
-        return self.err is not None
-
-    def error(self):
-        return self.err
-
-
 def _pb(callee=None):
     class Request:
         def __init__(self, model_name, inputs, requested_output_names, **kw):
@@ -226,7 +192,7 @@ def _pb(callee=None):
             return callee(self)
 
     return types.SimpleNamespace(
-        TritonError=_Err, Tensor=_Tensor, InferenceResponse=_Response, InferenceRequest=Request,
+        TritonError=Err, Tensor=Tensor, InferenceResponse=Response, InferenceRequest=Request,
         get_output_tensor_by_name=lambda res, n: next((t for t in res.output_tensors if t.name() == n), None),
         get_input_tensor_by_name=lambda req, n: req.get(n))
 
@@ -245,8 +211,8 @@ def test_bls_graph_shapes_rank_one_tensors_and_raises_with_the_callee_code():
 
     def callee(req):
         seen.update({t.name(): t.as_numpy().shape for t in req.inputs})
-        return _Response([_Tensor("mu", np.zeros((2, 80, 8), np.float32)), _Tensor("mel_len", np.array([[8], [6]])),
-                          _Tensor("spks", np.zeros((2, 80), np.float32))])
+        return Response([Tensor("mu", np.zeros((2, 80, 8), np.float32)), Tensor("mel_len", np.array([[8], [6]])),
+                          Tensor("spks", np.zeros((2, 80), np.float32))])
 
     fn = triton_io.BlsGraph(_pb(callee), "flow_encoder", "flow_encoder")
     out = fn({"speech_tokens": np.zeros((2, 4), np.int32), "speech_token_len": np.array([4, 3], np.int32),
@@ -255,11 +221,11 @@ def test_bls_graph_shapes_rank_one_tensors_and_raises_with_the_callee_code():
     assert seen["speech_token_len"] == (2, 1) and seen["streaming"] == (2, 1) and seen["speech_tokens"] == (2, 4)
     assert out["mel_len"].tolist() == [8, 6]
 
-    bad = triton_io.BlsGraph(_pb(lambda r: _Response(error=_Err("too long", "INVALID_ARG"))), "m", "hift_decoder")
+    bad = triton_io.BlsGraph(_pb(lambda r: Response(error=Err("too long", "INVALID_ARG"))), "m", "hift_decoder")
     with pytest.raises(AudioError.__mro__[1]) as info:  # a CosyVoiceError: the client's fault
         bad({"mel": np.zeros((1, 80, 4), np.float32), "source": np.zeros((1, 1, 1920), np.float32)})
     assert "too long" in str(info.value)
-    broken = triton_io.BlsGraph(_pb(lambda r: _Response(error=_Err("oom", "INTERNAL"))), "m", "hift_decoder")
+    broken = triton_io.BlsGraph(_pb(lambda r: Response(error=Err("oom", "INTERNAL"))), "m", "hift_decoder")
     with pytest.raises(triton_io.BlsError) as info:
         broken({"mel": np.zeros((1, 80, 4), np.float32), "source": np.zeros((1, 1, 1920), np.float32)})
     assert not info.value.invalid_argument

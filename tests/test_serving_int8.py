@@ -18,8 +18,9 @@ report's ``fp32`` rows; ``test_serving.py`` checks served fp32 against ``CosyVoi
 
 The int8 graphs are made for the session by :func:`cosyvoice_triton.quantize.quantize_graphs` with a small
 calibration (2 espeak-ng pairs; only ``hift_decoder``'s static recipe needs calibration; ~10 s), so the test
-follows the current recipes. Without espeak-ng, ``build/onnx/int8_cpu`` is used if its manifest says it was made
-from this session's very fp32 graphs (same sha256); else the tests skip.
+follows the current recipes. Without a speech synthesiser (the espeakng-loader wheel, a dependency),
+``build/onnx/int8_cpu`` is used if its manifest says it was made from this session's very fp32 graphs (same
+sha256); else the tests skip.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import soundfile as sf
 from conftest import FIXTURES, ROOT, rel_err, served
 
 from cosyvoice_triton.quality import BAR, DB_PER_NEPER, logmel_db
+from cosyvoice_triton.speech_corpus import espeak_available
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -67,11 +69,11 @@ def int8_onnx(serving_assets, tmp_path_factory) -> Path:
     fp32 = serving_assets["onnx_dir"] / "fp32"
     root = tmp_path_factory.mktemp("int8-onnx")
     (root / "fp32").symlink_to(fp32, target_is_directory=True)
-    if shutil.which("espeak-ng") is None:
+    if not espeak_available():
         build = _reusable_build(fp32)
         if build is None:
-            pytest.skip("no espeak-ng to calibrate int8_cpu graphs (apt-get install espeak-ng) and no "
-                        "build/onnx/int8_cpu made from these fp32 graphs")
+            pytest.skip("no speech synthesiser to calibrate int8_cpu graphs (the espeakng-loader wheel or an "
+                        "espeak-ng command) and no build/onnx/int8_cpu made from these fp32 graphs")
         (root / "int8_cpu").mkdir()
         for g in QUANTIZED:
             shutil.copy2(build / f"{g}.onnx", root / "int8_cpu" / f"{g}.onnx")

@@ -399,8 +399,8 @@ def run(opts: Options) -> dict[str, Any]:
     wl_path = out_dir / "workload.npz"
     workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
     if workload.descriptions and workload.descriptions[0].startswith("fixture"):
-        opts.notes.append("workload: espeak-ng is not installed, so the test fixtures' speech was used "
-                          "(apt-get install espeak-ng for the 3-7 s multilingual sources)")
+        opts.notes.append("workload: no speech synthesiser (the espeakng-loader wheel), so the test fixtures' "
+                          "speech was used (install the package's dependencies for the 3-7 s multilingual sources)")
     print(f"== workload: {workload.describe()}", flush=True)
     if opts.dry_run:
         return dry_run(opts, wl_path)

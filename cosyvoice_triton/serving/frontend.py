@@ -139,37 +139,24 @@ class Preprocessor:
 
             prompt = audio.validate_audio(spectral_gate(prompt, p_sr), sample_rate=p_sr,
                                           name="prompt_audio (denoised)", **limits)
-        src16 = audio.resample(src, orig_sr=src_sr, target_sr=audio.TOKENIZER_SR)
-        p16 = audio.resample(prompt, orig_sr=p_sr, target_sr=audio.TOKENIZER_SR)
-        p24 = audio.resample(prompt, orig_sr=p_sr, target_sr=self.sample_rate)
-        whisper, whisper_len = features.whisper_log_mel_batch([src16, p16])
-        fbank, fbank_len = features.kaldi_fbank_batch([p16])
-        fbank = fbank[0, : int(fbank_len[0])]
-        # SpeakerEncoder.embed subtracts the mean once more (harmless, but it rounds): do the same, for parity
-        fbank = fbank - fbank.mean(axis=0, keepdims=True, dtype=np.float64).astype(np.float32)
-        prompt_mel = features.cosyvoice_mel(p24, sample_rate=self.sample_rate, config=self.mel)
-        if prompt_mel.shape[0] < 1:
-            raise AudioError("prompt_audio: too short for one mel frame")
-        return FrontendFeatures(
-            source_whisper_mel=np.ascontiguousarray(whisper[0, :, : int(whisper_len[0])]),
-            prompt_whisper_mel=np.ascontiguousarray(whisper[1, :, : int(whisper_len[1])]),
-            prompt_fbank=np.ascontiguousarray(fbank, dtype=np.float32),
-            prompt_mel=np.ascontiguousarray(prompt_mel, dtype=np.float32),
-        )
+        prompt_whisper, fbank, prompt_mel = self.prompt_features(prompt, p_sr)
+        return FrontendFeatures(source_whisper_mel=self.source_features(src, src_sr),
+                                prompt_whisper_mel=prompt_whisper, prompt_fbank=fbank, prompt_mel=prompt_mel)
 
     def utterance(self, which: str, samples=None, rate=None, encoded=None) -> tuple[np.ndarray, int]:
         """One utterance (``which``: source or prompt) from its request tensors, validated: (mono float32, rate)."""
         return self._utterance(which, samples, rate, encoded)
 
     def source_features(self, wave: np.ndarray, sample_rate: int) -> np.ndarray:
-        """Whisper log-mel ``[128, T]`` of a validated source, as :meth:`one` computes it."""
+        """Whisper log-mel ``[128, T]`` of a validated source (16 kHz)."""
         whisper, n = features.whisper_log_mel_batch([audio.resample(wave, orig_sr=sample_rate,
                                                                     target_sr=audio.TOKENIZER_SR)])
         return np.ascontiguousarray(whisper[0, :, : int(n[0])])
 
     def prompt_features(self, wave: np.ndarray, sample_rate: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Whisper log-mel ``[128, T]``, mean-normalised Kaldi fbank ``[Tf, 80]`` and 24 kHz mel ``[Tm, 80]`` of a
-        validated prompt, as :meth:`one` computes them."""
+        validated prompt. The fbank's mean is subtracted here and once more by ``SpeakerEncoder.embed`` in process
+        (harmless, but it rounds): done the same way for parity."""
         p16 = audio.resample(wave, orig_sr=sample_rate, target_sr=audio.TOKENIZER_SR)
         p24 = audio.resample(wave, orig_sr=sample_rate, target_sr=self.sample_rate)
         whisper, n = features.whisper_log_mel_batch([p16])

@@ -40,6 +40,7 @@ from ..streaming import MEL_CACHE, stream_chunks
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
+from .speakers import bytes_scalar
 from .vocoder import parse_seed
 
 __all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
@@ -139,19 +140,6 @@ class StreamingToken2Wav:
         return speech.astype(np.float32), new_cache
 
 
-def _speaker_id(value) -> str:
-    arr = np.asarray(value, dtype=object).reshape(-1)
-    if arr.size != 1:
-        raise RequestError(f"speaker_id: expected one id, got {arr.size} values")
-    item = arr[0]
-    if isinstance(item, (bytes, bytearray)):
-        try:
-            return bytes(item).decode("utf-8")
-        except UnicodeDecodeError:
-            raise RequestError("speaker_id: not valid UTF-8") from None
-    return str(item)
-
-
 class VCStreamer:
     """Streaming voice conversion of one request: front end, tokenizer and speaker encoder, then the chunks.
 
@@ -189,7 +177,7 @@ class VCStreamer:
                                    f"{', '.join(given)})")
             if self.speakers is None:
                 raise RequestError("speaker_id: this model has no speaker store")
-            prompt = StreamPrompt.from_speaker(self.speakers(_speaker_id(t["speaker_id"])))
+            prompt = StreamPrompt.from_speaker(self.speakers(bytes_scalar(t["speaker_id"], "speaker_id")))
             return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
         wave, sr = self.pre.utterance("prompt", t["prompt_audio"], t["prompt_sample_rate"], t["prompt_audio_bytes"])
         whisper, fbank, mel = self.pre.prompt_features(wave, sr)

@@ -51,7 +51,7 @@ tts: $(VENV)/.installed ## in-process text to speech of TEXT in the voice of PRO
 	  $(if $(PROMPT_TEXT),--prompt-text "$(PROMPT_TEXT)") --stream -o $(TTS_OUT)
 
 demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample (cosyvoice_vc), speak a sentence (cosyvoice_tts)
-	$(PY) -m cosyvoice_triton.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
+	$(PY) -m cosyvoice_triton.serving.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
 
 SERVE_FLAVOR ?= local
 SERVE_PRECISION ?= fp32
@@ -59,7 +59,7 @@ render: $(VENV)/.installed ## render build/model_repository (SERVE_FLAVOR=local|
 	$(PY) model_repository/render.py --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
 
 serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics)
-	$(PY) -m cosyvoice_triton.serve_demo serve --model-dir $(MODEL_DIR)
+	$(PY) -m cosyvoice_triton.serving.serve_demo serve --model-dir $(MODEL_DIR)
 
 test: $(VENV)/.installed ## lint, then run the test suite
 	$(VENV)/bin/ruff check .
@@ -73,7 +73,7 @@ bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dim
 	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
 
 bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at batch 1, 4, 8 and whole-TTS RTF at full dims (OFFICIAL=checkout: side by side)
-	$(PY) -m cosyvoice_triton.bench_tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
+	$(PY) -m cosyvoice_triton.bench.tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
 	$(PY) -m cosyvoice_triton bench-preprocess

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Client of the served CosyVoice models (a thin CLI over cosyvoice_triton.client).
+"""Client of the served CosyVoice models (a thin CLI over cosyvoice_triton.clients.client).
 
     python clients/cosyvoice_client.py --source a.wav --prompt voice.wav -o out.wav          # vc (the default)
     python clients/cosyvoice_client.py vc --source a.wav b.wav --prompt voice.wav -o out_dir/ --protocol grpc
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyvoice_triton.client import SPEAKERS_MODEL, VC_STREAM_MODEL, StreamStats, VCClient, VCError
+from cosyvoice_triton.clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, StreamStats, VCClient, VCError
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
 

@@ -13,7 +13,7 @@ from .errors import CosyVoiceError
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from .demo import write_demo_model
+    from .models.demo import write_demo_model
 
     out = write_demo_model(args.out, size=args.size, seed=args.seed)
     print(f"demo model ({args.size}, random weights) written to {out}")
@@ -127,7 +127,7 @@ def _cmd_speaker(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_core_bench
+    from .bench.vc import run_core_bench
 
     run_core_bench(args.model_dir, source=args.source, prompt=args.prompt, threads=args.threads,
                    repeats=args.repeats)
@@ -135,7 +135,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_preprocess(args: argparse.Namespace) -> int:
-    from .bench import run_preprocess_bench
+    from .bench.vc import run_preprocess_bench
 
     run_preprocess_bench(args.model_dir, source=args.source, prompt=args.prompt, repeats=args.repeats,
                          warmup=args.warmup, threads=args.threads)

@@ -21,14 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import audio, features
-from .checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .config import ModelConfig
 from .errors import CheckpointError, LLMError, TextError
+from .frontend import audio, features
+from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
+from .models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .speakers import SpeakerPrompt, SpeakerStore
-from .speech_models import SpeakerEncoder, SpeechTokenizer
 from .streaming import MEL_CACHE, stream_chunk_ends, stream_chunks
 
 log = logging.getLogger(__name__)
@@ -306,8 +306,8 @@ class CosyVoice2:
 
     def _text(self):
         if (self.text is None or self.llm is None) and self._tts_dir is not None:
+            from .frontend.text import TextFrontend
             from .models.llm import QWEN_DIR, load_llm  # transformers: only for TTS
-            from .text import TextFrontend
 
             self.llm = load_llm(self._tts_dir, self.config, device=self.device)
             self.text = TextFrontend(self._tts_dir / QWEN_DIR)

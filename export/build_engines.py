@@ -5,7 +5,7 @@
 
 Reads build/onnx/{fp32,fp16,int8}/<graph>.onnx, writes build/engines/<precision>/<graph>.plan with its
 layer report (<graph>.layers.json) and build log. Real builds run inside the NGC Triton container
-(Dockerfile.triton); the library is cosyvoice_triton.trt.
+(Dockerfile.triton); the library is cosyvoice_triton.export.trt.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
+from cosyvoice_triton.export.trt import BUILDERS, EXCLUDED, PRECISIONS, BuildOptions, EngineBuildError, build_engines
 from cosyvoice_triton.shapes import GRAPHS
-from cosyvoice_triton.trt import BUILDERS, EXCLUDED, PRECISIONS, BuildOptions, EngineBuildError, build_engines
 
 log = logging.getLogger("build_engines")
 

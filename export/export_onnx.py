@@ -7,7 +7,7 @@
 Every graph is checked with onnxruntime against PyTorch (or, for the two shipped graphs, against the file
 as shipped) at batch sizes and lengths other than the export's, up to the longest length of the shape spec;
 the script exits 1 when a check fails (bar: 1e-4 relative for fp32), 2 for a bad argument or model folder.
-The work is done by ``cosyvoice_triton.onnx_export``; this script parses, validates, logs and reports.
+The work is done by ``cosyvoice_triton.export.onnx_export``; this script parses, validates, logs and reports.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from cosyvoice_triton.errors import CosyVoiceError
-    from cosyvoice_triton.onnx_export import VerificationError, export_onnx, spec_summary
+    from cosyvoice_triton.export.onnx_export import VerificationError, export_onnx, spec_summary
 
     if args.threads:
         torch.set_num_threads(args.threads)

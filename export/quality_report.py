@@ -9,7 +9,7 @@ token -> mel -> waveform path runs with the ONNX stages swapped in (hift_source 
 with the pipeline's seeded noise, and per-stage onnxruntime CPU times are measured. The report states the bar,
 applies the rule (a reduced precision serves a stage on the CPU only when >= 1.25x faster and within the bar)
 and prints, per stage, the chosen CPU precision and why. Markdown goes to stdout and OUT/report.md, figures to
-OUT/report.json. The work is done by cosyvoice_triton.quality. Exit status: 0 ok, 1 failed, 2 bad arguments.
+OUT/report.json. The work is done by cosyvoice_triton.export.quality. Exit status: 0 ok, 1 failed, 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import sys
 from pathlib import Path
 
 try:
-    from cosyvoice_triton.quality import STAGES
-    from cosyvoice_triton.quantize import PRECISIONS
+    from cosyvoice_triton.export.quality import STAGES
+    from cosyvoice_triton.export.quantize import PRECISIONS
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from cosyvoice_triton.quality import STAGES
-    from cosyvoice_triton.quantize import PRECISIONS
+    from cosyvoice_triton.export.quality import STAGES
+    from cosyvoice_triton.export.quantize import PRECISIONS
 
 log = logging.getLogger("quality_report")
 
@@ -106,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
-    logging.getLogger("cosyvoice_triton.checkpoint").setLevel(logging.WARNING)
+    logging.getLogger("cosyvoice_triton.models.checkpoint").setLevel(logging.WARNING)
 
     from cosyvoice_triton.errors import CosyVoiceError
-    from cosyvoice_triton.quality import run_report
+    from cosyvoice_triton.export.quality import run_report
 
     try:
         report = run_report(args.model_dir, args.onnx_root, fp32_dir=args.fp32_dir, heldout=args.heldout,

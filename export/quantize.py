@@ -8,8 +8,8 @@
 Reads ONNX_ROOT/fp32/<graph>.onnx (or --fp32-dir) and writes ONNX_ROOT/{int8,int8_cpu,fp16}/<graph>.onnx with a
 manifest.json each. INT8 is calibrated on activations of the real pipeline run over espeak-ng speech
 (split "calibration"; inputs cached in --cache-dir); the calibration method is chosen per graph by the error
-on held-out speech (split "heldout"). Layers kept in float and why: cosyvoice_triton.quantize.INT8_KEEP_FLOAT /
-FP16_KEEP_FLOAT, printed at the end. The work is done by cosyvoice_triton.quantize; this script parses,
+on held-out speech (split "heldout"). Layers kept in float and why: cosyvoice_triton.export.quantize.INT8_KEEP_FLOAT /
+FP16_KEEP_FLOAT, printed at the end. The work is done by cosyvoice_triton.export.quantize; this script parses,
 validates, logs and reports. Exit status: 0 ok, 1 failed, 2 bad arguments or input.
 """
 
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 try:
-    from cosyvoice_triton.quantize import CALIBRATION_METHODS, FP32_ONLY, QUANTIZED_GRAPHS
+    from cosyvoice_triton.export.quantize import CALIBRATION_METHODS, FP32_ONLY, QUANTIZED_GRAPHS
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from cosyvoice_triton.quantize import CALIBRATION_METHODS, FP32_ONLY, QUANTIZED_GRAPHS
+    from cosyvoice_triton.export.quantize import CALIBRATION_METHODS, FP32_ONLY, QUANTIZED_GRAPHS
 
 log = logging.getLogger("quantize")
 PRECISION_CHOICES = ("int8", "int8_cpu", "fp16")
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-method", default="auto", choices=("auto", "recorded", *CALIBRATION_METHODS),
                    help="auto (default): calibrate with each method on --method-samples calls, keep the lowest "
                         "held-out error per graph, then calibrate it on every call; recorded: the method auto chose "
-                        "on the full-size graphs (cosyvoice_triton.quantize.DEFAULT_CALIBRATION)")
+                        "on the full-size graphs (cosyvoice_triton.export.quantize.DEFAULT_CALIBRATION)")
     p.add_argument("--method-samples", type=int, default=24,
                    help="captured calls per graph on which auto compares the methods (default 24; 0: all)")
     p.add_argument("--steps-per-utterance", type=int, default=3,
@@ -119,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("cosyvoice_triton.checkpoint").setLevel(logging.WARNING)
+    logging.getLogger("cosyvoice_triton.models.checkpoint").setLevel(logging.WARNING)
     if args.calibration_utterances < MIN_CALIBRATION:
         log.warning("calibrating on %d utterance pairs: fewer than the %d the release graphs are calibrated on "
                     "(fine for a trial)", args.calibration_utterances, MIN_CALIBRATION)
 
-    from cosyvoice_triton import quantize as q
     from cosyvoice_triton.errors import CosyVoiceError
+    from cosyvoice_triton.export import quantize as q
 
     start = time.perf_counter()
     try:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("quantization failed")
         print(f"quantize.py: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    out = [report.table(), "", "Layers kept in float (cosyvoice_triton.quantize):", "",
+    out = [report.table(), "", "Layers kept in float (cosyvoice_triton.export.quantize):", "",
            q.rules_table(_names(args.graphs), args.fp32_dir or args.onnx_root / "fp32")]
     if report.sensitivity:
         out += ["", "Sensitivity (INT8 Q/DQ of one layer group at a time, held-out output error):", "",

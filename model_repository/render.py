@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Render build/model_repository from these templates: ``python model_repository/render.py --flavor local``.
 
-A thin command line over :func:`cosyvoice_triton.repository.render_repository`; ``--set NAME=VALUE`` sets a
-tunable (see ``cosyvoice_triton.repository.Tunables``; ``--set instances=flow:2,hift:2``); ``--profile plain`` (or
-``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32 graphs (flavor
-local, precision fp32; ``cosyvoice_triton.repository.PLAIN_TUNABLES``), for ``cosyvoice_triton.plain.PlainPipeline``.
+A thin command line over :func:`cosyvoice_triton.serving.repository.render_repository`; ``--set NAME=VALUE`` sets a
+tunable (see ``cosyvoice_triton.serving.repository.Tunables``; ``--set instances=flow:2,hift:2``); ``--profile
+plain`` (or ``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32
+graphs (flavor local, precision fp32; ``cosyvoice_triton.serving.repository.PLAIN_TUNABLES``), for
+``cosyvoice_triton.clients.plain.PlainPipeline``.
 """
 
 import argparse
@@ -14,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from cosyvoice_triton.repository import (  # noqa: E402
+from cosyvoice_triton.serving.repository import (  # noqa: E402
     CPU_CHOICE,
     DEFAULT_QUALITY_REPORT,
     FLAVORS,

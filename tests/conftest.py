@@ -17,7 +17,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 def require_speech() -> None:
     """Skip the calling test (or fixture) where no speech can be synthesised for the corpus."""
-    from cosyvoice_triton.speech_corpus import espeak_available
+    from cosyvoice_triton.export.speech_corpus import espeak_available
 
     if not espeak_available():
         pytest.skip("no speech synthesiser: neither the espeakng-loader wheel (a dependency, `make install`) nor an "
@@ -66,8 +66,8 @@ def rel_err(actual, expected) -> float:
 @pytest.fixture(scope="session")
 def serving_assets(tmp_path_factory):
     """A tiny demo model and its fp32 ONNX export (no verification: test_onnx_export checks the export)."""
-    from cosyvoice_triton.demo import write_demo_model
-    from cosyvoice_triton.onnx_export import export_onnx
+    from cosyvoice_triton.export.onnx_export import export_onnx
+    from cosyvoice_triton.models.demo import write_demo_model
 
     root = tmp_path_factory.mktemp("serving")
     model_dir = write_demo_model(root / "cosyvoice2-demo-tiny", size="tiny")
@@ -84,7 +84,7 @@ def served(repo: Path, **server_kw):
         import tritonclient.http  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"tritonclient is not installed ({exc}): pip install 'tritonclient[http,grpc]==2.51.0'")
-    from cosyvoice_triton.server import TritonNotInstalled, TritonServer, find_installation
+    from cosyvoice_triton.serving.server import TritonNotInstalled, TritonServer, find_installation
 
     try:
         find_installation()
@@ -101,7 +101,7 @@ def served(repo: Path, **server_kw):
 @pytest.fixture(scope="session")
 def triton_server(serving_assets):
     """The local-flavor repository served by the nvidia-pytriton wheel's tritonserver, once per session."""
-    from cosyvoice_triton.repository import render_repository
+    from cosyvoice_triton.serving.repository import render_repository
 
     repo = serving_assets["root"] / "model_repository"
     render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
@@ -116,8 +116,8 @@ def oracle_model(tiny_dir, tmp_path_factory):
     import shutil
 
     from cosyvoice_triton.config import ModelConfig, write_yaml
+    from cosyvoice_triton.models.standins import write_campplus_standin, write_speech_tokenizer_standin
     from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.standins import write_campplus_standin, write_speech_tokenizer_standin
 
     d = tmp_path_factory.mktemp("oracle")
     for name in ("flow.pt", "hift.pt"):

@@ -9,7 +9,8 @@ import pytest
 import soundfile
 from conftest import FIXTURES
 
-from cosyvoice_triton.audio import (
+from cosyvoice_triton.errors import AudioError
+from cosyvoice_triton.frontend.audio import (
     MAX_SECONDS,
     MEL_SR,
     MIN_SECONDS,
@@ -23,7 +24,6 @@ from cosyvoice_triton.audio import (
     validate_audio,
     validate_sample_rate,
 )
-from cosyvoice_triton.errors import AudioError
 
 # name -> (sample rate, samples) of the committed espeak-ng fixtures (see tests/fixtures/README.md)
 FIXTURE_FILES = {

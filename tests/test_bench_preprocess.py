@@ -1,4 +1,4 @@
-"""``bench-preprocess`` (cosyvoice_triton.bench.run_preprocess_bench): runs, reports every variant and the trim."""
+"""``bench-preprocess`` (cosyvoice_triton.bench.vc.run_preprocess_bench): runs, reports every variant and the trim."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cosyvoice_triton.__main__ import main
-from cosyvoice_triton.bench import PREPROCESS_VARIANTS, run_preprocess_bench
+from cosyvoice_triton.bench.vc import PREPROCESS_VARIANTS, run_preprocess_bench
 
 
 def test_bench_preprocess_reports_each_variant_and_the_trim(tmp_path, capsys):

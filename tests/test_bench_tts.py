@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_triton import bench_tts
-from cosyvoice_triton.demo import write_demo_model
+from cosyvoice_triton.bench import tts as bench_tts
+from cosyvoice_triton.models.demo import write_demo_model
 
 
 @pytest.fixture(scope="module")

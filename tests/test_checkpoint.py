@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from cosyvoice_triton.checkpoint import (
+from cosyvoice_triton.errors import CheckpointError
+from cosyvoice_triton.models.checkpoint import (
     CAUSAL_FLOW_KEY,
     LEGACY_FLOW_KEY,
     check_flow_revision,
@@ -14,7 +15,6 @@ from cosyvoice_triton.checkpoint import (
     normalize_keys,
     read_state_dict,
 )
-from cosyvoice_triton.errors import CheckpointError
 
 
 def test_missing_empty_and_corrupt_files(tmp_path):

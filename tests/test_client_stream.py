@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, ROOT
 
-from cosyvoice_triton.client import AsyncTTSClient, AsyncVCClient, StreamStats, TTSClient, VCClient, VCError
+from cosyvoice_triton.clients.client import AsyncTTSClient, AsyncVCClient, StreamStats, TTSClient, VCClient, VCError
 
 CLI = [sys.executable, str(ROOT / "clients" / "cosyvoice_client.py")]
 SOURCE, PROMPT = FIXTURES / "source_en_5s.wav", FIXTURES / "prompt_en_3s.wav"

@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import FIXTURES, rel_err
 
-from cosyvoice_triton.audio import MEL_SR, TOKENIZER_SR, load_audio
 from cosyvoice_triton.config import MelConfig
 from cosyvoice_triton.errors import AudioError
-from cosyvoice_triton.features import (
+from cosyvoice_triton.frontend.audio import MEL_SR, TOKENIZER_SR, load_audio
+from cosyvoice_triton.frontend.features import (
     cosyvoice_mel,
     cosyvoice_mel_batch,
     kaldi_fbank,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import rel_err
 
-from cosyvoice_triton.checkpoint import check_flow_revision, load_into, read_state_dict
 from cosyvoice_triton.config import ModelConfig
+from cosyvoice_triton.models.checkpoint import check_flow_revision, load_into, read_state_dict
 from cosyvoice_triton.models.flow import CausalMaskedDiffWithXvec, concat_padded
 
 CASES = ["nonstream", "vc_misaligned", "stream_chunk", "stream_final"]

@@ -24,7 +24,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES
 
-from cosyvoice_triton.client import VCError
+from cosyvoice_triton.clients.client import VCError
 
 SCALE = max(1, int(os.environ.get("HOSTILE_SCALE", "1")))
 TIMEOUT = 120.0

@@ -1,6 +1,6 @@
 """Hostile requests against a live, supervised ``tritonserver`` (local flavor, tiny demo model, 127.0.0.1 only).
 
-What Triton 2.51 itself cannot survive, and what the launcher does about it (``cosyvoice_triton.supervisor``):
+What Triton 2.51 itself cannot survive, and what the launcher does about it (``cosyvoice_triton.serving.supervisor``):
 
 * a binary input whose declared shape overflows the byte size (``[1, 80, 2**60]`` FP32 with 0 bytes) kills the
   model's Python stub (HTTP and gRPC): the supervisor unloads the model (readiness goes false) and loads it again;
@@ -26,14 +26,14 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES
 
-from cosyvoice_triton.server import (
+from cosyvoice_triton.serving.server import (
     RESTRICTED_APIS,
     TritonInstallation,
     TritonNotInstalled,
     TritonServer,
     find_installation,
 )
-from cosyvoice_triton.supervisor import Supervisor
+from cosyvoice_triton.serving.supervisor import Supervisor
 
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
@@ -46,7 +46,7 @@ FIGURES: dict[str, float | str] = {}
 
 @pytest.fixture(scope="module")
 def supervised(serving_assets, tmp_path_factory):
-    from cosyvoice_triton.repository import render_repository
+    from cosyvoice_triton.serving.repository import render_repository
 
     try:
         find_installation()
@@ -103,7 +103,7 @@ def _hift_ok(server: TritonServer) -> bool:
 
 
 def _vc_ok(server: TritonServer, speech) -> bool:
-    from cosyvoice_triton.client import VCClient, VCError
+    from cosyvoice_triton.clients.client import VCClient, VCError
 
     src, ssr, prm, psr = speech
     try:
@@ -309,7 +309,7 @@ def test_supervisor_needs_explicit_model_control(tmp_path):
 
 
 def test_admin_headers_and_restricted_flags(tmp_path, monkeypatch):
-    from cosyvoice_triton.server import ADMIN_KEY_ENV, admin_headers, admin_key
+    from cosyvoice_triton.serving.server import ADMIN_KEY_ENV, admin_headers, admin_key
 
     monkeypatch.setenv(ADMIN_KEY_ENV, "k-1_x")
     assert admin_key() == "k-1_x"

@@ -27,9 +27,9 @@ import soundfile as sf
 from conftest import FIXTURES, ROOT
 from pb_standin import Err, Response, Tensor
 
-from cosyvoice_triton import audio
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.errors import AudioError
+from cosyvoice_triton.frontend import audio
 from cosyvoice_triton.serving.batching import ItemResult, RequestError
 from cosyvoice_triton.serving.flow import FlowItem, FlowSolver
 from cosyvoice_triton.serving.graphs import GraphRunner

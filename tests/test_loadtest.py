@@ -296,7 +296,7 @@ def test_live_short_run_counts_agree_with_triton(serving_assets, tmp_path):
     if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
     pytest.importorskip("matplotlib")
-    from cosyvoice_triton.server import TritonNotInstalled, find_installation
+    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
 
     try:
         find_installation()

@@ -14,6 +14,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from cosyvoice_triton.export.quantize import kernel_events, profile_trace
 from cosyvoice_triton.loadtest.profile import (
     conclusion,
     gemm_ceiling,
@@ -30,7 +31,6 @@ from cosyvoice_triton.loadtest.profile import (
 )
 from cosyvoice_triton.loadtest.report import render_markdown
 from cosyvoice_triton.loadtest.workload import Workload
-from cosyvoice_triton.quantize import kernel_events, profile_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_ESTIMATOR = ROOT / "build" / "onnx" / "fp32" / "flow_estimator.onnx"

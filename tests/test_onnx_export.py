@@ -1,4 +1,4 @@
-"""ONNX export of every graph (``cosyvoice_triton.onnx_export``, ``export/export_onnx.py``) on the tiny demo
+"""ONNX export of every graph (``cosyvoice_triton.export.onnx_export``, ``export/export_onnx.py``) on the tiny demo
 model: I/O exactly as ``shapes.GRAPHS``, manifest, verification, per-item streaming, renamed shipped graphs,
 batch-axis detection, CLI errors. Verification lengths are capped (``MAX_LENGTH``) to keep this file fast."""
 
@@ -19,8 +19,7 @@ import torch
 from conftest import ROOT, rel_err
 from onnx import TensorProto, helper
 
-from cosyvoice_triton.demo import write_demo_model
-from cosyvoice_triton.onnx_export import (
+from cosyvoice_triton.export.onnx_export import (
     ALL_GRAPHS,
     MANIFEST_NAME,
     Case,
@@ -33,8 +32,9 @@ from cosyvoice_triton.onnx_export import (
     verification_cases,
     verify_onnx,
 )
+from cosyvoice_triton.models.demo import write_demo_model
+from cosyvoice_triton.models.standins import campplus_standin, speech_tokenizer_standin
 from cosyvoice_triton.shapes import GRAPHS
-from cosyvoice_triton.standins import campplus_standin, speech_tokenizer_standin
 
 MAX_LENGTH = 72
 CASE_LABELS = ("single", "padded", "long", "max-batch")

@@ -22,10 +22,10 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, ROOT, rel_err, served
 
-from cosyvoice_triton.client import VCClient, VCError
+from cosyvoice_triton.clients.client import VCClient, VCError
+from cosyvoice_triton.clients.plain import PLAIN_MODELS, PlainPipeline
 from cosyvoice_triton.errors import AudioError
-from cosyvoice_triton.plain import PLAIN_MODELS, PlainPipeline
-from cosyvoice_triton.repository import MARKER, PLAIN_TUNABLES, RenderError, render_repository
+from cosyvoice_triton.serving.repository import MARKER, PLAIN_TUNABLES, RenderError, render_repository
 from cosyvoice_triton.shapes import GRAPHS, STAGES
 
 SOURCE_SECONDS, PROMPT_SECONDS = 2.0, 1.5
@@ -51,7 +51,7 @@ def _parse(path):
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
-    from cosyvoice_triton.demo import write_demo_model
+    from cosyvoice_triton.models.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("plain-demo") / "cosyvoice2-demo-tiny", size="tiny")
 
@@ -280,7 +280,7 @@ def test_server_errors_name_the_stage(plain_server, protocol):
 
 
 def test_unreachable_server_is_a_vc_error(speech):
-    from cosyvoice_triton.server import free_ports
+    from cosyvoice_triton.serving.server import free_ports
 
     src, ssr, prm, psr = speech
     for protocol in ("http", "grpc"):

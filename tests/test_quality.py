@@ -1,4 +1,4 @@
-"""The quality report (``cosyvoice_triton.quality``, ``export/quality_report.py``): metrics, the bar and the
+"""The quality report (``cosyvoice_triton.export.quality``, ``export/quality_report.py``): metrics, the bar and the
 speed rule, and the whole report on the tiny demo model (graphs built once by ``test_quantize``'s helpers)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from conftest import require_speech
 from test_quantize import export_cli, one_thread, tiny_quantized
 
-from cosyvoice_triton.quality import BAR, Bar, ErrorRow, SpeedRow, decide, logmel_db
-from cosyvoice_triton.quantize import rel_rms
+from cosyvoice_triton.export.quality import BAR, Bar, ErrorRow, SpeedRow, decide, logmel_db
+from cosyvoice_triton.export.quantize import rel_rms
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

@@ -1,4 +1,4 @@
-"""Reduced precision (``cosyvoice_triton.quantize``, ``export/quantize.py``) on the tiny demo model: calibration
+"""Reduced precision (``cosyvoice_triton.export.quantize``, ``export/quantize.py``) on the tiny demo model: calibration
 readers fed by the real pipeline, the INT8 Q/DQ structure TensorRT needs, the CPU INT8 kernels, fp16 with its
 fp32 islands and a finite attention mask, the keep-float rules, the sensitivity pass and the CLI.
 
@@ -20,10 +20,10 @@ import pytest
 from conftest import ROOT, require_speech
 from onnx import TensorProto
 
-from cosyvoice_triton import quantize as q
-from cosyvoice_triton.demo import write_demo_model
+from cosyvoice_triton.export import quantize as q
+from cosyvoice_triton.export.onnx_export import export_onnx, load_source_models
 from cosyvoice_triton.models.cfm import cosine_t_span
-from cosyvoice_triton.onnx_export import export_onnx, load_source_models
+from cosyvoice_triton.models.demo import write_demo_model
 from cosyvoice_triton.shapes import GRAPHS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

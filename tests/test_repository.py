@@ -1,4 +1,4 @@
-"""Rendering build/model_repository from model_repository/ (cosyvoice_triton.repository), every flavor.
+"""Rendering build/model_repository from model_repository/ (cosyvoice_triton.serving.repository), every flavor.
 
 Structural: each config.pbtxt parses with Triton's own ModelConfig schema (tritonclient ships it), names / dims
 / max batch sizes come from the shape spec, parameters are what the adapters read, templates are strict.
@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from conftest import ROOT
 
-from cosyvoice_triton.repository import (
+from cosyvoice_triton.export.trt import EXCLUDED
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import ParameterError, read_parameters
+from cosyvoice_triton.serving.repository import (
     MARKER,
     RenderError,
     graph_warmup_samples,
     render_repository,
     render_template,
 )
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import ParameterError, read_parameters
 from cosyvoice_triton.shapes import GRAPHS, STAGES, VC_INPUTS, VC_MODEL, VC_OUTPUTS
-from cosyvoice_triton.trt import EXCLUDED
 
 STAGE_NAMES = ("preprocess", "flow", "hift", "postprocess")
 
@@ -44,7 +44,7 @@ def _config_dict(cfg) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from cosyvoice_triton.demo import write_demo_model
+    from cosyvoice_triton.models.demo import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo") / "cosyvoice2-demo-tiny", size="tiny")
 
@@ -135,7 +135,7 @@ def test_ensemble_wires_the_public_api(rendered):
 
 def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypatch):
     """The convention of model_repository/README.md: a row of SERVED_MODELS + its folder, nothing else."""
-    from cosyvoice_triton import repository
+    from cosyvoice_triton.serving import repository
     from cosyvoice_triton.shapes import TensorSpec
 
     src = tmp_path / "src"
@@ -318,7 +318,7 @@ def test_render_script(model_dir, tmp_path):
 def test_container_start_renders_and_serves():
     start = (ROOT / "export" / "container_start.sh").read_text()
     assert 'model_repository/render.py --flavor "$SERVE_FLAVOR"' in start
-    assert 'exec "$PYTHON" -m cosyvoice_triton.supervisor' in start  # tritonserver under the supervisor
+    assert 'exec "$PYTHON" -m cosyvoice_triton.serving.supervisor' in start  # tritonserver under the supervisor
     docker = (ROOT / "Dockerfile.triton").read_text()
     assert "COPY model_repository/ model_repository/" in docker and "EXPOSE 8000 8001 8002" in docker
     assert "COPY ensemble/ ensemble/" in docker  # the pipelines' sources, beside the templates
@@ -435,14 +435,14 @@ def test_cpu_choice_reads_the_quality_report(model_dir, onnx_tree, tmp_path):
 
 def test_cpu_choice_warns_when_the_report_judged_another_model(model_dir, onnx_tree, tmp_path, caplog):
     report = _quality_report(tmp_path / "report.json", {"flow_encoder": "int8_cpu"})
-    with caplog.at_level("WARNING", logger="cosyvoice_triton.repository"):
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.serving.repository"):
         render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
                           quality_report=report)
     assert "was measured with model_dir m" in caplog.text
     doc = json.loads(report.read_text())
     report.write_text(json.dumps({**doc, "model_dir": str(model_dir), "onnx_root": str(onnx_tree)}))
     caplog.clear()
-    with caplog.at_level("WARNING", logger="cosyvoice_triton.repository"):
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.serving.repository"):
         render_repository("local", tmp_path / "r", model_dir=model_dir, onnx_dir=onnx_tree, precision="cpu-choice",
                           quality_report=report)
     assert "was measured with" not in caplog.text
@@ -517,7 +517,7 @@ def test_render_script_precision_options(model_dir, onnx_tree, tmp_path):
 
 
 def test_parse_tunable_types_each_field_and_names_the_known_ones():
-    from cosyvoice_triton.repository import parse_tunable
+    from cosyvoice_triton.serving.repository import parse_tunable
 
     assert parse_tunable("instances=flow:2,flow_estimator:3") == ("instances", {"flow": 2, "flow_estimator": 3})
     assert parse_tunable("warmup=false") == ("warmup", False)

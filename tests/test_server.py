@@ -1,4 +1,4 @@
-"""cosyvoice_triton.server: the wheel's tritonserver started without Docker, on a one-model repository."""
+"""cosyvoice_triton.serving.server: the wheel's tritonserver started without Docker, on a one-model repository."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from cosyvoice_triton.server import (
+from cosyvoice_triton.serving.server import (
     ServerError,
     TritonNotInstalled,
     TritonServer,

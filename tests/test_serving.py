@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, rel_err
 
-from cosyvoice_triton.client import AsyncVCClient, VCClient, VCError, build_inputs
+from cosyvoice_triton.clients.client import AsyncVCClient, VCClient, VCError, build_inputs
 
 SOURCE_SECONDS, PROMPT_SECONDS = 2.0, 1.5
 
@@ -289,7 +289,7 @@ def test_client_cli_converts_several_files_and_reports_failures(triton_server, t
 
 
 def test_run_demo_end_to_end(serving_assets, tmp_path, capsys):
-    from cosyvoice_triton.serve_demo import run_demo
+    from cosyvoice_triton.serving.serve_demo import run_demo
 
     report = run_demo(serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                       repository=tmp_path / "model_repository", output=tmp_path / "demo.wav", repeats=2,

@@ -6,7 +6,7 @@ INT8 variant. So, on the same inputs and noise:
 
 * the served ``cosyvoice_vc`` waveform equals an in-process run of the same int8 graphs
   (:class:`~cosyvoice_triton.serving.local.LocalPipeline` with its graphs swapped) within the fp32 bar (2e-3);
-* against the fp32 pipeline, each stage within :data:`cosyvoice_triton.quality.BAR` on the output the bar
+* against the fp32 pipeline, each stage within :data:`cosyvoice_triton.export.quality.BAR` on the output the bar
   judges it by: the served ``flow`` model's mel (mel rel RMS, mean |dB|), the served ``hift`` model's waveform
   given the fp32 mel (log-mel distance). The ensemble only returns the waveform, so these two stages are called
   directly on the same server; the ensemble's waveform against fp32 is reported with a loose sanity guard only,
@@ -16,7 +16,7 @@ INT8 variant. So, on the same inputs and noise:
 The fp32 reference is the fp32 ONNX export run in-process (within ~3e-7 of the PyTorch pipeline: the quality
 report's ``fp32`` rows; ``test_serving.py`` checks served fp32 against ``CosyVoice2.convert``).
 
-The int8 graphs are made for the session by :func:`cosyvoice_triton.quantize.quantize_graphs` with a small
+The int8 graphs are made for the session by :func:`cosyvoice_triton.export.quantize.quantize_graphs` with a small
 calibration (2 espeak-ng pairs; only ``hift_decoder``'s static recipe needs calibration; ~10 s), so the test
 follows the current recipes. Without a speech synthesiser (the espeakng-loader wheel, a dependency),
 ``build/onnx/int8_cpu`` is used if its manifest says it was made from this session's very fp32 graphs (same
@@ -35,8 +35,8 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, ROOT, rel_err, served
 
-from cosyvoice_triton.quality import BAR, DB_PER_NEPER, logmel_db
-from cosyvoice_triton.speech_corpus import espeak_available
+from cosyvoice_triton.export.quality import BAR, DB_PER_NEPER, logmel_db
+from cosyvoice_triton.export.speech_corpus import espeak_available
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -81,7 +81,7 @@ def int8_onnx(serving_assets, tmp_path_factory) -> Path:
         return root
     import torch
 
-    from cosyvoice_triton.quantize import quantize_graphs
+    from cosyvoice_triton.export.quantize import quantize_graphs
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -97,7 +97,7 @@ def int8_onnx(serving_assets, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def int8_server(serving_assets, int8_onnx):
-    from cosyvoice_triton.repository import MARKER, render_repository
+    from cosyvoice_triton.serving.repository import MARKER, render_repository
 
     repo = int8_onnx.parent / "model_repository"
     render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=int8_onnx,
@@ -203,7 +203,7 @@ def test_served_int8_hift_is_within_the_int8_bar(int8_server, flow_case, pipelin
 
 
 def test_served_int8_ensemble_equals_in_process_int8_and_stays_near_fp32(int8_server, pipelines, speech):
-    from cosyvoice_triton.client import VCClient
+    from cosyvoice_triton.clients.client import VCClient
 
     src, ssr, prm, psr = speech
     fp32, int8 = pipelines

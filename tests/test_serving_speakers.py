@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES
 
-from cosyvoice_triton.client import VCClient, VCError
+from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.serving.speakers import SpeakerService
 from cosyvoice_triton.speakers import SpeakerStore
@@ -31,9 +31,9 @@ def model(serving_assets):
 
 
 def _service(serving_assets, folder) -> SpeakerService:
+    from cosyvoice_triton.frontend.text import TextFrontend
     from cosyvoice_triton.serving.local import LocalPipeline
     from cosyvoice_triton.serving.speakers import TEXT_DIR
-    from cosyvoice_triton.text import TextFrontend
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
     graphs = {k: v.run for k, v in local.graphs.items()}

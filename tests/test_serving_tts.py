@@ -35,7 +35,7 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def server(serving_assets, tmp_path_factory):
-    from cosyvoice_triton.repository import render_repository
+    from cosyvoice_triton.serving.repository import render_repository
 
     repo = tmp_path_factory.mktemp("tts") / "model_repository"
     report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
@@ -356,7 +356,7 @@ def test_http_generate_stream_serves_the_decoupled_model(server, prompt):
 
 def test_registered_speaker_equals_its_prompt(server, prompt):
     """TTS by speaker_id (fetched from the speakers model by BLS) == TTS with the same prompt audio and text."""
-    from cosyvoice_triton.client import VCClient
+    from cosyvoice_triton.clients.client import VCClient
 
     wave, sr = prompt
     with VCClient(server.http_url, timeout=240) as c:

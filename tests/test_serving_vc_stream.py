@@ -16,7 +16,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, rel_err
 
-from cosyvoice_triton.client import VCClient, VCError
+from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.serving.vc_stream import StreamCancelled, VCStreamer
 from cosyvoice_triton.streaming import stream_chunk_ends
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice_triton.speech_corpus import TEXTS, espeak_available, synthesize, utterances
+from cosyvoice_triton.export.speech_corpus import TEXTS, espeak_available, synthesize, utterances
 
 pytestmark = pytest.mark.skipif(not espeak_available(),
                                 reason="no speech synthesiser (espeakng-loader wheel or espeak-ng command)")

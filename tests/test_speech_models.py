@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from cosyvoice_triton.errors import AudioError, CheckpointError, CosyVoiceError
-from cosyvoice_triton.speech_models import (
+from cosyvoice_triton.frontend.speech_models import (
     CAMPPLUS_INPUTS,
     CAMPPLUS_OUTPUTS,
     SPEAKER_EMBED_DIM,
@@ -22,7 +22,7 @@ from cosyvoice_triton.speech_models import (
     SpeechTokenizer,
     speech_token_count,
 )
-from cosyvoice_triton.standins import (
+from cosyvoice_triton.models.standins import (
     campplus_standin,
     speech_tokenizer_standin,
     write_campplus_standin,
@@ -180,7 +180,7 @@ def _length_blind(model: onnx.ModelProto) -> onnx.ModelProto:
 def test_probe_rejects_a_graph_that_ignores_lengths(tmp_path: Path, caplog):
     path = tmp_path / "blind.onnx"
     onnx.save(_length_blind(speech_tokenizer_standin(dynamic_batch=True)), str(path))
-    with caplog.at_level(logging.INFO, logger="cosyvoice_triton.speech_models"):
+    with caplog.at_level(logging.INFO, logger="cosyvoice_triton.frontend.speech_models"):
         tok = SpeechTokenizer(path)
     assert tok.batched is False
     assert "differs" in caplog.text

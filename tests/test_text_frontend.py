@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.errors import CheckpointError, TextError
-from cosyvoice_triton.text import (
+from cosyvoice_triton.frontend.text import (
     ADDED_SPECIAL_TOKENS,
     CONTROL_TAGS,
     ENDOFPROMPT,
@@ -18,7 +18,7 @@ from cosyvoice_triton.text import (
     TextFrontend,
     write_tokenizer_standin,
 )
-from cosyvoice_triton.text import normalize as tn
+from cosyvoice_triton.frontend.text import normalize as tn
 
 ORACLE = Path(__file__).parent / "fixtures" / "text_oracle"
 REF = json.loads((ORACLE / "official.json").read_text())

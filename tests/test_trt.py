@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_triton import trt
+from cosyvoice_triton.export import trt
 from cosyvoice_triton.shapes import GRAPHS, AxisRange, GraphSpec, TensorSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import torch
 from conftest import FIXTURES
 
 from cosyvoice_triton.__main__ import main as cli
-from cosyvoice_triton.demo import write_demo_model
 from cosyvoice_triton.errors import CheckpointError, SpeakerError, TextError
+from cosyvoice_triton.models.demo import write_demo_model
 from cosyvoice_triton.pipeline import CosyVoice2, StageTimer
 
 PROMPT = FIXTURES / "prompt_en_3s.wav"

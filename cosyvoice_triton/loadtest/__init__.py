@@ -4,7 +4,7 @@ Two columns are compared on the same machine, back to back:
 
 * ``integrated``: one request per conversion to the ``cosyvoice_vc`` ensemble, every stage dynamically batched;
 * ``plain``: the client preprocesses and calls each stage model itself, one request at a time, on a repository
-  rendered without dynamic batching and with the PyTorch fp32 graphs (:mod:`cosyvoice_triton.plain`).
+  rendered without dynamic batching and with the PyTorch fp32 graphs (:mod:`cosyvoice_triton.clients.plain`).
 
 Modules: :mod:`.metrics` (Prometheus text, Triton statistics, snapshots and deltas), :mod:`.sampler` (server RSS,
 CPU and GPU memory over time), :mod:`.workload` (espeak-ng sources and prompt), :mod:`.callers` (one conversion

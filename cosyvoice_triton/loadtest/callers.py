@@ -21,10 +21,10 @@ class Converter(Protocol):
 
 
 class IntegratedConverter:
-    """One request to the ``cosyvoice_vc`` ensemble (:class:`cosyvoice_triton.client.VCClient`)."""
+    """One request to the ``cosyvoice_vc`` ensemble (:class:`cosyvoice_triton.clients.client.VCClient`)."""
 
     def __init__(self, url: str, protocol: str = "http", *, timeout: float = 600.0, model_dir: str = ""):
-        from ..client import VCClient
+        from ..clients.client import VCClient
 
         self.client = VCClient(url, protocol=protocol, timeout=timeout, concurrency=1)
 
@@ -38,10 +38,10 @@ class IntegratedConverter:
 
 
 class PlainConverter:
-    """Client-side preprocessing and one network call per stage (:class:`cosyvoice_triton.plain.PlainPipeline`)."""
+    """Client-side preprocessing and one network call per stage (:class:`~.clients.plain.PlainPipeline`)."""
 
     def __init__(self, url: str, protocol: str = "http", *, timeout: float = 600.0, model_dir: str = ""):
-        from ..plain import PlainPipeline
+        from ..clients.plain import PlainPipeline
 
         self.pipeline = PlainPipeline(url, protocol=protocol, timeout_s=timeout, model_dir=model_dir or None)
 

@@ -57,7 +57,7 @@ def served_onnx(repo: str | Path, graph: str) -> tuple[Path, str, int]:
     """The ONNX file the rendered repository ``repo`` serves for ``graph``, its precision (the marker's
     ``graph_precisions``) and the instance's onnxruntime intra-op threads: the Python backend's ``onnx_path``
     parameter, else the onnxruntime backend's ``1/model.onnx``. Raises when the graph is not served from ONNX."""
-    from ..repository import MARKER
+    from ..serving.repository import MARKER
 
     repo = Path(repo)
     marker = json.loads((repo / MARKER).read_text())
@@ -79,7 +79,7 @@ def served_onnx(repo: str | Path, graph: str) -> tuple[Path, str, int]:
 def graph_length(graph: str, source_s: float, prompt_s: float) -> int:
     """The length-axis size of ``graph`` for a source of ``source_s`` seconds and a prompt of ``prompt_s``: the
     flow sees prompt + source (mel frames for the estimator, tokens for the encoder), HiFT the source's frames."""
-    from ..audio import MEL_SR
+    from ..frontend.audio import MEL_SR
     from ..shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
 
     mel_per_s = MEL_SR / SAMPLES_PER_MEL_FRAME  # 50 mel frames per second
@@ -130,11 +130,11 @@ def slowest_graph(report: Mapping[str, Any], candidates: Sequence[str] = PROFILE
 
 def graph_feeds(graph: str, rows: int, length: int, *, hift_source: str | Path | None = None,
                 seed: int = 0) -> dict[str, np.ndarray]:
-    """Inputs of ``rows`` items of ``length`` (the export's :func:`~cosyvoice_triton.onnx_export.sample_inputs`;
+    """Inputs of ``rows`` items of ``length`` (the export's :func:`~cosyvoice_triton.export.onnx_export.sample_inputs`;
     ``flow_estimator`` rows are CFG rows). ``hift_decoder``'s ``source`` comes from the ``hift_source`` ONNX file
     ``hift_source`` run on the same mel and noise."""
-    from ..onnx_export import Case, sample_inputs
-    from ..quantize import session
+    from ..export.onnx_export import Case, sample_inputs
+    from ..export.quantize import session
 
     case = Case("profile", rows, (length,) * rows)
     if graph != "hift_decoder":
@@ -154,7 +154,7 @@ def time_per_row(model_path: str | Path, feeds_for: Callable[[int], Mapping[str,
                  budget_s: float = 3.0) -> list[dict[str, float]]:
     """Median wall time per call and per row of one session at each row count (one warm-up call each; at least
     ``min_runs`` and at most ``repeats`` timed calls, fewer than ``repeats`` once ``budget_s`` is spent)."""
-    from ..quantize import session
+    from ..export.quantize import session
 
     sess = session(model_path, threads)
     out = []
@@ -215,7 +215,7 @@ def kernel_flops(op_type: str, inputs: Sequence[tuple[str, Sequence[int]]],
 
 
 def summarize_kernels(events: Sequence[Any], runs: int, top: int = 5) -> dict[str, Any]:
-    """Aggregate :class:`~cosyvoice_triton.quantize.KernelEvent` s of ``runs`` runs: kernel time per run, per op
+    """Aggregate :class:`~cosyvoice_triton.export.quantize.KernelEvent` s of ``runs`` runs: kernel time per run, per op
     type (share, ms per run, nodes, GFLOP/s of the GEMM-like ones), the ``top`` nodes, and the GEMM-like kernels'
     FLOPs and achieved GFLOP/s (over the kernels whose FLOPs the shapes give) with the heaviest one's size."""
     runs = max(1, int(runs))
@@ -278,7 +278,7 @@ def gemm_ceiling(m: int, k: int, n: int, *, threads: int = 1, min_time_s: float 
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from ..quantize import session
+    from ..export.quantize import session
 
     if math.isfinite(max_flops):
         m = min(int(m), int(max_flops // max(1, 2 * k * n)))
@@ -393,7 +393,7 @@ def profile_stage(repo: str | Path, report: Mapping[str, Any], *, source_s: floa
     """Profile the slowest graph of the integrated column (or ``graph``) as served from ``repo`` (the rendered
     integrated repository), shaped like the load test of ``report`` (the JSON report: per-model statistics)
     whose workload has mean source ``source_s`` and prompt ``prompt_s`` seconds. Returns the JSON section."""
-    from ..quantize import kernel_events, profile_trace
+    from ..export.quantize import kernel_events, profile_trace
     from ..shapes import GRAPHS
 
     t_start = time.time()

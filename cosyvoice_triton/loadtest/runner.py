@@ -1,7 +1,7 @@
 """The whole comparison: prepare the model, render a repository per column, serve each in turn, load it with
 Locust (both protocols, then a concurrency sweep), run perf_analyzer on the ensemble, and write the report.
 
-Per column, one ``tritonserver`` (:class:`~cosyvoice_triton.server.TritonServer`, free ports, stopped at the end
+Per column, one ``tritonserver`` (:class:`~cosyvoice_triton.serving.server.TritonServer`, free ports, stopped at the end
 whatever happens) with a :class:`~.sampler.ServerSampler` on it. Before the measured runs, each protocol converts
 a few sources sequentially (warm-up) and one conversion is profiled: the increase of every model's success
 counter gives the calls one conversion makes, for the cross-check. Each Locust run is a subprocess
@@ -68,7 +68,7 @@ class Options:
     perf_requests: int = 20  # perf_analyzer's requests per measurement window (3 windows at most)
     precision: str = "auto"  # integrated column: auto = the quality report's CPU choice if it fits, else fp32
     quality_report: str = "build/quality/report.json"
-    #: integrated column: render tunables (cosyvoice_triton.repository.Tunables); ``--set`` replaces them
+    #: integrated column: render tunables (cosyvoice_triton.serving.repository.Tunables); ``--set`` replaces them
     integrated_tunables: dict[str, Any] = field(default_factory=lambda: dict(INTEGRATED_TUNABLES))
     device: str = "cpu"  # cuda: both columns run the neural graphs as PyTorch modules on the GPU
     n_sources: int = 16
@@ -105,13 +105,13 @@ def ensure_assets(opts: Options, graphs: Sequence[str]) -> None:
     if not (model_dir / "flow.pt").is_file():
         if "demo" not in model_dir.name:
             raise FileNotFoundError(f"{model_dir}/flow.pt not found: point --model-dir at a CosyVoice2 folder")
-        from ..demo import write_demo_model
+        from ..models.demo import write_demo_model
 
         print(f"== writing the {opts.demo_size} demo model (random weights) to {model_dir}", flush=True)
         write_demo_model(model_dir, size=opts.demo_size)
     missing = [g for g in graphs if g in GRAPHS and not (onnx_dir / "fp32" / f"{g}.onnx").is_file()]
     if missing:
-        from ..onnx_export import export_onnx
+        from ..export.onnx_export import export_onnx
 
         print(f"== exporting fp32 ONNX of {', '.join(missing)} to {onnx_dir / 'fp32'}", flush=True)
         export_onnx(model_dir, onnx_dir / "fp32", graphs=missing, verify=False)
@@ -140,7 +140,7 @@ def integrated_precision(opts: Options) -> str:
 
 def render(column: str, opts: Options, out: Path) -> tuple[Path, dict[str, Any]]:
     """Render the column's repository into ``out``; returns it and what was rendered (for the report)."""
-    from ..repository import render_repository
+    from ..serving.repository import render_repository
 
     gpu = {"runtime": "torch", "device": opts.device} if opts.device != "cpu" else {}
     if column == "plain":
@@ -231,13 +231,13 @@ def check_model(column: str) -> str:
         from ..shapes import VC_MODEL
 
         return VC_MODEL
-    from ..plain import PLAIN_MODELS
+    from ..clients.plain import PLAIN_MODELS
 
     return PLAIN_MODELS[-1]
 
 
 def run_column(column: str, opts: Options, workload_path: Path, workload: Workload) -> dict[str, Any]:
-    from ..server import TritonServer
+    from ..serving.server import TritonServer
 
     work = Path(opts.out_dir) / column
     work.mkdir(parents=True, exist_ok=True)
@@ -375,7 +375,7 @@ def _versions() -> dict[str, str]:
 def run(opts: Options) -> dict[str, Any]:
     """Run the comparison described by ``opts``; write ``report.md`` / ``report.json`` and the plots into
     ``opts.out_dir``, print the markdown, and return the report."""
-    from ..repository import PLAIN_TUNABLES, TORCH_GRAPHS
+    from ..serving.repository import PLAIN_TUNABLES, TORCH_GRAPHS
     from ..shapes import GRAPHS
     from .plots import plot_latency_cdf, plot_sweep
 
@@ -504,7 +504,7 @@ def profile_only(opts: Options) -> dict[str, Any]:
 
 def _plain_models() -> tuple[str, ...]:
     try:
-        from ..plain import PLAIN_MODELS
+        from ..clients.plain import PLAIN_MODELS
 
         return PLAIN_MODELS
     except ImportError:
@@ -526,7 +526,7 @@ def _csv(kind, choices=None):
 
 
 def _tunable(text: str) -> tuple[str, Any]:
-    from ..repository import RenderError, parse_tunable
+    from ..serving.repository import RenderError, parse_tunable
 
     try:
         return parse_tunable(text)

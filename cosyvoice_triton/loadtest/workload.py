@@ -1,4 +1,4 @@
-"""The load test's audio: real speech from espeak-ng (:mod:`cosyvoice_triton.speech_corpus`).
+"""The load test's audio: real speech from espeak-ng (:mod:`cosyvoice_triton.export.speech_corpus`).
 
 Sources of varied lengths (3-7 s, about 5 s on average) in several languages and voices, and one prompt of 3 s
 in another voice. Synthesised once and cached in an ``.npz`` that every Locust process loads.
@@ -80,7 +80,7 @@ def build_workload(n_sources: int = 16, *, min_seconds: float = 3.0, max_seconds
     Candidates come from both corpus splits (a load test has no held-out concern); for each of ``n_sources``
     evenly spaced target lengths the nearest unused candidate is taken, so lengths vary but the mean is stable.
     """
-    from ..speech_corpus import utterances
+    from ..export.speech_corpus import utterances
 
     pool = [u for split in ("heldout", "calibration")
             for u in utterances(3 * n_sources, split=split, seed=seed, min_seconds=min_seconds,
@@ -120,7 +120,7 @@ def fixture_workload(fixtures: str | Path, *, n_sources: int = 8, min_seconds: f
 def cached_workload(path: str | Path, *, fixtures: str | Path | None = None, **kwargs) -> Workload:
     """:func:`build_workload`, synthesised once into ``path`` and loaded from there afterwards; without
     espeak-ng, :func:`fixture_workload` of ``fixtures`` (when given) instead."""
-    from ..speech_corpus import espeak_available
+    from ..export.speech_corpus import espeak_available
 
     path = Path(path)
     if path.is_file():

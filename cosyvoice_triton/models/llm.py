@@ -41,9 +41,9 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_utils import no_init_weights
 
-from ..checkpoint import load_into, read_state_dict
 from ..config import LLMConfig, ModelConfig, SamplingConfig
 from ..errors import CheckpointError, ConfigError, LLMError
+from .checkpoint import load_into, read_state_dict
 from .sampling import DrawSource, check_sampling, make_draw, sample_token
 
 log = logging.getLogger(__name__)
@@ -621,7 +621,7 @@ def build_demo_llm(config: LLMConfig | ModelConfig, qwen_config_path: str | Path
     ``_DEMO_LOGIT_STD``, with the end-of-speech bias set so that this id is among the ``top_k`` most likely
     ones on about a ``_DEMO_EOS_IN_NUCLEUS`` share of steps of a calibration sequence.
     """
-    from ..demo import _perturb  # demo imports the models package
+    from .demo import _perturb  # demo imports the models package
 
     llm_config = config.llm if isinstance(config, ModelConfig) else config
     if llm_config is None:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import audio, features
 from ..config import MelConfig
 from ..errors import AudioError
+from ..frontend import audio, features
 from ..shapes import VC_UTTERANCE_INPUTS
 from .batching import ItemResult, run_per_item
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..frontend.speech_models import speech_token_count
 from ..shapes import GRAPHS, GraphSpec
-from ..speech_models import speech_token_count
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class GraphRunner:
     def _load_torch(self, model_dir: Path) -> None:
         import torch
 
-        from ..onnx_export import load_source_models
+        from ..export.onnx_export import load_source_models
 
         flow = self.name.startswith("flow")
         models = load_source_models(model_dir, flow=flow, hift=not flow)

@@ -1,6 +1,6 @@
 """The config ``parameters`` each served model reads: one declaration for the renderer and the adapters.
 
-The renderer (:mod:`cosyvoice_triton.repository`) writes exactly these keys into each ``config.pbtxt``, and
+The renderer (:mod:`cosyvoice_triton.serving.repository`) writes exactly these keys into each ``config.pbtxt``, and
 each ``model.py`` reads them with :func:`~.params.read_parameters` in ``initialize()``, which refuses unknown
 keys and values of the wrong type.
 """

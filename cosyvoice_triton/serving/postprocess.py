@@ -15,7 +15,7 @@ import numpy as np
 import soundfile
 from scipy import signal
 
-from .. import audio
+from ..frontend import audio
 from ..shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, run_per_item
 

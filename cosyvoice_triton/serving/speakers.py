@@ -5,7 +5,8 @@
 <cosyvoice_triton.pipeline.CosyVoice2.prompt>` does: the audio decoded / validated / resampled by the
 :class:`~.frontend.Preprocessor`, its speech tokens and CAM++ embedding from the ``speech_tokenizer`` and
 ``speaker_encoder`` graphs (:data:`~.flow.GraphFn`, BLS in Triton), tokens and 24 kHz mel cut to a common length
-(two mel frames per token), and the transcript normalised and tokenized by :class:`~cosyvoice_triton.text.TextFrontend`
+(two mel frames per token), and the transcript normalised and tokenized by
+:class:`~cosyvoice_triton.frontend.text.TextFrontend`
 when given. The prompt is kept in a :class:`~cosyvoice_triton.speakers.SpeakerStore` (LRU, persisted folder, ids
 validated, thread-safe). Every refusal is a :class:`~cosyvoice_triton.errors.CosyVoiceError` naming the input.
 """
@@ -179,7 +180,7 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
     text = None
     if (model_dir / TEXT_DIR).is_dir():
         def text():
-            from ..text import TextFrontend
+            from ..frontend.text import TextFrontend
 
             return TextFrontend(model_dir / TEXT_DIR)
     graphs = {"speech_tokenizer": graph_fn(params["tokenizer_model"], "speech_tokenizer"),

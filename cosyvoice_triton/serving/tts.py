@@ -109,7 +109,7 @@ class TTSService:
                  max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
                  n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
                  device: str = "cpu"):
-        from ..text import TextFrontend
+        from ..frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
         self.config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")

@@ -203,7 +203,7 @@ def case_draws(seed: int, n: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------------- official models
 def build_official(official: Path, out: Path, size: str, flow_hift: Path | None):
     """``CosyVoice2Model`` of the official code, loaded through ``CosyVoice2Model.load`` (strict)."""
-    from cosyvoice_triton.official import import_official, official_qwen2lm
+    from cosyvoice_triton.bench.official import import_official, official_qwen2lm
 
     (model_mod,) = import_official(official, "cosyvoice.cli.model")
     llm = official_qwen2lm(official, out / "CosyVoice-BlankEN", hidden_size=qwen_config(size)["hidden_size"])
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.flow_hift is not None and args.size != "tiny":
         ap.error("--flow-hift is for --size tiny (the flow/HiFT oracle is at tiny dims)")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, for cosyvoice_triton.official
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, for cosyvoice_triton.bench.official
     torch.set_num_threads(max(1, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)
     timings = {}
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.out / "CosyVoice-BlankEN")
         write_blank_en_config(args.out / "CosyVoice-BlankEN", args.size)
 
-    from cosyvoice_triton.official import OFFICIAL_SAMPLING, OFFICIAL_TOKEN_TEXT_RATIO, STUBBED
+    from cosyvoice_triton.bench.official import OFFICIAL_SAMPLING, OFFICIAL_TOKEN_TEXT_RATIO, STUBBED
 
     meta = {"size": args.size, "versions": _versions(args.official, args.official_commit), "stubbed_modules": STUBBED,
             "seeds": {"weights": WEIGHT_SEED[args.size], "inputs": INPUT_SEED, "hift_noise": HIFT_SEED},

@@ -2,7 +2,7 @@
 
 Runs the official ``CosyVoiceFrontEnd.text_normalize`` and ``get_qwen_tokenizer`` (a checkout of
 FunAudioLLM/CosyVoice) over the sentences below, on the stand-in tokenizer files written by
-``cosyvoice_triton.text.write_tokenizer_standin`` (copied into the fixture folder), and writes
+``cosyvoice_triton.frontend.text.write_tokenizer_standin`` (copied into the fixture folder), and writes
 ``official.json``. The official front end is built without its ONNX / torch models: ``__new__`` plus the
 attributes that ``text_normalize`` and ``_extract_text_token`` read, set as its ``__init__`` sets them on the
 ``wetext`` path (``ttsfrd`` absent). Modules that the import chain needs but this check does not use
@@ -119,7 +119,7 @@ def main() -> None:
     wheel_version = metadata.version("wetext")
 
     sys.path.insert(0, str(ROOT))
-    from cosyvoice_triton.text import write_tokenizer_standin
+    from cosyvoice_triton.frontend.text import write_tokenizer_standin
 
     standin = OUT / f"standin_{VOCAB_SIZE}"
     if standin.exists():

@@ -204,7 +204,7 @@ class TritonServer:
     """One ``tritonserver`` process on loopback ports.
 
     Args:
-        model_repository: the rendered repository (see :mod:`cosyvoice_triton.repository`).
+        model_repository: the rendered repository (see :mod:`cosyvoice_triton.serving.repository`).
         work_dir: where the backend folder and the log go (default: ``<repository>/../triton``).
         http_port, grpc_port, metrics_port: 0 picks free ports at start.
         host: the address every endpoint binds to (loopback by default).

@@ -61,16 +61,10 @@ from onnx import TensorProto, helper
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from . import features
-from .checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
-from .config import MelConfig, ModelConfig
-from .errors import CheckpointError
-from .hashing import file_sha256
-from .models.estimator import CausalConditionalDecoder
-from .models.flow import CausalMaskedDiffWithXvec
-from .models.hift import HiFTGenerator, fold_weight_norm
-from .shapes import GRAPHS, NSF_HARMONICS, SAMPLES_PER_MEL_FRAME, GraphSpec
-from .speech_models import (
+from ..config import MelConfig, ModelConfig
+from ..errors import CheckpointError
+from ..frontend import features
+from ..frontend.speech_models import (
     CAMPPLUS_FILENAME,
     CAMPPLUS_INPUTS,
     CAMPPLUS_OUTPUTS,
@@ -81,6 +75,12 @@ from .speech_models import (
     _check_signature,
     speech_token_count,
 )
+from ..hashing import file_sha256
+from ..models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
+from ..models.estimator import CausalConditionalDecoder
+from ..models.flow import CausalMaskedDiffWithXvec
+from ..models.hift import HiFTGenerator, fold_weight_norm
+from ..shapes import GRAPHS, NSF_HARMONICS, SAMPLES_PER_MEL_FRAME, GraphSpec
 
 __all__ = [
     "ALL_GRAPHS",

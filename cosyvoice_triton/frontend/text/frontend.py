@@ -8,7 +8,7 @@ from typing import Literal, overload
 
 import numpy as np
 
-from ..errors import TextError
+from ...errors import TextError
 from . import normalize as tn
 from .tokenizer import CONTROL_TAGS, ENDOFPROMPT, KNOWN_TAGS, QwenTextTokenizer
 

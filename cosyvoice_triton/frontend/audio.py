@@ -2,7 +2,7 @@
 
 Everything returned here is a 1-D ``float32`` waveform on the [-1, 1] full scale (integer PCM is divided by
 its full-scale value, as ``soundfile`` and ``torchaudio.load`` do), so that every feature of
-:mod:`cosyvoice_triton.features` sees the same numbers as the official front end.
+:mod:`cosyvoice_triton.frontend.features` sees the same numbers as the official front end.
 
 Typical use, decoding once for the two rates the model needs::
 
@@ -27,7 +27,7 @@ import numpy as np
 import soundfile
 import soxr
 
-from .errors import AudioError
+from ..errors import AudioError
 
 __all__ = [
     "DECODE_BLOCK_FRAMES",

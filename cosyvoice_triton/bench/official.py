@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # The sampling section of the official cosyvoice2.yaml (llm.sampling: ras_sampling) and the inference defaults
 # of Qwen2LM.inference.

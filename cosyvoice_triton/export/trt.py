@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from .shapes import GRAPHS, GraphSpec
+from ..shapes import GRAPHS, GraphSpec
 
 PRECISIONS = ("fp32", "fp16", "int8")
 BUILDERS = ("trtexec", "python")

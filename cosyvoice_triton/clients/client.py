@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from . import audio
-from .errors import AudioError
-from .shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
+from ..errors import AudioError
+from ..frontend import audio
+from ..shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
 
 VC_STREAM_MODEL = "cosyvoice_vc_stream"
 SPEAKERS_MODEL = "speakers"
@@ -230,7 +230,7 @@ def _is_final(result) -> bool:
 
 
 def _speaker_prompt(result):
-    from .speakers import SpeakerPrompt
+    from ..speakers import SpeakerPrompt
 
     text = result.as_numpy("prompt_text")
     return SpeakerPrompt(prompt_tokens=result.as_numpy("prompt_tokens")[0].astype(np.int32),
@@ -286,7 +286,7 @@ def connect(url: str, protocol: str, *, timeout: float, concurrency: int = 1, ve
 def inference_statistics(client, protocol: str, model: str = "") -> dict:
     """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict.
     The statistics API is restricted: the request carries the admin header (:func:`server.admin_headers`)."""
-    from .server import admin_headers
+    from ..serving.server import admin_headers
 
     if protocol == "http":
         return client.get_inference_statistics(model, headers=admin_headers("http"))
@@ -533,7 +533,7 @@ class AsyncVCClient:
         await self.close()
 
     async def statistics(self, model: str = "") -> dict:
-        from .server import admin_headers
+        from ..serving.server import admin_headers
 
         if self.protocol == "http":
             return await self._client.get_inference_statistics(model, headers=admin_headers("http"))

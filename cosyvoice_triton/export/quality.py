@@ -1,6 +1,6 @@
 """Quality report: error and CPU speed of each precision of the served graphs, against the fp32 pipeline.
 
-For held-out speech (:func:`cosyvoice_triton.speech_corpus.utterances` split ``heldout``: sentences the
+For held-out speech (:func:`cosyvoice_triton.export.speech_corpus.utterances` split ``heldout``: sentences the
 calibration never saw), paired as voice conversion (source i in the voice of utterance i+1), the token ->
 mel -> waveform path runs with onnxruntime sessions swapped in for the PyTorch stages, with the pipeline's
 noise (the flow's fixed CFM noise, HiFT's NSF noise seeded per pair), and is compared with the fp32 PyTorch
@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from . import features
+from ..frontend import features
 from .quantize import (
     FP32_ONLY,
     PRECISIONS,
@@ -266,7 +266,7 @@ def _reference(model, inputs, index: int, label: str) -> _Pair:
 def _flow_mel(model, pair: _Pair, sessions: _Sessions, enc: str | None, est: str | None):
     """The cropped mel with the encoder and/or estimator of the given precisions (None: PyTorch)."""
     torch = _torch()
-    from .models.flow import FlowCondition
+    from ..models.flow import FlowCondition
 
     if enc is None and est is None:
         return pair.mel

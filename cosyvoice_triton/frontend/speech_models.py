@@ -8,7 +8,7 @@
 * ``campplus.onnx`` (CAM++ speaker verification model): Kaldi 80-bin fbank, mean-normalised over time,
   to an x-vector. Input ``input`` float32 ``[1, T, 80]``; output ``output`` float32 ``[1, 192]``.
 
-Both wrappers take features (see ``cosyvoice_triton.features``), check the graph's signature when they
+Both wrappers take features (see ``cosyvoice_triton.frontend.features``), check the graph's signature when they
 open it and raise :class:`~cosyvoice_triton.errors.CheckpointError` naming the file and the mismatch.
 
 Batching. The official code runs both graphs one utterance at a time and CosyVoice's own training code
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .errors import AudioError, CheckpointError
+from ..errors import AudioError, CheckpointError
 from .features import pad_batch
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ SPEAKER_EMBED_DIM = 192
 MEL_FRAMES_PER_TOKEN = 4  # 100 Hz Whisper frames -> 25 Hz tokens
 MAX_TOKENIZER_FRAMES = 3000  # 30 s: the official front end refuses longer prompts
 
-#: Metadata key the stand-in graphs carry (``cosyvoice_triton.standins``); real releases do not have it.
+#: Metadata key the stand-in graphs carry (``cosyvoice_triton.models.standins``); real releases do not have it.
 STANDIN_METADATA_KEY = "cosyvoice_triton.standin"
 
 Batching = Literal["auto", "never", "always"]

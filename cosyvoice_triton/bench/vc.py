@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import audio
-from .pipeline import CosyVoice2, StageTimer
+from ..frontend import audio
+from ..pipeline import CosyVoice2, StageTimer
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 STAGES = ("frontend", "tokenizer", "speaker_embedding", "flow.encoder", "flow.solver", "hift")
 
 
@@ -139,9 +139,9 @@ def run_preprocess_bench(model_dir: str | Path | None = None, *, source: str | N
     clean-up (``vad_trim``, ``denoise_prompt``), median of ``repeats`` calls after ``warmup`` calls (the
     variants interleaved), plus the samples Silero VAD trims from each end of source and prompt. ``model_dir``:
     whose mel settings (default: the release's, which every CosyVoice2 folder shares). Figures, not assertions."""
-    from .config import ModelConfig
-    from .serving.enhance import VadTrimmer, spectral_gate
-    from .serving.frontend import Preprocessor
+    from ..config import ModelConfig
+    from ..serving.enhance import VadTrimmer, spectral_gate
+    from ..serving.frontend import Preprocessor
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"bench-preprocess: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")

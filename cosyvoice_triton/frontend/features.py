@@ -8,7 +8,7 @@
   num_mel_bins=80, dither=0, sample_frequency=16000)`` minus its mean over time; 16 kHz in, ``[T, 80]``
   out, T = 1 + (N - 400) // 160.
 
-Inputs are 1-D float waveforms on the [-1, 1] full scale (what :mod:`cosyvoice_triton.audio` returns; the
+Inputs are 1-D float waveforms on the [-1, 1] full scale (what :mod:`cosyvoice_triton.frontend.audio` returns; the
 official front end feeds float audio from ``torchaudio.load`` to all three, never int16-scaled values).
 The ``*_batch`` variants take a list of such waveforms of any lengths and return zero-padded features plus
 their lengths (``int32``). Each utterance is computed on its own, so padding never changes a value and
@@ -30,9 +30,9 @@ import librosa
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from ..config import MelConfig
+from ..errors import AudioError
 from .audio import MEL_SR, SPEAKER_SR, TOKENIZER_SR, validate_sample_rate
-from .config import MelConfig
-from .errors import AudioError
 
 __all__ = [
     "WHISPER_HOP",
@@ -63,7 +63,7 @@ def _check_rate(sample_rate, expected: int, what: str) -> None:
     sr = validate_sample_rate(sample_rate, name=what)
     if sr != expected:
         raise AudioError(f"{what}: needs {expected} Hz audio, got {sr} Hz; resample it first "
-                         "(cosyvoice_triton.audio.resample)")
+                         "(cosyvoice_triton.frontend.audio.resample)")
 
 
 def _waveform(y, *, name: str, min_samples: int, what: str) -> np.ndarray:
@@ -76,7 +76,7 @@ def _waveform(y, *, name: str, min_samples: int, what: str) -> np.ndarray:
         raise AudioError(f"{name}: {what} needs a 1-D waveform, got an array of shape {arr.shape}")
     if arr.dtype.kind != "f":
         raise AudioError(f"{name}: {what} needs float samples in [-1, 1], got {arr.dtype} "
-                         "(convert with cosyvoice_triton.audio.to_mono_float32)")
+                         "(convert with cosyvoice_triton.frontend.audio.to_mono_float32)")
     if arr.shape[0] < min_samples:
         raise AudioError(f"{name}: {arr.shape[0]} samples are too few for {what}; at least {min_samples} "
                          "are needed")

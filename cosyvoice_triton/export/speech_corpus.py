@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import soundfile as sf
 
-from .errors import CosyVoiceError
+from ..errors import CosyVoiceError
 
 # Our own sentences; plain content in the languages CosyVoice2 serves plus a few espeak speaks well.
 TEXTS: dict[str, tuple[str, ...]] = {
@@ -105,9 +105,9 @@ def synthesize(text: str, *, voice: str = "en-us", speed_wpm: int = 160, pitch: 
     ``espeak-ng`` command only where that wheel is missing.
     """
     if _wheel_available():
-        proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton.espeak_worker", voice, str(int(speed_wpm)),
-                               str(int(pitch))], input=text.encode("utf-8"), capture_output=True, check=False,
-                              timeout=60)
+        proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton.export.espeak_worker", voice,
+                               str(int(speed_wpm)), str(int(pitch))],
+                              input=text.encode("utf-8"), capture_output=True, check=False, timeout=60)
         if proc.returncode != 0 or len(proc.stdout) <= 4:
             raise CosyVoiceError(f"espeak-ng failed for voice {voice!r}: {proc.stderr.decode(errors='replace')[-200:]}")
         rate = int.from_bytes(proc.stdout[:4], "little")

@@ -2,7 +2,7 @@
 
 The real weights cannot be redistributed with (or downloaded by) this project's demo, so the demo folder
 holds graphs with the official input/output signatures (names, dtypes, ranks, the 128/80/192 sizes and a
-dynamic time axis; see ``cosyvoice_triton.speech_models``) and small random weights drawn from a seeded
+dynamic time axis; see ``cosyvoice_triton.frontend.speech_models``) and small random weights drawn from a seeded
 generator. Their outputs are deterministic noise that still depends on the input:
 
 * tokenizer: zero the frames past ``feats_length``; two ``Conv1d(k=3, s=2, p=1)`` + tanh layers (the real
@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .speech_models import (
+from ..frontend.speech_models import (
     FBANK_BINS,
     SPEAKER_EMBED_DIM,
     STANDIN_METADATA_KEY,
@@ -70,7 +70,7 @@ class _Graph:
         model = helper.make_model(
             graph,
             opset_imports=[helper.make_opsetid("", OPSET)],
-            producer_name="cosyvoice_triton.standins",
+            producer_name="cosyvoice_triton.models.standins",
             doc_string=f"Stand-in for {name}: official signature, random weights ({note}). Not a real model.",
         )
         model.ir_version = IR_VERSION

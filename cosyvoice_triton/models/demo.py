@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import features
-from .config import LLMConfig, ModelConfig, write_yaml
-from .models.flow import CausalMaskedDiffWithXvec
-from .models.hift import HiFTGenerator
+from ..config import LLMConfig, ModelConfig, write_yaml
+from ..frontend import features
+from .flow import CausalMaskedDiffWithXvec
+from .hift import HiFTGenerator
 from .standins import write_campplus_standin, write_speech_tokenizer_standin
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ def write_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0) 
 
 def _write_demo_llm(out: Path, config: ModelConfig, *, size: str, seed: int) -> None:
     """``CosyVoice-BlankEN/`` (Qwen2 config + stand-in tokenizer) and ``llm.pt`` with random weights."""
-    from .models.llm import QWEN_DIR, build_demo_llm, read_qwen_config, write_qwen_config  # transformers: lazy
-    from .text.standin import write_tokenizer_standin
+    from ..frontend.text.standin import write_tokenizer_standin
+    from .llm import QWEN_DIR, build_demo_llm, read_qwen_config, write_qwen_config  # transformers: lazy
 
     qwen_dir = out / QWEN_DIR
     config_path = write_qwen_config(qwen_dir, size=size)

@@ -1,6 +1,6 @@
 """``make bench-tts``: what text-to-speech costs at the real dims on this machine.
 
-    python -m cosyvoice_triton.bench_tts [--model-dir models/cosyvoice2-demo-full] [--official PATH]
+    python -m cosyvoice_triton.bench.tts [--model-dir models/cosyvoice2-demo-full] [--official PATH]
 
 On a full-size model folder (written once by ``write_demo_model(size="full")`` when its ``llm.pt`` is missing):
 the LM's prefill time, time to first token and decode tokens/s at batch 1, 4 and 8 (in-flight
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import LLMConfig, ModelConfig
+from ..config import LLMConfig, ModelConfig
 
 TOKEN_RATE = 25  # speech tokens per second of audio
 # A zero-shot request of typical size: 30 text tokens, a prompt of 20 text tokens and 3 s of speech tokens.
@@ -35,7 +35,7 @@ TARGET_BATCH8_VS_BATCH1 = 3.0
 
 def ensure_model(model_dir: Path) -> Path:
     """A full-size demo folder with ``llm.pt`` (written once: about 2.5 GB and a minute or two)."""
-    from .demo import write_demo_model
+    from ..models.demo import write_demo_model
 
     needed = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "llm.pt", "CosyVoice-BlankEN/config.json")
     if not all((model_dir / name).is_file() for name in needed):
@@ -80,7 +80,7 @@ class ProjectLM:
     @torch.inference_mode()
     def decode(self, batch: int) -> tuple[int, float]:
         """Tokens after the first of ``batch`` requests decoded together, and their seconds."""
-        from .models.llm import LMRequest
+        from ..models.llm import LMRequest
 
         ratio = _ratio(self.decode_tokens, TEXT_TOKENS)
         decoder = self.lm.batch_decoder()
@@ -188,7 +188,7 @@ def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[
 @torch.inference_mode()
 def bench_rtf(model_dir: Path, lm, *, utterance_s: float) -> dict:
     """One utterance through the whole path: LM tokens (``utterance_s`` x 25), then the non-streaming token2wav."""
-    from .pipeline import CosyVoice2, StageTimer, VCInputs
+    from ..pipeline import CosyVoice2, StageTimer, VCInputs
 
     tts = CosyVoice2.from_pretrained(model_dir)
     text, prompt_text, prompt_speech = _inputs(lm, 7)
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     batches = tuple(int(b) for b in args.batches.split(","))
 
-    from .models.llm import load_llm
+    from ..models.llm import load_llm
 
     model_dir = ensure_model(args.model_dir)
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")

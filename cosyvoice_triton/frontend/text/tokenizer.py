@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 ENDOFTEXT = "<|endoftext|>"
 ENDOFPROMPT = "<|endofprompt|>"
@@ -37,7 +37,7 @@ class QwenTextTokenizer:
     Parameters
     ----------
     blank_en_dir : str or os.PathLike
-        A ``CosyVoice-BlankEN`` folder (the real one or :func:`~cosyvoice_triton.text.write_tokenizer_standin`'s).
+        A ``CosyVoice-BlankEN`` folder (the real one or :func:`~.write_tokenizer_standin`'s).
     """
 
     def __init__(self, blank_en_dir: str | os.PathLike):

@@ -19,7 +19,7 @@ Flavors:
   there is a GPU but no TensorRT). Runs with the ``tritonserver`` of the ``nvidia-pytriton`` wheel.
 * ``onnx``: the graphs on Triton's native ``onnxruntime`` backend (the NGC image), ONNX files copied in.
 * ``trt``: the graphs on ``tensorrt_plan`` from ``<engine_dir>/<precision>/<graph>.plan``, except those
-  :data:`cosyvoice_triton.trt.EXCLUDED` keeps on onnxruntime (``hift_source``: float64; ``speech_tokenizer``).
+  :data:`cosyvoice_triton.export.trt.EXCLUDED` keeps on onnxruntime (``hift_source``: float64; ``speech_tokenizer``).
 
 The rows of :data:`SERVED_MODELS` (the stages ``preprocess``, ``flow``, ``hift``, ``postprocess``, the
 ``cosyvoice_vc`` ensemble, the TTS pipelines) are the same in every flavor; ``flow`` and ``hift`` reach the graphs
@@ -32,7 +32,7 @@ record what each graph got.
 
 Profiles (``profile=``, ``render.py --profile``) are named sets of tunables: ``plain`` (:data:`PLAIN_TUNABLES`) is
 the baseline deployment of the load tests, flavor ``local`` without dynamic batching and with the PyTorch fp32
-graphs, whose client calls the stages one request at a time (:mod:`cosyvoice_triton.plain`).
+graphs, whose client calls the stages one request at a time (:mod:`cosyvoice_triton.clients.plain`).
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from typing import Any
 
 import numpy as np
 
-from .serving.model_params import MODEL_PARAMS
-from .serving.speakers import SPEAKER_INPUTS, SPEAKER_OUTPUTS
-from .serving.vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTPUTS
-from .shapes import (
+from ..export.trt import EXCLUDED
+from ..export.trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
+from ..export.trt import PRECISIONS as TRT_PRECISIONS
+from ..shapes import (
     GRAPHS,
     STAGES,
     TRTLLM_INPUTS,
@@ -72,9 +72,9 @@ from .shapes import (
     VC_OUTPUTS,
     TensorSpec,
 )
-from .trt import EXCLUDED
-from .trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
-from .trt import PRECISIONS as TRT_PRECISIONS
+from .model_params import MODEL_PARAMS
+from .speakers import SPEAKER_INPUTS, SPEAKER_OUTPUTS
+from .vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTPUTS
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RenderError(ValueError):
 def default_templates_dir() -> Path:
     """``model_repository/`` of the source tree this package lives in (``$COSYVOICE_TEMPLATES`` overrides)."""
     env = os.environ.get("COSYVOICE_TEMPLATES")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "model_repository"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "model_repository"
 
 
 def render_template(text: str, values: Mapping[str, Any], *, source: str = "template") -> str:
@@ -192,11 +192,14 @@ class Tunables:
 #: The "plain" deployment: what a team that wraps the official code would serve. No dynamic batching (one request
 #: per execution) and the graphs as the checkpoint's PyTorch fp32 modules inside the Python backend (flavor
 #: ``local``, precision ``fp32``; the shipped ``speech_tokenizer`` / ``speaker_encoder`` ONNX files stay on
-#: onnxruntime). Its client runs the stages one request at a time: :class:`cosyvoice_triton.plain.PlainPipeline`.
+#: onnxruntime). Its client runs the stages one request at a time:
+#: :class:`cosyvoice_triton.clients.plain.PlainPipeline`.
 PLAIN_TUNABLES: Mapping[str, Any] = MappingProxyType({"dynamic_batching": False, "runtime": "torch"})
 #: Named tunable sets of :func:`render_repository` (``profile=``) and ``render.py --profile``.
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"plain": PLAIN_TUNABLES})
-_PROFILE_NOTES = {"plain": "no dynamic batching, PyTorch fp32 graphs; client: cosyvoice_triton.plain.PlainPipeline"}
+_PROFILE_NOTES = {
+    "plain": "no dynamic batching, PyTorch fp32 graphs; client: cosyvoice_triton.clients.plain.PlainPipeline",
+}
 
 
 @dataclass
@@ -332,7 +335,7 @@ def stage_warmup_samples(name: str, seconds: float = 1.0) -> dict[str, np.ndarra
 # ------------------------------------------------------------------------------------------- rendering
 # precision per graph
 
-#: Precisions a graph can be served in: the TensorRT ones (:data:`cosyvoice_triton.trt.PRECISIONS`) and
+#: Precisions a graph can be served in: the TensorRT ones (:data:`cosyvoice_triton.export.trt.PRECISIONS`) and
 #: ``int8_cpu``, onnxruntime's CPU INT8 kernels (``build/onnx/int8_cpu``: MatMulInteger, QLinearConv), which only
 #: the ``local`` flavor serves (on a GPU, TensorRT takes the explicit Q/DQ ``int8`` graphs instead).
 PRECISIONS = (*TRT_PRECISIONS, "int8_cpu")
@@ -373,7 +376,7 @@ def _check_allowed(graph: str, precision: str, flavor: str) -> None:
 
 
 def _per_graph(choice: Mapping[str, str], flavor: str, source: str) -> PrecisionPlan:
-    from .quantize import FP32_ONLY as NOT_CONVERTED  # why each graph has no reduced-precision file
+    from ..export.quantize import FP32_ONLY as NOT_CONVERTED  # why each graph has no reduced-precision file
 
     unknown = sorted(set(choice) - set(GRAPHS))
     if unknown:
@@ -663,7 +666,7 @@ def _has_tts(model_dir: Path, tun: Tunables) -> bool:
     voice-conversion-only folder still serves VC)."""
     if tun.tts != "auto":
         return tun.tts == "on"
-    from .pipeline import TTS_FILES
+    from ..pipeline import TTS_FILES
 
     return all((model_dir / f).is_file() for f in TTS_FILES)
 
@@ -732,7 +735,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     _clean(out)
     files: list[Path] = []
     models: dict[str, str] = {}
-    note = ("generated by cosyvoice_triton.repository from {src} (flavor " + flavor
+    note = ("generated by cosyvoice_triton.serving.repository from {src} (flavor " + flavor
             + (f", profile {profile}" if profile else "") + "): do not edit, edit the template and render again")
 
     def common(name: str) -> dict[str, Any]:
@@ -916,7 +919,7 @@ def _apply_profile(profile: str, flavor: str, plan: PrecisionPlan, tunables: Map
 
 
 def _model_sample_rate(model_dir: Path) -> int:
-    from .config import ModelConfig
+    from ..config import ModelConfig
 
     path = model_dir / "cosyvoice2.yaml"
     return ModelConfig.from_yaml(path).sample_rate if path.is_file() else 24000

@@ -8,7 +8,7 @@ runs the post-processing in-process (:class:`~cosyvoice_triton.serving.postproce
     speech_tokenizer(source)  ->  speech_tokenizer(prompt)  ->  speaker_encoder(prompt fbank)
         ->  flow(tokens, prompt mel, embedding)  ->  hift(mel, seed)
 
-Serve it from the ``plain`` profile (:data:`cosyvoice_triton.repository.PLAIN_TUNABLES`: no dynamic batching,
+Serve it from the ``plain`` profile (:data:`cosyvoice_triton.serving.repository.PLAIN_TUNABLES`: no dynamic batching,
 the graphs as the checkpoint's PyTorch fp32 modules)::
 
     python model_repository/render.py --profile plain --out build/model_repository_plain
@@ -21,7 +21,7 @@ starts no threads, so it runs under gevent (Locust): ``tritonclient.http`` is ge
 caller at a time (a thread or greenlet each).
 
 Errors: bad input found by the front end raises :class:`~cosyvoice_triton.errors.AudioError` (a ``ValueError``)
-before anything is sent; a request the server refuses or fails raises :class:`~cosyvoice_triton.client.VCError`
+before anything is sent; a request the server refuses or fails raises :class:`~cosyvoice_triton.clients.client.VCError`
 with the stage's name, the server's message and its status (``"400"`` / ``"StatusCode.INVALID_ARGUMENT"`` for
 bad input).
 """
@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import audio
+from ..config import ModelConfig
+from ..frontend import audio
+from ..serving.frontend import Preprocessor
+from ..serving.postprocess import Postprocessor
+from ..serving.vocoder import parse_seed
+from ..shapes import GRAPHS, STAGES
 from .client import DEFAULT_URLS, PROTOCOLS, VCError, connect, inference_statistics
-from .config import ModelConfig
-from .serving.frontend import Preprocessor
-from .serving.postprocess import Postprocessor
-from .serving.vocoder import parse_seed
-from .shapes import GRAPHS, STAGES
 
 __all__ = ["PLAIN_MODELS", "PlainPipeline"]
 
@@ -131,7 +131,7 @@ class PlainPipeline:
 
     def infer(self, model: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One request to one stage model (``tensors`` with their batch axis of 1): its outputs by name.
-        Raises :class:`~cosyvoice_triton.client.VCError` naming the model when the server refuses or fails it."""
+        Raises :class:`~.client.VCError` naming the model when the server refuses or fails it."""
         outputs = _IO[model][1] if model in _IO else []
         inputs = []
         for name, arr in tensors.items():

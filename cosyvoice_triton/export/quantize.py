@@ -1,6 +1,6 @@
 """Reduced precision of the exported graphs: INT8 Q/DQ (TensorRT), dynamic INT8 (CPU serving) and fp16.
 
-Inputs are the verified fp32 graphs of :mod:`cosyvoice_triton.onnx_export` (``build/onnx/fp32``); outputs::
+Inputs are the verified fp32 graphs of :mod:`cosyvoice_triton.export.onnx_export` (``build/onnx/fp32``); outputs::
 
     build/onnx/int8/<graph>.onnx          # explicit Q/DQ, S8S8 symmetric, per-channel weights: TensorRT's INT8
     build/onnx/int8_cpu/<graph>.onnx      # onnxruntime CPU INT8 (recipe per graph, CPU_INT8): CPU serving
@@ -14,7 +14,7 @@ static U8S8 QLinearConv (HiFT) run faster. ``int8`` is therefore measured here f
 Q/DQ faithfully); its speed is a TensorRT matter. ``int8_cpu`` is what a CPU deployment serves.
 
 **Calibration** runs the real pipeline (:class:`~cosyvoice_triton.pipeline.CosyVoice2`, fp32 PyTorch) over real
-speech (:func:`cosyvoice_triton.speech_corpus.utterances`, espeak-ng in several languages, voices, speeds and
+speech (:func:`cosyvoice_triton.export.speech_corpus.utterances`, espeak-ng in several languages, voices, speeds and
 lengths) paired as voice conversion does (source i in the voice of prompt i+1) and captures each graph's
 inputs where the served pipeline would feed them (:func:`collect_feeds`): ``flow_encoder`` (prompt + source
 tokens, embedding, a mix of streaming / look-ahead items), ``flow_estimator`` at a few Euler steps per
@@ -56,8 +56,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader
 
-from .hashing import file_sha256
-from .shapes import GRAPHS
+from ..hashing import file_sha256
+from ..shapes import GRAPHS
 
 __all__ = [
     "CALIBRATION_METHODS",
@@ -543,11 +543,11 @@ def load_pipeline(model_dir: str | Path, threads: int = 0):
     """``CosyVoice2.from_pretrained`` with quiet stand-in warnings and the given torch thread count."""
     import torch
 
-    from .pipeline import CosyVoice2
+    from ..pipeline import CosyVoice2
 
     if threads:
         torch.set_num_threads(threads)
-    logging.getLogger("cosyvoice_triton.speech_models").setLevel(logging.ERROR)
+    logging.getLogger("cosyvoice_triton.frontend.speech_models").setLevel(logging.ERROR)
     return CosyVoice2.from_pretrained(model_dir)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Speak one text with libespeak-ng from the ``espeakng-loader`` wheel: ``python -m cosyvoice_triton.espeak_worker
-VOICE SPEED_WPM PITCH`` reads UTF-8 text on stdin and writes the sample rate (4 bytes, little-endian) then 16-bit
-PCM to stdout.
+"""Speak one text with libespeak-ng from the ``espeakng-loader`` wheel:
+``python -m cosyvoice_triton.export.espeak_worker VOICE SPEED_WPM PITCH`` reads UTF-8 text on stdin and
+writes the sample rate (4 bytes, little-endian) then 16-bit PCM to stdout.
 
 One process per text, as the ``espeak-ng`` command works: the library keeps state from one synthesis to the next
 (the same text comes out a few samples different on a second call), so a fresh process is what makes the corpus

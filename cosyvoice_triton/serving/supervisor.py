@@ -11,7 +11,7 @@ Two ways a hostile request breaks Triton 2.51 that no model code can prevent:
 * an HTTP JSON body nested ~100,000 levels deep overflows the stack of Triton's JSON parser: the server itself
   dies with SIGSEGV.
 
-:class:`Supervisor` watches a :class:`~cosyvoice_triton.server.TritonServer` started with
+:class:`Supervisor` watches a :class:`~cosyvoice_triton.serving.server.TritonServer` started with
 ``model_control="explicit"`` from a thread (or the foreground, :meth:`Supervisor.run`). Every ``interval`` s it
 compares the server's stub processes with those it saw when the models were last loaded: a stub that died
 (zombie or gone) gets its model unloaded at once (with ``--strict-readiness`` the server, and the ensemble that
@@ -27,7 +27,7 @@ The blind spot is one ``interval``: between a stub's death and the next check th
     with Supervisor(server, interval=1.0):    # starts the server if needed, then watches it
         ...
 
-CLI (the container's entry point runs it): ``python -m cosyvoice_triton.supervisor --model-repository REPO
+CLI (the container's entry point runs it): ``python -m cosyvoice_triton.serving.supervisor --model-repository REPO
 [--triton-root /opt/tritonserver] [--host 0.0.0.0] [--http-port 8000] ...``.
 """
 
@@ -205,7 +205,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.supervisor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serving.supervisor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-repository", required=True, help="the rendered repository")
     p.add_argument("--triton-root", default=None,

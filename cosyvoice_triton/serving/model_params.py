@@ -17,13 +17,20 @@ __all__ = ["MODEL_PARAMS"]
 _THREADS = Param("intra_op_threads", int, 1, "onnxruntime intra-op threads of this instance (0: all cores)")
 _TORCH_THREADS = Param("torch_threads", int, 1, "torch intra-op threads of this instance")
 _BLS_TIMEOUT = Param("bls_timeout_us", int, 0, "timeout of each BLS call in microseconds (0: none)")
+#: The output options of ``postprocess``, also read by the pipelines that answer audio without it (the streaming
+#: models apply what a stream can: the rate; ``cosyvoice_tts`` the loudness of the whole answer).
+_OUTPUT = (
+    Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
+    Param("loudness_lufs", float, 0.0, "integrated loudness target in LUFS (0: off; whole answers only)"),
+    Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
+)
 
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "graph": (
         Param("graph", str, None, "the graph of cosyvoice_triton.shapes.GRAPHS this model runs"),
         Param("runtime", str, "onnxruntime", "onnxruntime (the ONNX file) or torch (the checkpoint's module)",
               ("onnxruntime", "torch")),
-        Param("onnx_path", str, "", "the graph's ONNX file (runtime onnxruntime)"),
+        Param("onnx_path", str, "", "the graph's ONNX file (runtime onnxruntime; relative: in the version's folder)"),
         Param("model_dir", str, "", "the CosyVoice2 folder (runtime torch)"),
         Param("device", str, "cpu", "cpu or cuda[:N]"),
         _THREADS,
@@ -41,21 +48,23 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("n_timesteps", int, 0, "Euler steps (0: the model's, 10)"),
         Param("encoder_model", str, "flow_encoder", "the Triton model of the flow_encoder graph"),
         Param("estimator_model", str, "flow_estimator", "the Triton model of the flow_estimator graph"),
+        Param("pin_graph_version", bool, False, "call the graphs' version numbered as this model's (a versioned "
+              "repository: cosyvoice_triton.serving.rollout), else their latest"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
     ),
     "hift": (
         Param("source_model", str, "hift_source", "the Triton model of the hift_source graph"),
         Param("decoder_model", str, "hift_decoder", "the Triton model of the hift_decoder graph"),
+        Param("pin_graph_version", bool, False, "call the graphs' version numbered as this model's (a versioned "
+              "repository: cosyvoice_triton.serving.rollout), else their latest"),
         Param("default_seed", int, 0, "seed of the NSF noise when a request gives none"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
     ),
     "postprocess": (
         Param("model_sample_rate", int, 24000, "rate of the vocoder's waveform"),
-        Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
-        Param("loudness_lufs", float, 0.0, "integrated loudness target in LUFS (0: off)"),
-        Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
+        *_OUTPUT,
         Param("output_format", str, "", "'' (no bytes), wav or flac: 16-bit file bytes in audio_bytes",
               ("", "wav", "flac")),
     ),
@@ -69,12 +78,14 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
         Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
         Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
+        *_OUTPUT,
         _BLS_TIMEOUT,
         _TORCH_THREADS,
     ),
     "cosyvoice_tts": (
         Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model each request is sent to"),
-        Param("model_sample_rate", int, 24000, "rate of the answered waveform"),
+        Param("model_sample_rate", int, 24000, "rate of the stream model's waveform before post-processing"),
+        *_OUTPUT,
         _BLS_TIMEOUT,
     ),
     "speakers": (
@@ -96,6 +107,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("speakers_model", str, "speakers", "the Triton model that holds the registered speakers"),
         Param("max_streams", int, 4, "streams running at once (worker threads)"),
         Param("max_waiting", int, 4, "streams waiting for a worker; beyond, refused at once (UNAVAILABLE)"),
+        *_OUTPUT,
         _BLS_TIMEOUT,
     ),
 })

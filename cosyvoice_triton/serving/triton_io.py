@@ -112,17 +112,21 @@ def to_request(spec: GraphSpec, outputs: Mapping[str, np.ndarray]) -> dict[str, 
 
 
 class BlsGraph:
-    """Call the Triton model ``model`` (graph ``graph`` of :data:`GRAPHS`) by BLS: ``fn(feeds) -> outputs``."""
+    """Call the Triton model ``model`` (graph ``graph`` of :data:`GRAPHS`) by BLS: ``fn(feeds) -> outputs``;
+    ``version``: that numbered version of it (-1: the latest loaded)."""
 
-    def __init__(self, pb, model: str, graph: str, *, timeout_us: int = 0):
+    def __init__(self, pb, model: str, graph: str, *, timeout_us: int = 0, version: int = -1):
         self.pb, self.model, self.spec = pb, model, GRAPHS[graph]
         self.timeout_us = int(timeout_us)
+        self.version = int(version)
         self.calls = 0
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         pb, spec = self.pb, self.spec
         inputs = [pb.Tensor(t.name, to_request_shape(spec, t.name, feeds[t.name])) for t in spec.inputs]
         kwargs = {"timeout": self.timeout_us} if self.timeout_us else {}
+        if self.version >= 0:
+            kwargs["model_version"] = self.version
         req = pb.InferenceRequest(model_name=self.model, inputs=inputs,
                                   requested_output_names=[t.name for t in spec.outputs], **kwargs)
         res = req.exec()

@@ -21,9 +21,11 @@ class TritonPythonModel:
         config = ModelConfig.from_yaml(f"{p['model_dir']}/cosyvoice2.yaml")
         self.solver = FlowSolver(config.flow.cfm, token_mel_ratio=config.token_mel_ratio,
                                  n_timesteps=p["n_timesteps"] or None)
-        self.encoder = triton_io.BlsGraph(pb_utils, p["encoder_model"], "flow_encoder", timeout_us=p["bls_timeout_us"])
+        version = int(args["model_version"]) if p["pin_graph_version"] else -1
+        self.encoder = triton_io.BlsGraph(pb_utils, p["encoder_model"], "flow_encoder", timeout_us=p["bls_timeout_us"],
+                                          version=version)
         self.estimator = triton_io.BlsGraph(pb_utils, p["estimator_model"], "flow_estimator",
-                                            timeout_us=p["bls_timeout_us"])
+                                            timeout_us=p["bls_timeout_us"], version=version)
 
     def execute(self, requests):
         tensors = [triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests]

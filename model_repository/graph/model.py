@@ -1,6 +1,8 @@
 """Triton Python-backend adapter of one exported graph (flavor ``local``): tensors in, one
 ``GraphRunner.run_items`` call for all the requests of the batch, tensors out."""
 
+import os
+
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
@@ -16,7 +18,8 @@ class TritonPythonModel:
             import torch
 
             torch.set_num_threads(p["torch_threads"])
-        self.runner = GraphRunner(p["graph"], onnx_path=p["onnx_path"] or None, runtime=p["runtime"],
+        onnx_path = p["onnx_path"] and os.path.join(args["model_repository"], args["model_version"], p["onnx_path"])
+        self.runner = GraphRunner(p["graph"], onnx_path=onnx_path or None, runtime=p["runtime"],
                                   model_dir=p["model_dir"] or None, device=p["device"],
                                   intra_op_threads=p["intra_op_threads"])
         self.names = [t.name for t in self.runner.spec.inputs]

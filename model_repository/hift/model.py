@@ -16,9 +16,11 @@ class TritonPythonModel:
         torch.set_num_threads(p["torch_threads"])
         self.default_seed = p["default_seed"]
         self.runner = HiftRunner()
-        self.source = triton_io.BlsGraph(pb_utils, p["source_model"], "hift_source", timeout_us=p["bls_timeout_us"])
+        version = int(args["model_version"]) if p["pin_graph_version"] else -1
+        self.source = triton_io.BlsGraph(pb_utils, p["source_model"], "hift_source", timeout_us=p["bls_timeout_us"],
+                                         version=version)
         self.decoder = triton_io.BlsGraph(pb_utils, p["decoder_model"], "hift_decoder",
-                                          timeout_us=p["bls_timeout_us"])
+                                          timeout_us=p["bls_timeout_us"], version=version)
 
     def execute(self, requests):
         items = [{**triton_io.read_inputs(pb_utils, r, ("mel", "seed")),

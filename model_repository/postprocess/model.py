@@ -3,6 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.postprocess import Postprocessor
@@ -14,7 +15,11 @@ class TritonPythonModel:
         self.post = Postprocessor(model_sample_rate=p["model_sample_rate"],
                                   output_sample_rate=p["output_sample_rate"], loudness_lufs=p["loudness_lufs"],
                                   peak_dbfs=p["peak_dbfs"], output_format=p["output_format"])
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], audio_out=True)
+        self.rate = p["model_sample_rate"]
 
     def execute(self, requests):
-        waves = [triton_io.read_inputs(pb_utils, r, ("waveform",))["waveform"] for r in requests]
-        return triton_io.responses(pb_utils, self.post.batch(waves), lambda out: out)
+        tensors = [triton_io.read_inputs(pb_utils, r, ("waveform",)) for r in requests]
+        results = self.post.batch([t["waveform"] for t in tensors])
+        self.metrics.results(tensors, results, lambda t, _: t["waveform"].size / self.rate)
+        return triton_io.responses(pb_utils, results, lambda out: out)

@@ -5,6 +5,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.frontend import Preprocessor
+from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.shapes import STAGES
@@ -19,7 +20,10 @@ class TritonPythonModel:
         self.pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=p["min_seconds"],
                                 max_seconds=p["max_seconds"], vad_trim=p["vad_trim"],
                                 denoise_prompt=p["denoise_prompt"])
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("source", "prompt"))
 
     def execute(self, requests):
-        results = self.pre.batch([triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests])
+        tensors = [triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests]
+        results = self.pre.batch(tensors)
+        self.metrics.results(tensors, results)
         return triton_io.responses(pb_utils, results, lambda features: features.tensors())

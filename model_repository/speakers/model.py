@@ -5,6 +5,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.batching import run_per_item
+from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.speakers import SPEAKER_INPUTS, build_service
@@ -17,7 +18,10 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], MODEL_PARAMS["speakers"], model=args["model_name"])
         self.service = build_service(p, lambda model, graph: triton_io.BlsGraph(
             pb_utils, model, graph, timeout_us=p["bls_timeout_us"]))
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"])
 
     def execute(self, requests):
-        results = run_per_item([triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests], self.service.handle)
+        tensors = [triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests]
+        results = run_per_item(tensors, self.service.handle)
+        self.metrics.results(tensors, results)
         return triton_io.responses(pb_utils, results, lambda out: {k: v[None] for k, v in out.items()})

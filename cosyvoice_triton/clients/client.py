@@ -13,12 +13,22 @@ rate), mixed to mono and sent as float32 samples with their rate (:data:`~cosyvo
 with ``encoded=True`` files are sent as they are (``*_audio_bytes``) and the server decodes them. The server
 resamples. A request the server refuses raises
 :class:`VCError` carrying the server's own message and status (HTTP 400 / gRPC ``INVALID_ARGUMENT`` for bad
-input); ``convert_many`` returns such errors in place of the failed items instead of raising.
+input); ``convert_many`` returns such errors in place of the failed items instead of raising. Calls that failed
+for a reason worth another try (server unavailable or overloaded, a timeout, a lost connection) are sent again
+with capped, jittered backoff (``retry=``, :mod:`~cosyvoice_triton.clients.retry`; ``retries`` counts them);
+bad input never is, nor a stream once it has started.
+
+Streams (``convert_stream``, ``tts_stream``) run over a gRPC stream (``tritonclient``) or, with
+``protocol="http"``, over Triton's HTTP ``generate_stream`` endpoint (server-sent events; ``requests`` /
+``aiohttp``, as tritonclient has no HTTP streaming call): the same chunks either way. Over HTTP the inputs travel
+as JSON fields, so encoded files (``encoded=True``) are decoded here first, and closing a stream early closes its
+connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import re
@@ -34,13 +44,14 @@ import numpy as np
 from ..errors import AudioError
 from ..frontend import audio
 from ..shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
+from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy, is_retryable
 
 VC_STREAM_MODEL = "cosyvoice_vc_stream"
 SPEAKERS_MODEL = "speakers"
 
-__all__ = ["AsyncTTSClient", "AsyncVCClient", "StreamChunk", "StreamStats", "TTSClient", "VCClient", "VCError",
-           "VCResult", "build_inputs", "build_speaker_inputs", "build_tts_inputs", "connect", "inference_statistics",
-           "load_input"]
+__all__ = ["AsyncTTSClient", "AsyncVCClient", "JsonFields", "StreamChunk", "StreamStats", "TTSClient", "VCClient",
+           "VCError", "VCResult", "build_inputs", "build_speaker_inputs", "build_tts_inputs", "connect",
+           "inference_statistics", "load_input"]
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
@@ -229,6 +240,97 @@ def _is_final(result) -> bool:
     return "triton_final_response" in params and params["triton_final_response"].bool_param
 
 
+class JsonFields:
+    """Stands in for a ``tritonclient`` module in the input builders (:func:`build_inputs`,
+    :func:`build_tts_inputs`, ...): each ``InferInput`` keeps its array, and :meth:`body` makes the flat JSON of
+    Triton's ``generate`` / ``generate_stream`` endpoints (one request, batch 1) from them."""
+
+    class InferInput:
+        def __init__(self, name: str, shape: Sequence[int], datatype: str):
+            self._name, self.datatype, self.array = name, datatype, None
+
+        def name(self) -> str:
+            return self._name
+
+        def set_data_from_numpy(self, array: np.ndarray, binary_data: bool = True) -> None:
+            self.array = np.asarray(array)
+
+    @staticmethod
+    def body(inputs: Sequence[InferInput], parameters: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """``{name: value}``: a one-element tensor as a scalar, others as a flat list, BYTES as UTF-8 text;
+        ``parameters`` join as fields (Triton passes fields that name no input on as request parameters)."""
+        out: dict[str, Any] = {}
+        for t in inputs:
+            arr = t.array
+            if arr.dtype == object:
+                item = arr.reshape(-1)[0]
+                try:
+                    out[t.name()] = item.decode("utf-8") if isinstance(item, (bytes, bytearray)) else str(item)
+                except UnicodeDecodeError:
+                    raise AudioError(f"{t.name()}: binary data cannot travel as a JSON field of HTTP generate_stream; "
+                                     "send samples (encoded=False) or use protocol='grpc'") from None
+            else:
+                out[t.name()] = arr.reshape(-1)[0].item() if arr.size == 1 else arr.reshape(-1).tolist()
+        for k, v in (parameters or {}).items():
+            if k in out:
+                raise VCError(f"request parameter {k!r} has the name of an input", "client")
+            out[k] = v
+        return out
+
+
+class _Events:
+    """Server-sent events (``data: {...}`` lines, a blank line between events) from bytes as they arrive."""
+
+    def __init__(self):
+        self.buffer, self.data = b"", []
+
+    def feed(self, data: bytes) -> list[dict]:
+        self.buffer += data
+        events = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            line = line.rstrip(b"\r")
+            if line.startswith(b"data:"):
+                self.data.append(line[5:].strip())
+            elif not line and self.data:
+                events.append(json.loads(b"\n".join(self.data)))
+                self.data = []
+        return events
+
+    def close(self) -> list[dict]:
+        return self.feed(b"\n\n")
+
+
+def _event_chunk(event: Mapping[str, Any], t0: float, index: int, model: str) -> StreamChunk | None:
+    """The chunk of one generate_stream event (None for an event without audio); an error event raises."""
+    if "error" in event:
+        raise VCError(f"{model}: {event['error']}", "stream")
+    if "waveform" not in event:
+        return None
+    if "sample_rate" not in event:
+        raise VCError("a streamed event has a waveform but no sample_rate")
+    idx = event.get("chunk_index")
+    return StreamChunk(np.asarray(event["waveform"], np.float32).reshape(-1), int(np.ravel(event["sample_rate"])[0]),
+                       index if idx is None else int(np.ravel(idx)[0]), time.perf_counter() - t0)
+
+
+def _http_refusal(model: str, status: int, body: bytes) -> VCError:
+    """A ``generate_stream`` answer other than 200: Triton's message (an SSE error event or JSON) and the status."""
+    text = body.decode("utf-8", "replace")
+    events = _Events().feed(body + b"\n\n") if text.lstrip().startswith("data:") else []
+    message = next((e["error"] for e in events if "error" in e), None)
+    if message is None:
+        try:
+            message = json.loads(text).get("error", text)
+        except (ValueError, AttributeError):
+            message = text.strip() or f"HTTP {status}"
+    return VCError(f"{model}: {message}", str(status))
+
+
+def _stream_url(url: str, model: str) -> str:
+    return f"{url if '://' in url else 'http://' + url}/v2/models/{model}/generate_stream"
+
+
 def _speaker_prompt(result):
     from ..speakers import SpeakerPrompt
 
@@ -314,14 +416,17 @@ class VCClient:
     at once: ``convert_many`` runs requests concurrently itself."""
 
     def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
-                 timeout: float = 300.0, concurrency: int = 8, verbose: bool = False):
+                 timeout: float = 300.0, concurrency: int = 8, verbose: bool = False,
+                 retry: RetryPolicy = DEFAULT_RETRY):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
         self.protocol, self.model, self.timeout = protocol, model, float(timeout)
         self.url = url or DEFAULT_URLS[protocol]
         self.concurrency = max(1, int(concurrency))
+        self.retry, self.retries = retry, 0
         self._module, self._client = connect(self.url, protocol, timeout=self.timeout, concurrency=self.concurrency,
                                              verbose=verbose)
+        self._session = None  # requests.Session of the HTTP streams, made on the first one
 
     # ------------------------------------------------------------------------------------- basics
 
@@ -337,6 +442,13 @@ class VCClient:
 
     def close(self) -> None:
         self._client.close()
+        if self._session is not None:
+            self._session.close()
+
+    @property
+    def _stream_module(self):
+        """What stream inputs are built with: ``tritonclient.grpc``, or :class:`JsonFields` for HTTP."""
+        return JsonFields if self.protocol == "http" else self._module
 
     def __enter__(self) -> VCClient:
         return self
@@ -358,13 +470,21 @@ class VCClient:
         res = self._infer(model or self.model, inputs, parameters)
         return _result(res, time.perf_counter() - t0)
 
-    def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None):
+    def _counted(self, exc: BaseException | None) -> None:
+        self.retries += 1
+
+    def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None, *,
+               retry: bool = True):
         try:
-            if self.protocol == "http":
-                return self._client.infer(model, list(inputs), parameters=parameters)
-            return self._client.infer(model, list(inputs), parameters=parameters, client_timeout=self.timeout)
+            for attempt in (self.retry if retry else NO_RETRY).retrying(self._counted):
+                with attempt:
+                    if self.protocol == "http":
+                        return self._client.infer(model, list(inputs), parameters=parameters)
+                    return self._client.infer(model, list(inputs), parameters=parameters,
+                                              client_timeout=self.timeout)
         except Exception as exc:
             raise VCError.from_exception(exc) from exc
+        raise AssertionError("unreachable: tenacity raises the last error")
 
     def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                 seed: int | None = None, parameters: Mapping[str, Any] | None = None,
@@ -382,6 +502,7 @@ class VCClient:
         for start in range(0, len(jobs), self.concurrency):
             window = range(start, min(start + self.concurrency, len(jobs)))
             pending: dict[int, tuple[Any, float]] = {}
+            inputs_of: dict[int, list] = {}
             for i in window:
                 job = {"seed": seed, **jobs[i]}
                 try:
@@ -390,6 +511,7 @@ class VCClient:
                 except Exception as exc:
                     out[i] = VCError(str(exc), "client")
                     continue
+                inputs_of[i] = inputs
                 pending[i] = (self._submit(inputs, job.get("parameters")), time.perf_counter())
             for i, (handle, t0) in pending.items():
                 try:
@@ -399,6 +521,12 @@ class VCClient:
                     out[i] = _result(res, time.perf_counter() - t0)
                 except Exception as exc:
                     out[i] = VCError.from_exception(exc)
+                    if is_retryable(exc) and self.retry.attempts > 1:  # tried once: the rest of the policy, alone
+                        self._counted(exc)
+                        try:
+                            out[i] = self.infer_raw(inputs_of[i], parameters=jobs[i].get("parameters"))
+                        except VCError as again:
+                            out[i] = again
         return out  # type: ignore[return-value]
 
     def _submit(self, inputs, parameters):
@@ -412,15 +540,54 @@ class VCClient:
         self._client.async_infer(self.model, inputs, done, parameters=parameters, client_timeout=self.timeout)
         return fut
 
-    # ------------------------------------------------------------------------ streaming (gRPC)
+    # ------------------------------------------------------------------------------- streaming
 
     def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
                    stats: StreamStats | None = None) -> Iterator[StreamChunk]:
-        """Chunks of a decoupled model as they arrive over a gRPC stream. Closing the generator early (``break``)
-        cancels the request on the server. An error on the stream raises :class:`VCError` with its message."""
-        if self.protocol != "grpc":
-            raise VCError(f"{model}: streaming needs protocol='grpc' (Triton's HTTP infer answers 501 for a "
-                          "decoupled model)", "client")
+        """Chunks of a decoupled model as they arrive: over a gRPC stream, or over HTTP ``generate_stream``
+        (``inputs`` built with :attr:`_stream_module`: :class:`JsonFields`). Closing the generator early (``break``)
+        cancels the request (gRPC) or closes the connection (HTTP). An error raises :class:`VCError` with the
+        server's message: before the first chunk with its status (HTTP 400, ``StatusCode.INVALID_ARGUMENT``...),
+        mid-stream on HTTP with status ``"stream"`` (an SSE error event carries no code)."""
+        if self.protocol == "http":
+            return self._http_stream(model, inputs, parameters, stats)
+        return self._grpc_stream(model, inputs, parameters, stats)
+
+    def _http_stream(self, model, inputs, parameters, stats) -> Iterator[StreamChunk]:
+        import requests
+
+        body = JsonFields.body(inputs, parameters)
+        stats = stats if stats is not None else StreamStats()
+        if self._session is None:
+            self._session = requests.Session()
+        t0 = time.perf_counter()
+        try:
+            response = self._session.post(_stream_url(self.url, model), json=body, stream=True,
+                                          timeout=(min(self.timeout, 60.0), self.timeout))
+        except requests.RequestException as exc:
+            raise VCError(f"{model}: {exc}", "connection") from exc
+        with response:
+            if response.status_code != 200:
+                raise _http_refusal(model, response.status_code, response.content)
+            events, index = _Events(), 0
+            try:
+                for data in response.iter_content(chunk_size=None):
+                    for event in events.feed(data):
+                        chunk = _event_chunk(event, t0, index, model)
+                        if chunk is not None:
+                            index += 1
+                            stats.add(chunk)
+                            yield chunk
+                for event in events.close():
+                    chunk = _event_chunk(event, t0, index, model)
+                    if chunk is not None:
+                        index += 1
+                        stats.add(chunk)
+                        yield chunk
+            except requests.RequestException as exc:
+                raise VCError(f"{model}: the stream broke off: {exc}", "connection") from exc
+
+    def _grpc_stream(self, model, inputs, parameters, stats) -> Iterator[StreamChunk]:
         responses: queue.Queue = queue.Queue()
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         done, stats = False, stats if stats is not None else StreamStats()
@@ -453,10 +620,11 @@ class VCClient:
                        prompt_sr: int | None = None, seed: int | None = None,
                        parameters: Mapping[str, Any] | None = None, encoded: bool = False,
                        stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> Iterator[StreamChunk]:
-        """Streaming voice conversion (gRPC): chunks on the official schedule as the server sends them. The
-        voice: ``prompt`` audio or a registered ``speaker_id``. ``stats`` gets the first-chunk latency."""
-        return self.stream_raw(model, _vc_inputs(self._module, source, prompt, source_sr, prompt_sr, seed,
-                                                 speaker_id, encoded), parameters=parameters, stats=stats)
+        """Streaming voice conversion (gRPC or HTTP): chunks on the official schedule as the server sends them.
+        The voice: ``prompt`` audio or a registered ``speaker_id``. ``stats`` gets the first-chunk latency."""
+        return self.stream_raw(model, _vc_inputs(self._stream_module, source, prompt, source_sr, prompt_sr, seed,
+                                                 speaker_id, encoded and self.protocol == "grpc"),
+                               parameters=parameters, stats=stats)
 
     # -------------------------------------------------------------------------- text to speech
 
@@ -474,9 +642,10 @@ class VCClient:
                    instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
                    seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
                    stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> Iterator[StreamChunk]:
-        """Streaming text to speech (gRPC): chunks as they arrive (see :meth:`tts` and :meth:`stream_raw`)."""
-        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
-                             encoded)
+        """Streaming text to speech (gRPC or HTTP): chunks as they arrive (see :meth:`tts` and
+        :meth:`stream_raw`)."""
+        inputs = _tts_inputs(self._stream_module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode,
+                             seed, encoded and self.protocol == "grpc")
         return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
 
     # ------------------------------------------------------------------------------- speakers
@@ -496,20 +665,21 @@ class VCClient:
     def list_speakers(self) -> list[str]:
         return _ids(self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list")))
 
-    def delete_speaker(self, speaker_id: str) -> None:
-        self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id))
+    def delete_speaker(self, speaker_id: str) -> None:  # not retried: a lost answer would make it "not found"
+        self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id), retry=False)
 
 
 class AsyncVCClient:
     """asyncio client (``tritonclient.http.aio`` / ``tritonclient.grpc.aio``); one session reused."""
 
     def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
-                 timeout: float = 300.0, concurrency: int = 8):
+                 timeout: float = 300.0, concurrency: int = 8, retry: RetryPolicy = DEFAULT_RETRY):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
         self.protocol, self.model, self.timeout = protocol, model, float(timeout)
         self.url = url or DEFAULT_URLS[protocol]
         self.concurrency = max(1, int(concurrency))
+        self.retry, self.retries = retry, 0
         if protocol == "http":
             import tritonclient.http as module
             import tritonclient.http.aio as aio
@@ -522,9 +692,16 @@ class AsyncVCClient:
 
             self._client = aio.InferenceServerClient(self.url)
         self._module = module
+        self._session = None  # aiohttp.ClientSession of the HTTP streams, made on the first one
 
     async def close(self) -> None:
         await self._client.close()
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def _stream_module(self):
+        return JsonFields if self.protocol == "http" else self._module
 
     async def __aenter__(self) -> AsyncVCClient:
         return self
@@ -546,14 +723,7 @@ class AsyncVCClient:
         prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
         inputs = build_inputs(self._module, src, s_sr, prm, p_sr, seed)
         t0 = time.perf_counter()
-        try:
-            if self.protocol == "http":
-                res = await self._client.infer(self.model, inputs, parameters=parameters)
-            else:
-                res = await self._client.infer(self.model, inputs, parameters=parameters,
-                                               client_timeout=self.timeout)
-        except Exception as exc:
-            raise VCError.from_exception(exc) from exc
+        res = await self._infer(self.model, inputs, parameters)
         return _result(res, time.perf_counter() - t0)
 
     async def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None) -> list[VCResult | VCError]:
@@ -570,21 +740,31 @@ class AsyncVCClient:
 
         return list(await asyncio.gather(*(one(_pair_args(p)) for p in pairs)))
 
-    async def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None):
+    def _counted(self, exc: BaseException | None) -> None:
+        self.retries += 1
+
+    async def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None, *,
+                     retry: bool = True):
         try:
-            if self.protocol == "http":
-                return await self._client.infer(model, list(inputs), parameters=parameters)
-            return await self._client.infer(model, list(inputs), parameters=parameters, client_timeout=self.timeout)
+            async for attempt in (self.retry if retry else NO_RETRY).async_retrying(self._counted):
+                with attempt:
+                    if self.protocol == "http":
+                        return await self._client.infer(model, list(inputs), parameters=parameters)
+                    return await self._client.infer(model, list(inputs), parameters=parameters,
+                                                    client_timeout=self.timeout)
         except Exception as exc:
             raise VCError.from_exception(exc) from exc
+        raise AssertionError("unreachable: tenacity raises the last error")
 
     async def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
                          stats: StreamStats | None = None) -> AsyncIterator[StreamChunk]:
-        """Chunks of a decoupled model as they arrive (``tritonclient.grpc.aio`` stream); closing the generator
-        early cancels the call, and with it the request on the server."""
-        if self.protocol != "grpc":
-            raise VCError(f"{model}: streaming needs protocol='grpc' (Triton's HTTP infer answers 501 for a "
-                          "decoupled model)", "client")
+        """Chunks of a decoupled model as they arrive (``tritonclient.grpc.aio`` stream, or HTTP
+        ``generate_stream`` with ``aiohttp``); closing the generator early cancels the call (gRPC: the request on
+        the server too) or closes the connection (HTTP). Errors as :meth:`VCClient.stream_raw`."""
+        if self.protocol == "http":
+            async for chunk in self._http_stream(model, inputs, parameters, stats):
+                yield chunk
+            return
         request = {"model_name": model, "inputs": list(inputs), "parameters": parameters}
 
         async def requests():
@@ -611,13 +791,44 @@ class AsyncVCClient:
             if not done:
                 call.cancel()
 
+    async def _http_stream(self, model, inputs, parameters, stats) -> AsyncIterator[StreamChunk]:
+        import aiohttp
+
+        body = JsonFields.body(inputs, parameters)
+        stats = stats if stats is not None else StreamStats()
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(
+                sock_connect=min(self.timeout, 60.0), sock_read=self.timeout))
+        t0 = time.perf_counter()
+        try:
+            async with self._session.post(_stream_url(self.url, model), json=body) as response:
+                if response.status != 200:
+                    raise _http_refusal(model, response.status, await response.read())
+                events, index = _Events(), 0
+                async for data in response.content.iter_any():
+                    for event in events.feed(data):
+                        chunk = _event_chunk(event, t0, index, model)
+                        if chunk is not None:
+                            index += 1
+                            stats.add(chunk)
+                            yield chunk
+                for event in events.close():
+                    chunk = _event_chunk(event, t0, index, model)
+                    if chunk is not None:
+                        index += 1
+                        stats.add(chunk)
+                        yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise VCError(f"{model}: {type(exc).__name__}: {exc}", "connection") from exc
+
     def convert_stream(self, source, prompt=None, *, speaker_id: str | None = None, source_sr: int | None = None,
                        prompt_sr: int | None = None, seed: int | None = None,
                        parameters: Mapping[str, Any] | None = None, encoded: bool = False,
                        stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
         """``async for chunk in client.convert_stream(...)``: see :meth:`VCClient.convert_stream`."""
-        return self.stream_raw(model, _vc_inputs(self._module, source, prompt, source_sr, prompt_sr, seed,
-                                                 speaker_id, encoded), parameters=parameters, stats=stats)
+        return self.stream_raw(model, _vc_inputs(self._stream_module, source, prompt, source_sr, prompt_sr, seed,
+                                                 speaker_id, encoded and self.protocol == "grpc"),
+                               parameters=parameters, stats=stats)
 
     async def tts(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
                   instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
@@ -633,8 +844,8 @@ class AsyncVCClient:
                    instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
                    seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
                    stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
-        inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
-                             encoded)
+        inputs = _tts_inputs(self._stream_module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode,
+                             seed, encoded and self.protocol == "grpc")
         return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
 
     async def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
@@ -651,7 +862,7 @@ class AsyncVCClient:
         return _ids(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list")))
 
     async def delete_speaker(self, speaker_id: str) -> None:
-        await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id))
+        await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "delete", speaker_id), retry=False)
 
 
 #: One client class serves VC, TTS and speakers; these names read better in TTS code.

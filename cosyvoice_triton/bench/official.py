@@ -70,6 +70,67 @@ def import_official(checkout: str | Path, *modules: str) -> list[types.ModuleTyp
     return [importlib.import_module(name) for name in modules]
 
 
+class _NoLLM(torch.nn.Module):
+    """The LM slot of the official ``CosyVoice2Model`` for token-to-waveform only (its constructor only keeps it)."""
+
+
+def official_vc_model(checkout: str | Path, model_dir: str | Path):
+    """The official ``CosyVoice2Model`` with the flow and HiFT of ``model_dir`` (built as its cosyvoice2.yaml
+    builds them, weights loaded strictly as ``CosyVoice2Model.load`` does), in eval mode on the CPU; no LM.
+    Needs the official flow/HiFT dependencies (diffusers, einops, conformer, omegaconf) importable."""
+    from ..config import ModelConfig
+
+    model_mod, flow_mod, cfm_mod, dec_mod, enc_mod, gen_mod, f0_mod = import_official(
+        checkout, "cosyvoice.cli.model", "cosyvoice.flow.flow", "cosyvoice.flow.flow_matching",
+        "cosyvoice.flow.decoder", "cosyvoice.transformer.upsample_encoder", "cosyvoice.hifigan.generator",
+        "cosyvoice.hifigan.f0_predictor")
+    from omegaconf import DictConfig
+
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+    f, e, est, h = cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift
+    encoder = enc_mod.UpsampleConformerEncoder(
+        output_size=e.output_size, attention_heads=e.attention_heads, linear_units=e.linear_units,
+        num_blocks=e.num_blocks, dropout_rate=0.1, positional_dropout_rate=0.1, attention_dropout_rate=0.1,
+        normalize_before=True, input_layer="linear", pos_enc_layer_type="rel_pos_espnet",
+        selfattention_layer_type="rel_selfattn", input_size=e.input_size, use_cnn_module=False, macaron_style=False,
+        static_chunk_size=e.static_chunk_size)
+    estimator = dec_mod.CausalConditionalDecoder(
+        in_channels=est.in_channels, out_channels=est.out_channels, channels=list(est.channels), dropout=0.0,
+        attention_head_dim=est.attention_head_dim, n_blocks=est.n_blocks, num_mid_blocks=est.num_mid_blocks,
+        num_heads=est.num_heads, act_fn="gelu", static_chunk_size=est.static_chunk_size,
+        num_decoding_left_chunks=est.num_decoding_left_chunks)
+    cfm_params = DictConfig({"sigma_min": 1e-06, "solver": "euler", "t_scheduler": cfg.flow.cfm.t_scheduler,
+                             "training_cfg_rate": 0.2, "inference_cfg_rate": cfg.flow.cfm.inference_cfg_rate,
+                             "reg_loss_type": "l1"})
+    decoder = cfm_mod.CausalConditionalCFM(in_channels=240, n_spks=1, spk_emb_dim=80, cfm_params=cfm_params,
+                                           estimator=estimator)
+    flow = flow_mod.CausalMaskedDiffWithXvec(
+        input_size=f.input_size, output_size=f.output_size, spk_embed_dim=f.spk_embed_dim, output_type="mel",
+        vocab_size=f.vocab_size, input_frame_rate=cfg.token_frame_rate, only_mask_loss=True,
+        token_mel_ratio=f.token_mel_ratio, pre_lookahead_len=f.pre_lookahead_len, encoder=encoder, decoder=decoder)
+    hift = gen_mod.HiFTGenerator(
+        in_channels=h.in_channels, base_channels=h.base_channels, nb_harmonics=h.nb_harmonics,
+        sampling_rate=h.sampling_rate, nsf_alpha=h.nsf_alpha, nsf_sigma=h.nsf_sigma,
+        nsf_voiced_threshold=h.nsf_voiced_threshold, upsample_rates=list(h.upsample_rates),
+        upsample_kernel_sizes=list(h.upsample_kernel_sizes), istft_params={"n_fft": h.n_fft, "hop_len": h.hop_len},
+        resblock_kernel_sizes=list(h.resblock_kernel_sizes),
+        resblock_dilation_sizes=[list(d) for d in h.resblock_dilation_sizes],
+        source_resblock_kernel_sizes=list(h.source_resblock_kernel_sizes),
+        source_resblock_dilation_sizes=[list(d) for d in h.source_resblock_dilation_sizes],
+        lrelu_slope=h.lrelu_slope, audio_limit=h.audio_limit,
+        f0_predictor=f0_mod.ConvRNNF0Predictor(num_class=h.f0_predictor.num_class,
+                                               in_channels=h.f0_predictor.in_channels,
+                                               cond_channels=h.f0_predictor.cond_channels))
+    model = model_mod.CosyVoice2Model(_NoLLM(), flow, hift)
+    flow.load_state_dict(torch.load(model_dir / "flow.pt", map_location="cpu", weights_only=True), strict=True)
+    state = torch.load(model_dir / "hift.pt", map_location="cpu", weights_only=True)
+    hift.load_state_dict({k.replace("generator.", ""): v for k, v in state.items()}, strict=True)
+    flow.eval()
+    hift.eval()
+    return model
+
+
 def official_qwen2lm(checkout: str | Path, qwen: str | Path | torch.nn.Module, *, hidden_size: int,
                      speech_token_size: int = 6561):
     """The official ``Qwen2LM`` as cosyvoice2.yaml builds it, in eval mode.

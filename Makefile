@@ -118,5 +118,12 @@ loadtest: $(VENV)/.installed ## Locust: plain separate calls vs the integrated e
 loadtest-full: $(VENV)/.installed ## the same at CosyVoice2-0.5B dims (long; loadtest/README.md) -> build/loadtest/full/report.md
 	$(PY) loadtest/run.py --config full $(LOADTEST_ARGS)
 
+.PHONY: prometheus dashboard
+prometheus: ## Debian's prometheus + promtool unpacked into build/tools/prometheus (apt-get download + dpkg -x, no install)
+	sh deploy/prometheus/fetch-prometheus.sh build/tools/prometheus
+
+dashboard: $(VENV)/.installed ## regenerate deploy/grafana/cosyvoice-triton.json from deploy/grafana/dashboard.py
+	$(PY) deploy/grafana/dashboard.py
+
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

@@ -6,7 +6,11 @@ of its inputs and seed):
 * the server could not take the request: gRPC ``UNAVAILABLE`` (also what Triton answers when a queue is full,
   ``max_queue_size``, or a queued request timed out, and while a model is being reloaded), HTTP 503;
 * overloaded: gRPC ``RESOURCE_EXHAUSTED``, HTTP 429; a proxy in front could not reach Triton: HTTP 502 / 504;
-* timeouts and lost connections: gRPC ``DEADLINE_EXCEEDED``, a refused or reset connection, a socket timeout.
+* timeouts and lost connections: gRPC ``DEADLINE_EXCEEDED``, a refused or reset connection, a socket timeout;
+* two server faults that say the server is mending itself (measured with a stage killed under load): a stage's
+  Python process died under the request ("Stub process ... is not healthy", HTTP 500 / ``INTERNAL``; the
+  supervisor reloads it in seconds), and a pipeline whose stage is being reloaded ("... has no available
+  versions", HTTP 400 / ``NOT_FOUND``: Triton unloads the ensemble with its member).
 
 Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way) and any other
 server error (a bug would only be hit once more), and a streamed call once a chunk has arrived (not handled here:
@@ -33,6 +37,8 @@ RETRY_GRPC_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "StatusCode.RESOURCE_
 RETRY_HTTP_STATUSES = frozenset({"429", "502", "503", "504"})
 #: Statuses the clients give to failures of their own that are worth another try.
 RETRY_CLIENT_STATUSES = frozenset({"timeout", "connection"})
+#: Server messages of a transient state, whatever their status (see the module docstring).
+RETRY_MESSAGES = ("is not healthy", "has no available versions")
 
 
 def _status(exc: BaseException) -> str | None:
@@ -48,6 +54,9 @@ def is_retryable(exc: BaseException) -> bool:
         seen.add(id(exc))
         status = _status(exc)
         if status in RETRY_GRPC_STATUSES or status in RETRY_HTTP_STATUSES or status in RETRY_CLIENT_STATUSES:
+            return True
+        message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+        if status is not None and any(m in str(message) for m in RETRY_MESSAGES):
             return True
         if status is None and isinstance(exc, (ConnectionError, TimeoutError)):
             return True

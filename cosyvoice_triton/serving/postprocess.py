@@ -4,22 +4,34 @@ All switched by the model's config parameters (read once): ``output_sample_rate`
 ``loudness_lufs`` (0: off; else the ITU-R BS.1770-4 integrated loudness is brought to that target, the gain
 capped so that the peak stays at or below ``peak_dbfs``), ``output_format`` (``""``: no bytes; ``wav`` /
 ``flac``: 16-bit PCM file bytes in the extra output ``audio_bytes``).
+
+Streamed answers (:meth:`Postprocessor.stream`, one :class:`ChunkPostprocessor` per stream) get what can be done
+causally: the output rate, by one soxr ``ResampleStream`` per stream at the quality of the whole-answer path
+(VHQ), which carries the filter state across chunk boundaries, so the chunks joined equal the whole answer
+resampled at once (bit for bit here: soxr's one-shot call runs the same engine). It holds back the filter's
+delay (~60 ms of audio) until the next chunk and gives it out with the last one. Not applied to streams:
+loudness normalisation (its gain comes from the integrated loudness, gated over every 400 ms block of the whole
+utterance, and from its peak: unknown until the last chunk, and a gain that changed as the utterance went on
+would be an AGC, not the same output) and ``output_format`` (a file container of the whole answer; streamed
+chunks are float32 samples, the client writes the file).
 """
 
 from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import soundfile
+import soxr
 from scipy import signal
 
 from ..frontend import audio
 from ..shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, run_per_item
 
-__all__ = ["OUTPUT_FORMATS", "Postprocessor", "integrated_loudness"]
+__all__ = ["OUTPUT_FORMATS", "ChunkPostprocessor", "Postprocessor", "integrated_loudness"]
 
 OUTPUT_FORMATS = ("", "wav", "flac")
 #: The longest waveform ``postprocess`` takes: what HiFT gives for its most mel frames.
@@ -88,6 +100,12 @@ class Postprocessor:
         y = np.asarray(wave, dtype=np.float32).reshape(-1)
         if self.output_sample_rate != self.model_sample_rate:
             y = audio.resample(y, orig_sr=self.model_sample_rate, target_sr=self.output_sample_rate)
+        return self.normalize(y)
+
+    def normalize(self, y: np.ndarray) -> np.ndarray:
+        """Loudness normalisation (``loudness_lufs``, the gain capped at ``peak_dbfs``) of a whole waveform
+        already at the output rate; float32, unchanged when it is off or the waveform is silent / < 0.4 s."""
+        y = np.asarray(y, dtype=np.float32).reshape(-1)
         if self.loudness_lufs:
             loud = integrated_loudness(y, self.output_sample_rate)
             if math.isfinite(loud):
@@ -97,6 +115,16 @@ class Postprocessor:
                     gain = self.peak / peak
                 y = (y * gain).astype(np.float32)
         return np.ascontiguousarray(y, dtype=np.float32)
+
+    def stream(self) -> ChunkPostprocessor:
+        """The post-processing of one streamed answer (see the module docstring: the output rate only)."""
+        return ChunkPostprocessor(self.model_sample_rate, self.output_sample_rate)
+
+    @property
+    def not_streamed(self) -> list[str]:
+        """The configured options that streamed answers do not get (see the module docstring), for the log."""
+        return [f"{k}={v!r}" for k, v in (("loudness_lufs", self.loudness_lufs),
+                                          ("output_format", self.output_format)) if v]
 
     def batch(self, waves) -> list[ItemResult[dict[str, np.ndarray]]]:
         """The ``postprocess`` outputs of each request: ``waveform [1, N]``, ``sample_rate [1, 1]`` and, with an
@@ -128,3 +156,37 @@ class Postprocessor:
         soundfile.write(buf, np.clip(y, -1.0, 1.0), self.output_sample_rate, subtype="PCM_16",
                         format=self.output_format.upper())
         return buf.getvalue()
+
+
+class ChunkPostprocessor:
+    """Post-processing of one stream's chunks, in order: ``__call__(chunk, last=...)`` -> the served chunk.
+
+    Resamples from ``model_sample_rate`` to ``output_sample_rate`` with one soxr ``ResampleStream`` (state kept
+    across chunks; ``last=True`` flushes the held-back tail). A chunk may come out shorter than its share
+    (the filter's delay), never a sample is lost: the joined chunks equal :meth:`Postprocessor.waveform`'s
+    resampling of the joined input. Equal rates: chunks pass unchanged (as float32)."""
+
+    def __init__(self, model_sample_rate: int, output_sample_rate: int, quality: str = audio.RESAMPLE_QUALITY):
+        self.model_sample_rate, self.sample_rate = int(model_sample_rate), int(output_sample_rate)
+        self._resampler = None
+        if self.sample_rate != self.model_sample_rate:
+            self._resampler = soxr.ResampleStream(self.model_sample_rate, self.sample_rate, 1, dtype="float32",
+                                                  quality=quality)
+        self.done = False
+
+    def __call__(self, chunk: np.ndarray, *, last: bool) -> np.ndarray:
+        if self.done:
+            raise RuntimeError("ChunkPostprocessor: a chunk after the last one")
+        self.done = bool(last)
+        y = np.ascontiguousarray(np.asarray(chunk, dtype=np.float32).reshape(-1))
+        if self._resampler is not None:
+            y = np.ascontiguousarray(self._resampler.resample_chunk(y, last=bool(last)), dtype=np.float32)
+        return y
+
+    def run(self, chunks: Iterable[tuple[np.ndarray, bool]]) -> Iterator[np.ndarray]:
+        """The served chunks of ``(chunk, last)`` pairs, as they come; a chunk the filter's delay swallowed
+        whole (empty, not the last) is skipped."""
+        for chunk, last in chunks:
+            y = self(chunk, last=last)
+            if y.size or last:
+                yield y

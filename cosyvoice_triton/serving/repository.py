@@ -43,7 +43,7 @@ import os
 import re
 import shutil
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -73,6 +73,9 @@ from ..shapes import (
     TensorSpec,
 )
 from .model_params import MODEL_PARAMS
+from .rollout import MANIFEST_NAME as VERSION_MANIFEST
+from .rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
+from .rollout import pipeline_model as _pipeline_model
 from .speakers import SPEAKER_INPUTS, SPEAKER_OUTPUTS
 from .vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTPUTS
 
@@ -582,9 +585,16 @@ def _vc_values(ctx: RenderContext) -> dict[str, str]:
                                           if ctx.tunables.output_format else "")}
 
 
+def _output_params(ctx: RenderContext) -> dict[str, Any]:
+    """The output options (``postprocess``'s) for the pipelines that answer audio without that stage."""
+    tun = ctx.tunables
+    return {"output_sample_rate": tun.output_sample_rate, "loudness_lufs": tun.loudness_lufs,
+            "peak_dbfs": tun.peak_dbfs}
+
+
 def _tts_params(ctx: RenderContext) -> dict[str, Any]:
     tun = ctx.tunables
-    return {"model_dir": str(ctx.model_dir), "max_active_requests": tun.max_active_requests,
+    return {**_output_params(ctx), "model_dir": str(ctx.model_dir), "max_active_requests": tun.max_active_requests,
             "max_waiting_requests": tun.max_waiting_requests, "wait_timeout_s": tun.tts_wait_timeout_s,
             "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
@@ -592,13 +602,25 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
-    return {"stream_model": TTS_STREAM_MODEL, "bls_timeout_us": ctx.tunables.bls_timeout_us,
+    return {**_output_params(ctx), "stream_model": TTS_STREAM_MODEL, "bls_timeout_us": ctx.tunables.bls_timeout_us,
             "model_sample_rate": _model_sample_rate(ctx.model_dir)}
 
 
 def _trtllm_values(ctx: RenderContext) -> dict[str, Any]:
-    return {"max_batch_size": ctx.tunables.max_active_requests,
-            "engine_dir": str(ctx.engine_dir / "llm")}
+    from dataclasses import replace
+
+    from ..errors import CosyVoiceError
+    from ..export.trtllm import served_vocabulary
+
+    llm_dir = ctx.engine_dir / "llm"  # what export/convert_llm.py --build-engine writes (make engines-llm)
+    try:  # the converted vocabulary, checked against the engine's config where one is built
+        vocab_size, note = served_vocabulary(llm_dir, ctx.tunables.max_active_requests)
+    except CosyVoiceError as exc:
+        raise RenderError(f"lm_backend=tensorrtllm: {exc}") from exc
+    inputs = [replace(t, shape=(t.shape[0], vocab_size)) if t.name == "embedding_bias" and vocab_size else t
+              for t in TRTLLM_INPUTS]
+    return {"max_batch_size": ctx.tunables.max_active_requests, "engine_dir": str(llm_dir), "vocab_note": note,
+            "inputs": _io_block("input", inputs, optional=[t.name for t in TRTLLM_INPUTS[2:]])}
 
 
 def _tts(ctx: RenderContext) -> bool:
@@ -620,8 +642,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
         "source_model": "hift_source", "decoder_model": "hift_decoder", "default_seed": ctx.tunables.default_seed,
         "bls_timeout_us": ctx.tunables.bls_timeout_us, "torch_threads": ctx.tunables.torch_threads}),
     _stage("postprocess", warmup=_stage_warmup("postprocess"), parameters=lambda ctx: {
-        "model_sample_rate": _model_sample_rate(ctx.model_dir), "output_sample_rate": ctx.tunables.output_sample_rate,
-        "loudness_lufs": ctx.tunables.loudness_lufs, "peak_dbfs": ctx.tunables.peak_dbfs,
+        "model_sample_rate": _model_sample_rate(ctx.model_dir), **_output_params(ctx),
         "output_format": ctx.tunables.output_format}),
     ServedModel(VC_MODEL, f"ensemble/{VC_MODEL}", (*VC_INPUTS, *VC_OPTIONAL_INPUTS), VC_OUTPUTS,
                 frozenset(t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)), kind="ensemble", values=_vc_values,
@@ -639,7 +660,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "model_dir": str(ctx.model_dir), "n_timesteps": ctx.tunables.n_timesteps,
                     "default_seed": ctx.tunables.default_seed, "min_seconds": ctx.tunables.min_seconds,
                     "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
-                    "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting},
+                    "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting,
+                    **_output_params(ctx)},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
     ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",
@@ -685,6 +707,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
                       precision: str | Mapping[str, str] = "fp32", templates_dir: str | Path | None = None,
                       allow_missing: bool = False, profile: str = "",
                       quality_report: str | Path = DEFAULT_QUALITY_REPORT, ensemble_dir: str | Path | None = None,
+                      versions: Sequence[VersionSpec] = (), live_version: int = 0,
                       **tunables: Any) -> RenderReport:
     """Render the repository of ``flavor`` into ``out_dir`` (deleted and rewritten).
 
@@ -704,10 +727,18 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         allow_missing: write empty placeholders for missing ONNX / plan files (structural checks only).
         profile: a name of :data:`PROFILES` (``plain``: :data:`PLAIN_TUNABLES`, flavor ``local`` and precision
             ``fp32`` only); ``tunables`` may add to it but not contradict it.
+        versions: numbered versions (:class:`~.rollout.VersionSpec`: model folder, export, precision) of the
+            graphs and ``flow`` / ``hift``, each with its pipeline ``cosyvoice_vc_v<N>`` and manifest, and the router
+            as ``cosyvoice_vc`` (:mod:`.rollout`); ``model_dir`` / ``onnx_dir`` / ``precision`` are then the live
+            version's (``live_version``, default the lowest), and the streaming VC, speakers and TTS models are
+            not rendered (they would call the graphs' latest version).
         tunables: fields of :class:`Tunables`.
     """
     if flavor not in FLAVORS:
         raise RenderError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
+    versions, live_spec = _check_versions(versions, live_version, tunables)
+    if live_spec is not None:
+        model_dir, onnx_dir, precision = live_spec.model_dir, live_spec.onnx_dir, live_spec.precision
     plan = precision_plan(precision, flavor, quality_report=quality_report)
     known = {f.name for f in fields(Tunables)}
     unknown = sorted(set(tunables) - known)
@@ -769,6 +800,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
 
     # --- the six graphs
     graph_precisions: dict[str, str] = {}
+    served_graphs: dict[int, dict[str, tuple[Path, str]]] = {v.number: {} for v in versions}
     for name, spec in GRAPHS.items():
         asked = plan.graphs[name]
         onnx_path = _onnx_file(onnx_dir, name, asked, strict=plan.strict)
@@ -787,6 +819,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             params = {"graph": name, "runtime": runtime, "onnx_path": str(onnx_path) if runtime == "onnxruntime"
                       else "", "model_dir": str(model_dir) if runtime == "torch" else "", "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads}
+            if versions:
+                params["onnx_path"] = "model.onnx"  # in each version's folder
             python_code(name, templates / "graph")
             runtime_note = (f"Python backend, {runtime} on {tun.device}, precision {served}"
                             + (f" of {onnx_path}" if runtime == "onnxruntime" else "")
@@ -819,14 +853,23 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             "inputs": _io_block("input", spec.inputs, ragged=ragged), "outputs": _io_block("output", spec.outputs),
             "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup},
               templates / "graph" / "config.pbtxt.in")
+        if versions:
+            files += _graph_versions(out / name, name, flavor, versions, engine_dir, quality_report, tun,
+                                     allow_missing, served_graphs)
 
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
     ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun),
                         engine_dir=engine_dir)
     for entry in SERVED_MODELS:
-        if not entry.enabled(ctx):
+        if not entry.enabled(ctx) or (versions and entry.name in NOT_VERSIONED):
             continue
         name = entry.name
+        if versions and name == VC_MODEL:
+            files += _version_pipelines(out, entry, versions, live_spec.number, served_graphs, flavor, note,
+                                        write, source, ctx)
+            models[name] = "python (router: " + ", ".join(_pipeline_model(v.number) for v in versions) + ")"
+            models.update({_pipeline_model(v.number): "ensemble" for v in versions})
+            continue
         src_dir = source(entry.folder)
         if entry.kind in ("ensemble", "backend"):
             outputs = list(entry.outputs) + ([AUDIO_BYTES] if tun.output_format and name == VC_MODEL else [])
@@ -838,6 +881,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             models[name] = entry.kind if entry.kind == "ensemble" else entry.doc.split(":")[0]
             continue
         params = dict(entry.parameters(ctx)) if entry.parameters else {}
+        if versions and name in VERSIONED:
+            params["pin_graph_version"] = True
         declared = {p.name for p in MODEL_PARAMS.get(entry.params_key or name, ())}
         if not set(params) <= declared:
             raise RenderError(f"{name}: parameters {sorted(set(params) - declared)} are not declared in "
@@ -856,6 +901,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.decoupled else ""),
             "warmup": warmup})
         python_code(name, src_dir)
+        if versions and name in VERSIONED:
+            files += _stage_versions(out / name, versions)
         models[name] = "python" + (" (decoupled)" if entry.decoupled else "")
 
     marker = {"flavor": flavor, "profile": profile,
@@ -863,6 +910,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
               "precision_source": plan.source, "graph_precisions": graph_precisions, "model_dir": str(model_dir),
               "onnx_dir": str(onnx_dir), "engine_dir": str(engine_dir), "templates": str(templates.resolve()),
               "models": models,
+              "versions": {str(v.number): _pipeline_model(v.number) for v in versions},
+              "live_version": live_spec.number if live_spec is not None else 0,
               "tunables": {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in asdict(tun).items()}}
     (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     log.info("rendered %s (%s, %d models)", out, flavor, len(models))
@@ -923,3 +972,123 @@ def _model_sample_rate(model_dir: Path) -> int:
 
     path = model_dir / "cosyvoice2.yaml"
     return ModelConfig.from_yaml(path).sample_rate if path.is_file() else 24000
+
+
+# ------------------------------------------------------------------------------------------- versions
+#: Models left out of a versioned render: they call the graphs by BLS without a version, so they would reach the
+#: newest loaded version (a staged candidate) whatever the router's split says.
+NOT_VERSIONED = (VC_STREAM_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm")
+
+
+def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any]
+                    ) -> tuple[tuple[VersionSpec, ...], VersionSpec | None]:
+    versions = tuple(sorted(versions, key=lambda v: v.number))
+    if not versions:
+        if live:
+            raise RenderError("live_version without versions")
+        return versions, None
+    numbers = [v.number for v in versions]
+    if len(set(numbers)) != len(numbers):
+        raise RenderError(f"versions: a number given twice ({numbers})")
+    if tunables.get("runtime", "onnxruntime") != "onnxruntime":
+        raise RenderError("versions: a version is an export; runtime=torch runs the checkpoint's modules instead")
+    live = live or numbers[0]
+    if live not in numbers:
+        raise RenderError(f"live_version {live} is not one of the versions {numbers}")
+    return versions, next(v for v in versions if v.number == live)
+
+
+def _version_policy(path: Path, numbers: Iterable[int]) -> None:
+    """Append the ``version_policy`` that loads ``numbers`` to a rendered config."""
+    listed = ", ".join(str(n) for n in sorted(numbers))
+    with open(path, "a") as f:
+        f.write(f"# the live version on disk; `rollout stage` loads the candidate beside it (config override)\n"
+                f"version_policy {{ specific {{ versions: [ {listed} ] }} }}\n")
+
+
+def _graph_versions(model: Path, name: str, flavor: str, versions: Sequence[VersionSpec], engine_dir: Path,
+                    quality_report: str | Path, tun: Tunables, allow_missing: bool,
+                    served: dict[int, dict[str, tuple[Path, str]]]) -> list[Path]:
+    """One folder per version with that version's file of graph ``name`` (replacing the single ``1/``)."""
+    code = model / "1" / "model.py"
+    code_text = code.read_bytes() if code.is_file() else None
+    shutil.rmtree(model / "1")
+    files: list[Path] = []
+    for v in versions:
+        plan = precision_plan(v.precision, flavor, quality_report=quality_report)
+        onnx_dir = Path(v.onnx_dir).resolve()
+        _check_plan(plan, flavor, onnx_dir, tun, allow_missing)
+        asked = plan.graphs[name]
+        folder = model / str(v.number)
+        if flavor == "trt" and name not in EXCLUDED:
+            src, dst, precision = Path(engine_dir) / asked / f"{name}.plan", folder / "model.plan", asked
+        else:
+            src = _onnx_file(onnx_dir, name, asked, strict=plan.strict)
+            if not src.is_file() and not allow_missing:
+                raise RenderError(f"version {v.number}: {src} not found (make export first)")
+            if src.is_file():
+                check_onnx_io(src, name)
+            dst, precision = folder / "model.onnx", src.parent.name if src.is_file() else asked
+        files.append(_place(src, dst, allow_missing))
+        if code_text is not None:
+            (folder / "model.py").write_bytes(code_text)
+            files.append(folder / "model.py")
+        served[v.number][name] = (src, precision)
+    return files
+
+
+def _stage_versions(model: Path, versions: Sequence[VersionSpec]) -> list[Path]:
+    """A BLS stage's code in every version's folder (version N calls the graphs' version N)."""
+    code = (model / "1" / "model.py").read_bytes()
+    files = []
+    for v in versions:
+        dst = model / str(v.number) / "model.py"
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(code)
+        files.append(dst)
+    if 1 not in [v.number for v in versions]:
+        shutil.rmtree(model / "1")
+    return files
+
+
+def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[VersionSpec], live: int,
+                       served: Mapping[int, Mapping[str, tuple[Path, str]]], flavor: str, note: str,
+                       write: Callable[..., None], source: Callable[[str], Path], ctx: RenderContext) -> list[Path]:
+    """Per version its pipeline (the ensemble, graph and BLS steps pinned to the version) and manifest; the router
+    under the public name with the live version at 100%; the live version's ``version_policy`` everywhere."""
+    files: list[Path] = []
+    outputs = list(entry.outputs) + ([AUDIO_BYTES] if ctx.tunables.output_format else [])
+    values = {"inputs": _io_block("input", entry.inputs, optional=entry.optional),
+              "outputs": _io_block("output", outputs), **(entry.values(ctx) if entry.values else {})}
+    step = re.compile(r'(model_name: "(' + "|".join(VERSIONED) + r')"\s*\n\s*model_version: )-1')
+    for v in versions:
+        name = _pipeline_model(v.number)
+        write(name, f"{entry.folder}/config.pbtxt.in", {"name": name, **values}, source(entry.folder) /
+              "config.pbtxt.in")
+        path = out / name / "config.pbtxt"
+        text, pinned = step.subn(lambda m, n=v.number: m.group(1) + str(n), path.read_text())
+        if pinned < 4:
+            raise RenderError(f"{path}: the graph and BLS steps should pin version {v.number}; pinned {pinned}")
+        path.write_text(text)
+        (out / name / "1").mkdir(parents=True, exist_ok=True)
+        manifest = version_manifest(v, {g: p for g, (p, _) in served[v.number].items()},
+                                    {g: prec for g, (_, prec) in served[v.number].items()}, flavor=flavor)
+        (out / name / VERSION_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        files += [path, out / name / VERSION_MANIFEST]
+    router = source("ensemble/cosyvoice_vc_router")
+    params = {p.name: p.default for p in ROUTER_PARAMS}
+    params.update(split=f"{live}:100", live_version=live, candidate_version=0,
+                  bls_timeout_us=ctx.tunables.bls_timeout_us)
+    write(entry.name, "ensemble/cosyvoice_vc_router/config.pbtxt.in", {
+        "name": entry.name, "max_batch_size": 16,
+        "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
+        "outputs": _io_block("output", outputs),
+        "instance_count": int(ctx.tunables.instances.get(entry.name, 2)),
+        "parameters": _parameters_block(params)}, router / "config.pbtxt.in")
+    dst = out / entry.name / "1" / "model.py"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(router / "model.py", dst)
+    files += [out / entry.name / "config.pbtxt", dst]
+    for model in VERSIONED:
+        _version_policy(out / model / "config.pbtxt", [live])
+    return files

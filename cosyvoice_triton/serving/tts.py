@@ -14,7 +14,10 @@ does, with the served pieces:
   streaming, the official chunk schedule (:meth:`CosyVoice2.stream_chunk_ends`) over the tokens as they arrive,
   each chunk through :class:`~.flow.FlowSolver` with the chunk's streaming flag and look-ahead (graphs
   ``flow_encoder`` / ``flow_estimator``) and HiFT with the previous chunk's mel / source cache, continued NSF
-  noise and the Hamming crossfade (graphs ``hift_source`` / ``hift_decoder``).
+  noise and the Hamming crossfade (graphs ``hift_source`` / ``hift_decoder``);
+- the answer's chunks (or segments) post-processed as one stream (:meth:`.postprocess.Postprocessor.stream`: the
+  configured output rate, resampled continuously across chunks and segments; loudness normalisation, which needs
+  the whole utterance, is left to ``cosyvoice_tts``).
 
 The stages keep no per-request state, which a stream needs (the HiFT cache, the noise generator, the chunk
 offsets): that state lives here, and the graphs it calls still batch across requests (dynamic batching).
@@ -27,6 +30,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,8 +44,9 @@ from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
 from .lm_engine import LMEngine
+from .postprocess import Postprocessor
 from .speakers import compute_prompt
-from .vc_stream import StreamingToken2Wav, StreamPrompt
+from .vc_stream import StreamingToken2Wav, StreamPrompt, stream_postprocessor
 from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
@@ -102,22 +107,27 @@ class TTSService:
         max_active, max_waiting, wait_timeout_s: the LM engine's queue policy.
         max_text_chars: longest accepted text.
         min_seconds, max_seconds: accepted prompt duration.
+        output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
+            ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
     """
 
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
                  hift: HiftFn | None = None, speakers: SpeakerFn | None = None, max_active: int = 8,
                  max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
                  n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", output: Mapping[str, Any] | None = None):
         from ..frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
         self.config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
-        self.sample_rate = self.config.sample_rate
+        self.post = (stream_postprocessor(output, self.config.sample_rate) if output is not None else
+                     Postprocessor(model_sample_rate=self.config.sample_rate))
+        #: the rate of the answered chunks (the output rate)
+        self.sample_rate = self.post.output_sample_rate
         self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars)
         self.lm = load_llm(model_dir, self.config, device=device)
         self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
-        self.pre = Preprocessor(self.config.mel, sample_rate=self.sample_rate, min_seconds=min_seconds,
+        self.pre = Preprocessor(self.config.mel, sample_rate=self.config.sample_rate, min_seconds=min_seconds,
                                 max_seconds=max_seconds)
         self.graphs = graphs
         self.solver = FlowSolver(self.config.flow.cfm, token_mel_ratio=self.config.token_mel_ratio,
@@ -176,21 +186,30 @@ class TTSService:
 
     def synthesize(self, plan: TTSPlan, *, stream: bool, cancelled: Callable[[], bool] = lambda: False
                    ) -> Iterator[np.ndarray]:
-        """float32 chunks at 24 kHz: the official streaming schedule (``stream=True``) or one per segment. The
-        LM jobs leave the batch when ``cancelled()`` turns true or the consumer stops iterating."""
+        """float32 chunks at the model's rate (24 kHz): the official streaming schedule (``stream=True``) or one
+        per segment. The LM jobs leave the batch when ``cancelled()`` turns true or the consumer stops
+        iterating."""
+        return (chunk for chunk, _ in self._chunks(plan, stream=stream, cancelled=cancelled))
+
+    def _chunks(self, plan: TTSPlan, *, stream: bool, cancelled: Callable[[], bool]
+                ) -> Iterator[tuple[np.ndarray, bool]]:
+        """:meth:`synthesize` as ``(chunk, last)`` pairs: the answer's last chunk says so when it comes."""
         draws = torch.Generator().manual_seed(plan.seed)
-        for text, ids in plan.segments:
+        for n, (text, ids) in enumerate(plan.segments, 1):
+            last_segment = n == len(plan.segments)
             job = self.engine.submit(LMRequest(ids, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
                                                draws=draws), cancelled=cancelled)
             try:
                 tokens = job.tokens()
                 if stream:
-                    yield from self.stream_token2wav(plan.prompt, tokens, seed=plan.seed)
+                    for chunk, final in self.streamer.chunks(StreamPrompt.from_speaker(plan.prompt), tokens,
+                                                             seed=plan.seed):
+                        yield chunk, final and last_segment
                 else:
                     got = np.asarray(list(tokens), np.int32)
                     if not got.size:
                         raise LLMError(f"the LM produced no speech token for {text!r}")
-                    yield self.token2wav(plan.prompt, got, seed=plan.seed)
+                    yield self.token2wav(plan.prompt, got, seed=plan.seed), last_segment
             finally:
                 job.cancel()  # a no-op once it has finished; frees its row if the consumer stopped early
             if job.hit_max_len:
@@ -199,8 +218,9 @@ class TTSService:
     def responses(self, t: Mapping[str, np.ndarray | None], *, cancelled: Callable[[], bool] = lambda: False
                   ) -> Iterator[dict[str, np.ndarray]]:
         """One request of ``cosyvoice_tts_stream``, as the response tensors of each chunk (``stream`` input
-        absent or true: the chunk schedule; false: one per segment). Raises :class:`~.lm_engine.JobCancelled`
-        once ``cancelled()`` turns true."""
+        absent or true: the chunk schedule; false: one per segment), at the output rate (one streaming
+        resampler over the whole answer). Raises :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns
+        true."""
         from .lm_engine import JobCancelled
 
         plan = self.prepare(t)
@@ -208,7 +228,8 @@ class TTSService:
         rate = np.array([[self.sample_rate]], np.int32)
         self._count("streams_started")
         try:
-            for i, chunk in enumerate(self.synthesize(plan, stream=stream, cancelled=cancelled)):
+            chunks = self.post.stream().run(self._chunks(plan, stream=stream, cancelled=cancelled))
+            for i, chunk in enumerate(chunks):
                 if cancelled():
                     raise JobCancelled("the client went away")
                 yield {"waveform": chunk[None], "sample_rate": rate, "chunk_index": np.array([[i]], np.int32)}
@@ -245,10 +266,6 @@ class TTSService:
         """Non-streaming (``CosyVoice2.token2wav``): the ``flow`` then the ``hift`` stage."""
         mel = self.flow(self._item(prompt, tokens, streaming=False, lookahead=0))
         return np.asarray(self.hift(mel, seed), np.float32).reshape(-1)
-
-    def stream_token2wav(self, prompt: SpeakerPrompt, tokens: Iterable[int], *, seed: int) -> Iterator[np.ndarray]:
-        """``CosyVoice2.tokens2wav_stream`` over tokens as they arrive (:class:`~.vc_stream.StreamingToken2Wav`)."""
-        return self.streamer.stream(StreamPrompt.from_speaker(prompt), tokens, seed=seed)
 
 
 def error_response(pb, exc: BaseException):

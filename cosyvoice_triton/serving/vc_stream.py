@@ -12,7 +12,8 @@ speech tokens as an iterable, so streaming TTS can feed it the LM's tokens as th
 
 :class:`VCStreamer` is the voice-conversion front of it: the request's tensors (the ``cosyvoice_vc`` inputs, or
 ``speaker_id`` instead of the prompt), the :class:`~.frontend.Preprocessor` features, the ``speech_tokenizer`` and
-``speaker_encoder`` graphs, then the chunks.
+``speaker_encoder`` graphs, then the chunks, post-processed as a stream (:meth:`.postprocess.Postprocessor.stream`:
+the configured output rate, resampled continuously across chunks).
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ from ..streaming import MEL_CACHE, stream_chunks
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
+from .postprocess import Postprocessor
 from .speakers import bytes_scalar
 from .vocoder import parse_seed
 
 __all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
-           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors"]
+           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors",
+           "stream_postprocessor"]
 
 #: Inputs of ``cosyvoice_vc_stream``: the ``cosyvoice_vc`` ones and ``speaker_id`` (a registered prompt).
 STREAM_INPUTS = ("source_audio", "source_sample_rate", "source_audio_bytes", "prompt_audio", "prompt_sample_rate",
@@ -90,6 +93,12 @@ class StreamingToken2Wav:
                cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """Float32 chunks; a chunk runs as soon as its hop plus the look-ahead tokens have arrived, the last when
         ``tokens`` ends. ``cancelled()`` is asked before each chunk: True raises :class:`StreamCancelled`."""
+        return (speech for speech, _ in self.chunks(prompt, tokens, seed=seed, cancelled=cancelled))
+
+    def chunks(self, prompt: StreamPrompt, tokens: Iterable[int], *, seed: int = 0,
+               cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[np.ndarray, bool]]:
+        """:meth:`stream` as ``(chunk, final)`` pairs: the last chunk says so when it comes (a streaming
+        resampler flushes on it)."""
         generator = torch.Generator().manual_seed(int(seed))
         cache = None
         for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead):
@@ -97,7 +106,7 @@ class StreamingToken2Wav:
             lookahead = 0 if chunk.final else self.lookahead
             mel = self._flow(prompt, chunk.tokens, lookahead)[:, chunk.offset * self.ratio:]
             speech, cache = self._hift(mel, cache, generator, final=chunk.final)
-            yield speech
+            yield speech, chunk.final
 
     @staticmethod
     def _check(cancelled: Callable[[], bool] | None) -> None:
@@ -144,14 +153,19 @@ class VCStreamer:
     """Streaming voice conversion of one request: front end, tokenizer and speaker encoder, then the chunks.
 
     ``graphs``: the six graphs as :data:`~.flow.GraphFn`; ``speakers``: ``speaker_id -> SpeakerPrompt`` (the
-    ``speakers`` model by BLS in Triton), needed only for requests that name a registered speaker.
+    ``speakers`` model by BLS in Triton), needed only for requests that name a registered speaker; ``post``: the
+    served output options (None: the model's rate, as the graphs give it).
     """
 
     def __init__(self, pre: Preprocessor, solver: FlowSolver, graphs: Mapping[str, GraphFn], *,
-                 speakers: Callable[[str], SpeakerPrompt] | None = None, default_seed: int = 0):
+                 speakers: Callable[[str], SpeakerPrompt] | None = None, default_seed: int = 0,
+                 post: Postprocessor | None = None):
         self.pre, self.graphs, self.speakers = pre, graphs, speakers
         self.token2wav = StreamingToken2Wav(solver, graphs)
         self.default_seed = int(default_seed)
+        self.post = post or Postprocessor(model_sample_rate=pre.sample_rate)
+        #: the rate of the served chunks
+        self.sample_rate = self.post.output_sample_rate
 
     def _tokens(self, whisper: np.ndarray) -> np.ndarray:
         out = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
@@ -187,11 +201,19 @@ class VCStreamer:
 
     def stream(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None, *,
                cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
-        """Float32 24 kHz chunks of one request (errors: :class:`CosyVoiceError` for bad input)."""
+        """Float32 chunks of one request at :attr:`sample_rate` (errors: :class:`CosyVoiceError` for bad
+        input)."""
         prompt, tokens, seed = self.prepare(tensors, parameters)
         if tokens.size < 1:
             raise CosyVoiceError("source_audio: no speech tokens (too short)")
-        yield from self.token2wav.stream(prompt, tokens.tolist(), seed=seed, cancelled=cancelled)
+        chunks = self.token2wav.chunks(prompt, tokens.tolist(), seed=seed, cancelled=cancelled)
+        yield from self.post.stream().run(chunks)
+
+    def responses(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None, *,
+                  cancelled: Callable[[], bool] | None = None) -> Iterator[dict[str, np.ndarray]]:
+        """:meth:`stream` as the response tensors of each chunk (:func:`chunk_tensors`)."""
+        for i, chunk in enumerate(self.stream(tensors, parameters, cancelled=cancelled)):
+            yield chunk_tensors(chunk, i, self.sample_rate)
 
 
 VC_STREAM_MODEL = "cosyvoice_vc_stream"
@@ -222,7 +244,22 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
     solver = FlowSolver(config.flow.cfm, token_mel_ratio=config.token_mel_ratio,
                         n_timesteps=params["n_timesteps"] or None)
     graphs = {g: graph_fn(g, g) for g in GRAPHS}
-    return VCStreamer(pre, solver, graphs, speakers=speakers, default_seed=params["default_seed"])
+    return VCStreamer(pre, solver, graphs, speakers=speakers, default_seed=params["default_seed"],
+                      post=stream_postprocessor(params, config.sample_rate))
+
+
+def stream_postprocessor(params: Mapping, model_sample_rate: int) -> Postprocessor:
+    """The output options of a streaming model's config parameters (``output_sample_rate``, ``loudness_lufs``,
+    ``peak_dbfs``: the ``postprocess`` stage's), logging those that streamed chunks do not get."""
+    import logging
+
+    post = Postprocessor(model_sample_rate=model_sample_rate, output_sample_rate=params["output_sample_rate"],
+                         loudness_lufs=params["loudness_lufs"], peak_dbfs=params["peak_dbfs"])
+    if post.not_streamed:
+        logging.getLogger(__name__).warning(
+            "streamed chunks are not loudness-normalised (%s applies to whole answers only: its gain needs the "
+            "whole utterance)", ", ".join(post.not_streamed))
+    return post
 
 
 class StreamWorkers:
@@ -233,17 +270,20 @@ class StreamWorkers:
     tensors``. At most ``max_streams`` run at once and ``max_waiting`` wait for a worker; a request beyond that
     is answered at once with UNAVAILABLE (retry later) on its stream. A bad request gets INVALID_ARG, a failure
     INTERNAL, a cancelled stream (``is_cancelled()``, checked before each chunk) CANCELLED; each as its stream's
-    final response, nothing hangs.
+    final response, nothing hangs. ``on_reject(error)``: told of each request answered here, before any stream
+    ran (refused, unreadable inputs), with its message or exception (the speech metrics count it).
     """
 
     def __init__(self, pb, stream: Callable[..., Iterator[Mapping[str, np.ndarray]]], input_names: Iterable[str], *,
-                 max_streams: int, max_waiting: int, name: str = "stream"):
+                 max_streams: int, max_waiting: int, name: str = "stream",
+                 on_reject: Callable[[BaseException | str], object] | None = None):
         from concurrent.futures import ThreadPoolExecutor
         from threading import Lock
 
         if max_streams < 1 or max_waiting < 0:
             raise ValueError(f"need max_streams >= 1 and max_waiting >= 0, got {max_streams}, {max_waiting}")
         self.pb, self.stream, self.inputs, self.name = pb, stream, list(input_names), name
+        self.on_reject = on_reject or (lambda error: None)
         self.max_streams, self.max_waiting = int(max_streams), int(max_waiting)
         self.pool = ThreadPoolExecutor(self.max_streams, thread_name_prefix=name)
         self.lock, self.pending = Lock(), 0
@@ -264,6 +304,7 @@ class StreamWorkers:
         if busy:
             msg = (f"{self.name}: too many concurrent streams ({self.max_streams} running, {self.max_waiting} "
                    "waiting, the configured maximum); retry later")
+            self.on_reject(msg)
             sender.send(pb.InferenceResponse(error=pb.TritonError(msg, pb.TritonError.UNAVAILABLE)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -272,6 +313,7 @@ class StreamWorkers:
             params = triton_io.request_parameters(request)
         except Exception as exc:
             self._done("failed")
+            self.on_reject(exc)
             sender.send(triton_io.error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         self.pool.submit(self._run, request, sender, tensors, params)

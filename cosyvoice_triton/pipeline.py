@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import longform
 from .config import ModelConfig
 from .errors import CheckpointError, LLMError, TextError
 from .frontend import audio, features
@@ -28,6 +29,7 @@ from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
+from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speakers import SpeakerPrompt, SpeakerStore
 from .streaming import MEL_CACHE, stream_chunk_ends, stream_chunks
 
@@ -72,11 +74,17 @@ class VCInputs:
 
 class CosyVoice2:
     """The models of one CosyVoice2 folder on one torch device (CPU by default); ``llm`` and ``text`` are
-    ``None`` for a folder without the TTS files (voice conversion only)."""
+    ``None`` for a folder without the TTS files (voice conversion only).
+
+    ``prompt_cache``: a repeated prompt recording (same samples and rate) reuses its speech tokens, mel and
+    embedding from this :class:`~.prompt_cache.PromptCache` (``None``: computed every time). Entries are keyed
+    by the audio and by the identity of the tokenizer / CAM++ files and the mel settings, so one cache may be
+    shared between models."""
 
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",
-                 llm=None, text=None, speakers: SpeakerStore | None = None):
+                 llm=None, text=None, speakers: SpeakerStore | None = None,
+                 prompt_cache: PromptCache | None = None):
         self.config = config
         self.device = torch.device(device)
         self.flow = flow.to(self.device).eval()
@@ -89,15 +97,20 @@ class CosyVoice2:
         self.text = text
         self.speakers = speakers if speakers is not None else SpeakerStore()
         self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
+        self.prompt_cache = prompt_cache
+        self._prompt_options = {"model": file_identity(tokenizer.path, speaker.path), "mel": repr(config.mel),
+                                "sample_rate": config.sample_rate}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
-                        tts: bool | None = None, speaker_dir: str | Path | None = None) -> CosyVoice2:
+                        tts: bool | None = None, speaker_dir: str | Path | None = None,
+                        prompt_cache: PromptCache | bool = True) -> CosyVoice2:
         """Load an official CosyVoice2 model folder (or a demo folder of the same layout).
 
         ``tts``: the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``): ``None`` loads them on the first
         text-to-speech call when the folder has them (voice conversion never pays for them), ``True`` requires and
-        loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist.
+        loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist. ``prompt_cache``: a
+        :class:`~.prompt_cache.PromptCache`, ``True`` for a new one with its default bounds, ``False`` for none.
         """
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
@@ -127,7 +140,9 @@ class CosyVoice2:
         if tts and missing_tts:
             raise CheckpointError(f"{model_dir}: missing {', '.join(missing_tts)} (text-to-speech needs "
                                   f"{', '.join(TTS_FILES)} and the tokenizer files of CosyVoice-BlankEN/)")
-        model = cls(config, flow, hift, tokenizer, speaker, device=device, speakers=SpeakerStore(speaker_dir))
+        prompt_cache = PromptCache() if prompt_cache is True else (None if prompt_cache is False else prompt_cache)
+        model = cls(config, flow, hift, tokenizer, speaker, device=device, speakers=SpeakerStore(speaker_dir),
+                    prompt_cache=prompt_cache)
         if not missing_tts and tts is not False:
             model._tts_dir = model_dir
             if tts:
@@ -138,23 +153,46 @@ class CosyVoice2:
 
     def frontend_vc(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                     timer: StageTimer = _NO_TIMER) -> VCInputs:
-        """Official ``frontend_vc``. ``source``/``prompt``: a path, encoded bytes, or samples with ``*_sr``."""
+        """Official ``frontend_vc``. ``source``/``prompt``: a path, encoded bytes, or samples with ``*_sr``.
+        The prompt's part comes from :attr:`prompt_cache` when the same recording was seen before."""
         with timer.stage("frontend"):
             src16 = audio.load_audio(source, target_sr=audio.TOKENIZER_SR, sample_rate=source_sr, name="source")
-            # the prompt is needed at two rates: decode and validate it once
-            prompt, prompt_sr = audio.decode_if_encoded(prompt, prompt_sr, name="prompt")
-            prompt = audio.validate_audio(prompt, sample_rate=prompt_sr, name="prompt")
-            p16 = audio.resample(prompt, orig_sr=prompt_sr, target_sr=audio.TOKENIZER_SR)
-            p24 = audio.resample(prompt, orig_sr=prompt_sr, target_sr=self.config.sample_rate)
-            whisper, whisper_len = features.whisper_log_mel_batch([src16, p16])
-            fbank, fbank_len = features.kaldi_fbank_batch([p16])
-            prompt_mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
+        entry = self.prompt_features(prompt, prompt_sr=prompt_sr, timer=timer)
+        (source_tokens,) = self._tokenize([src16], timer)
+        return VCInputs(source_tokens=source_tokens, prompt_tokens=np.array(entry["prompt_tokens"]),
+                        prompt_mel=np.array(entry["prompt_mel"]), embedding=np.array(entry["embedding"]))
+
+    def _tokenize(self, waves16: Sequence[np.ndarray], timer: StageTimer) -> list[np.ndarray]:
+        with timer.stage("frontend"):
+            whisper, whisper_len = features.whisper_log_mel_batch(list(waves16))
         with timer.stage("tokenizer"):
-            source_tokens, prompt_tokens = self.tokenizer.tokenize(whisper, whisper_len)
+            return list(self.tokenizer.tokenize(whisper, whisper_len))
+
+    def prompt_features(self, prompt, *, prompt_sr: int | None = None, timer: StageTimer = _NO_TIMER) -> CacheEntry:
+        """What the front end, the tokenizer and CAM++ give for a prompt recording (read-only arrays):
+        ``prompt_tokens`` [Tp] int32, ``prompt_mel`` [Tf, 80] float32 (24 kHz mel, not cut to the tokens),
+        ``embedding`` [192] float32. From :attr:`prompt_cache` when this recording (same samples and rate) was
+        seen before: then the resampling, the features, the tokenizer and CAM++ are skipped."""
+        with timer.stage("frontend"):
+            wave, sr = audio.decode_if_encoded(prompt, prompt_sr, name="prompt")
+            wave = audio.validate_audio(wave, sample_rate=sr, name="prompt")
+        key = None
+        if self.prompt_cache is not None:
+            key = prompt_key(wave, sr, kind="prompt_features", options=self._prompt_options)
+            entry = self.prompt_cache.get(key)
+            if entry is not None:
+                return entry
+        with timer.stage("frontend"):
+            p16 = audio.resample(wave, orig_sr=sr, target_sr=audio.TOKENIZER_SR)
+            p24 = audio.resample(wave, orig_sr=sr, target_sr=self.config.sample_rate)
+            fbank, fbank_len = features.kaldi_fbank_batch([p16])
+            mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
+        (tokens,) = self._tokenize([p16], timer)
         with timer.stage("speaker_embedding"):
             embedding = self.speaker.embed(fbank, fbank_len)[0]
-        return VCInputs(source_tokens=source_tokens, prompt_tokens=prompt_tokens, prompt_mel=prompt_mel,
-                        embedding=embedding)
+        entry = {"prompt_tokens": np.asarray(tokens, np.int32), "prompt_mel": np.asarray(mel, np.float32),
+                 "embedding": np.asarray(embedding, np.float32)}
+        return entry if key is None else self.prompt_cache.put(key, entry)
 
     # ---------------------------------------------------------------------------------- token to wav
 
@@ -261,12 +299,53 @@ class CosyVoice2:
         """Voice conversion: speak the content of ``source`` in the voice of ``prompt``.
 
         Returns float32 [N] at ``config.sample_rate`` (24 kHz). Streaming mode concatenates its chunks.
-        Bad audio raises :class:`~cosyvoice_triton.errors.AudioError`.
+        A source longer than 30 s (at most :data:`~.longform.MAX_SECONDS`, 10 minutes; not streamed) is
+        converted in pieces by :meth:`convert_long`. Bad audio raises :class:`~cosyvoice_triton.errors.AudioError`.
         """
-        inputs = self.frontend_vc(source, prompt, source_sr=source_sr, prompt_sr=prompt_sr, timer=timer)
+        with timer.stage("frontend"):
+            src16 = audio.load_audio(source, target_sr=audio.TOKENIZER_SR, sample_rate=source_sr, name="source",
+                                     max_seconds=longform.MAX_SECONDS)
+        if longform.needs_split(len(src16)) and not stream:
+            return self.convert_long(src16, prompt, prompt_sr=prompt_sr, seed=seed, timer=timer)
+        inputs = self.frontend_vc(src16, prompt, source_sr=audio.TOKENIZER_SR, prompt_sr=prompt_sr, timer=timer)
         if stream:
             return np.concatenate(list(self.token2wav_stream(inputs, seed=seed, timer=timer)))
         return self.token2wav(inputs, seed=seed, timer=timer)
+
+    @torch.inference_mode()
+    def convert_long(self, source16: np.ndarray, prompt, *, prompt_sr: int | None = None, seed: int | None = 0,
+                     batch_size: int = 4, timer: StageTimer = _NO_TIMER) -> np.ndarray:
+        """Voice conversion of a 16 kHz source of any length up to :data:`~.longform.MAX_SECONDS`: pieces of at
+        most 30 s cut at low-energy points (:func:`~.longform.plan_pieces`), tokenized together, through the flow
+        in padded batches of ``batch_size`` pieces, HiFT one piece per call (its NSF noise drawn in order from one
+        generator seeded with ``seed``), stitched with crossfades (:func:`~.longform.stitch`)."""
+        pieces = longform.plan_pieces(source16)
+        entry = self.prompt_features(prompt, prompt_sr=prompt_sr, timer=timer)
+        tokens = self._tokenize([source16[p.start : p.end] for p in pieces], timer)
+        generator, outputs = _generator(seed), []
+        for first in range(0, len(pieces), batch_size):
+            for mel in self._flow_batch(entry, tokens[first : first + batch_size], timer):
+                speech, _ = self._hift(mel, None, None, generator, timer)
+                outputs.append(speech[0].float().cpu().numpy())
+        return longform.stitch(outputs, pieces)
+
+    def _flow_batch(self, entry: CacheEntry, tokens: Sequence[np.ndarray], timer: StageTimer) -> list[torch.Tensor]:
+        """Non-streaming flow of several source token sequences with one prompt, as one padded batch: the mel
+        [1, 80, T_i] of each."""
+        dev, b = self.device, len(tokens)
+        lens = torch.tensor([len(t) for t in tokens], dtype=torch.int64, device=dev)
+        padded = torch.zeros((b, int(lens.max())), dtype=torch.int32, device=dev)
+        for i, t in enumerate(tokens):
+            padded[i, : len(t)] = torch.as_tensor(np.asarray(t), dtype=torch.int32)
+        repeat = [torch.as_tensor(np.array(entry[k]), device=dev)[None].expand(b, *entry[k].shape)
+                  for k in ("prompt_tokens", "prompt_mel", "embedding")]
+        with timer.stage("flow.encoder"):
+            c = self.flow.condition(padded, repeat[0], repeat[1].float(), repeat[2].float(), token_len=lens,
+                                    streaming=False, finalize=True)
+        with timer.stage("flow.solver"):
+            mel = self.flow.decoder(c.mu, c.mask, c.spks, c.cond, streaming=False)
+        mel, out_len = c.crop(mel)
+        return [mel[i : i + 1, :, : int(n)] for i, n in enumerate(out_len.tolist())]
 
 
     # ------------------------------------------------------------------------------- text to speech
@@ -276,21 +355,12 @@ class CosyVoice2:
         """What the official ``frontend_zero_shot`` computes from a prompt: speech tokens, 24 kHz mel and CAM++
         embedding of the audio (tokens and mel cut to a common length, 2 mel frames per token), and the
         normalised transcript's text tokens when ``prompt_text`` is given."""
+        entry = self.prompt_features(prompt_audio, prompt_sr=prompt_sr, timer=timer)
+        tokens, mel, embedding = entry["prompt_tokens"], entry["prompt_mel"], entry["embedding"]
         with timer.stage("frontend"):
-            wave, sr = audio.decode_if_encoded(prompt_audio, prompt_sr, name="prompt")
-            wave = audio.validate_audio(wave, sample_rate=sr, name="prompt")
-            p16 = audio.resample(wave, orig_sr=sr, target_sr=audio.TOKENIZER_SR)
-            p24 = audio.resample(wave, orig_sr=sr, target_sr=self.config.sample_rate)
-            whisper, whisper_len = features.whisper_log_mel_batch([p16])
-            fbank, fbank_len = features.kaldi_fbank_batch([p16])
-            mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
             text_tokens = np.zeros(0, np.int32)
             if prompt_text is not None:
                 text_tokens = self._text().prompt_tokens(prompt_text).astype(np.int32)
-        with timer.stage("tokenizer"):
-            (tokens,) = self.tokenizer.tokenize(whisper, whisper_len)
-        with timer.stage("speaker_embedding"):
-            embedding = self.speaker.embed(fbank, fbank_len)[0]
         ratio = self.flow.token_mel_ratio
         n = min(len(mel) // ratio, len(tokens))
         return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: ratio * n],

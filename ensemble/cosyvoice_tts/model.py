@@ -3,11 +3,13 @@ on to ``cosyvoice_tts_stream`` by BLS at once (``stream`` = false: one answer pe
 shares the in-flight batch there), and its segments are concatenated into one ``waveform``."""
 
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.tts import error_code
@@ -21,10 +23,13 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts"], model=args["model_name"])
         self.stream_model, self.rate = p["stream_model"], p["model_sample_rate"]
         self.kwargs = {"timeout": p["bls_timeout_us"]} if p["bls_timeout_us"] else {}
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
+                                     audio_out=True)
 
     def _one(self, request, out, i):
-        inputs = [pb_utils.Tensor(n, v) for n, v in triton_io.read_inputs(pb_utils, request, INPUTS).items()
-                  if v is not None]
+        start = time.monotonic()
+        tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
+        inputs = [pb_utils.Tensor(n, v) for n, v in tensors.items() if v is not None]
         inputs.append(pb_utils.Tensor("stream", np.zeros((1, 1), bool)))
         try:
             bls = pb_utils.InferenceRequest(model_name=self.stream_model, inputs=inputs,
@@ -33,6 +38,7 @@ class TritonPythonModel:
             for res in bls.exec(decoupled=True):
                 if res.has_error():  # the same message; the code from it (a decoupled BLS answer loses it)
                     message = res.error().message()
+                    self.metrics.rejected(message)
                     out[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(pb_utils,
                                                                                                        message)))
                     return
@@ -40,10 +46,12 @@ class TritonPythonModel:
                 if wave is not None:
                     parts.append(wave.as_numpy().reshape(-1))
             wave = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+            self.metrics.served(tensors, out_seconds=wave.size / self.rate, elapsed_s=time.monotonic() - start)
             out[i] = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("waveform", wave[None]),
                 pb_utils.Tensor("sample_rate", np.array([[self.rate]], np.int32))])
         except Exception as exc:
+            self.metrics.rejected(exc)
             out[i] = triton_io.error_response(pb_utils, exc)
 
     def execute(self, requests):

@@ -11,6 +11,7 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.lm_engine import JobCancelled
+from cosyvoice_triton.serving.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.tts import TTSService, error_response, stage_callables
@@ -37,6 +38,8 @@ class TritonPythonModel:
             "load; label what)", kind=pb_utils.MetricFamily.GAUGE)
         self.metrics = {k: family.Metric(labels={"model": args["model_name"], "instance": args["model_instance_name"],
                                                  "what": k}) for k in self.tts.snapshot()}
+        self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
+                                    audio_out=True, first_chunk=True)
         self.stop = threading.Event()
         threading.Thread(target=self._report, daemon=True).start()
 
@@ -54,7 +57,9 @@ class TritonPythonModel:
 
     def _run(self, inputs, sender):
         try:
-            for tensors in self.tts.responses(inputs, cancelled=sender.is_cancelled):
+            chunks = self.tts.responses(inputs, cancelled=sender.is_cancelled)
+            for tensors in self.speech.stream(chunks, inputs, sample_rate=self.tts.sample_rate,
+                                              first_chunk=streaming(inputs)):
                 sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v)
                                                                        for k, v in tensors.items()]))
             final = None

@@ -5,6 +5,7 @@ chunked flow and HiFT graphs by BLS; one response per chunk on the official sche
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.speakers import BlsSpeakers
@@ -19,13 +20,17 @@ class TritonPythonModel:
                                                                                   timeout_us=timeout),
                                        BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=timeout))
         rate = self.streamer.pre.sample_rate
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("source", "prompt"),
+                                     audio_out=True, first_chunk=True)
 
         def stream(tensors, parameters, cancelled):
-            for i, chunk in enumerate(self.streamer.stream(tensors, parameters, cancelled=cancelled)):
+            chunks = self.streamer.stream(tensors, parameters, cancelled=cancelled)
+            for i, chunk in enumerate(self.metrics.stream(chunks, tensors, sample_rate=rate)):
                 yield chunk_tensors(chunk, i, rate)
 
         self.workers = StreamWorkers(pb_utils, stream, STREAM_INPUTS, max_streams=p["max_streams"],
-                                     max_waiting=p["max_waiting"], name=args["model_name"])
+                                     max_waiting=p["max_waiting"], name=args["model_name"],
+                                     on_reject=self.metrics.rejected)
 
     def execute(self, requests):
         for request in requests:

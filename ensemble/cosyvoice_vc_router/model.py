@@ -1,0 +1,37 @@
+"""Triton Python-backend router of ``cosyvoice_vc`` in a versioned repository (BLS): each request goes on, as it
+is, to the pipeline of one version (``cosyvoice_vc_v<N>``) picked by the split of the config's ``parameters``
+(:class:`cosyvoice_triton.serving.rollout.Split`); the requests of a batch run concurrently."""
+
+import asyncio
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.rollout import ROUTER_PARAMS, Split
+from cosyvoice_triton.shapes import VC_INPUTS, VC_OPTIONAL_INPUTS
+
+INPUTS = [t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], ROUTER_PARAMS, model=args["model_name"])
+        self.split, self.target, self.timeout = Split.parse(p["split"]), p["target"], p["bls_timeout_us"]
+
+    async def execute(self, requests):
+        return list(await asyncio.gather(*(self.forward(r) for r in requests)))
+
+    async def forward(self, request):
+        inputs = [t for name in INPUTS if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None]
+        kwargs = {"timeout": self.timeout} if self.timeout else {}
+        parameters = json.loads(request.parameters() or "{}")
+        if parameters:
+            kwargs["parameters"] = parameters
+        bls = pb_utils.InferenceRequest(model_name=self.target.format(version=self.split.choose()), inputs=inputs,
+                                        requested_output_names=sorted(request.requested_output_names()), **kwargs)
+        res = await bls.async_exec()
+        if res.has_error():
+            err = res.error()
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(err.message(), err.code()))
+        return pb_utils.InferenceResponse(output_tensors=res.output_tensors())

@@ -5,7 +5,8 @@ A thin command line over :func:`cosyvoice_triton.serving.repository.render_repos
 tunable (see ``cosyvoice_triton.serving.repository.Tunables``; ``--set instances=flow:2,hift:2``); ``--profile
 plain`` (or ``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32
 graphs (flavor local, precision fp32; ``cosyvoice_triton.serving.repository.PLAIN_TUNABLES``), for
-``cosyvoice_triton.clients.plain.PlainPipeline``.
+``cosyvoice_triton.clients.plain.PlainPipeline``. ``--version N:MODEL_DIR:ONNX_DIR[:PRECISION]`` (repeated) renders
+numbered versions for rollouts (``python -m cosyvoice_triton rollout``, ``cosyvoice_triton.serving.rollout``).
 """
 
 import argparse
@@ -26,12 +27,20 @@ from cosyvoice_triton.serving.repository import (  # noqa: E402
     parse_tunable,
     render_repository,
 )
+from cosyvoice_triton.serving.rollout import VersionSpec  # noqa: E402
 
 
 def tunable(text: str) -> tuple[str, object]:
     try:
         return parse_tunable(text)
     except RenderError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def version(text: str) -> VersionSpec:
+    try:
+        return VersionSpec.parse(text)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
@@ -54,12 +63,19 @@ def main(argv=None) -> int:
                    help="a named set of tunables (plain: no dynamic batching, PyTorch fp32 graphs)")
     p.add_argument("--plain", dest="profile", action="store_const", const="plain", help="same as --profile plain")
     p.add_argument("--set", dest="tunables", action="append", type=tunable, default=[], metavar="NAME=VALUE")
+    p.add_argument("--version", dest="versions", action="append", type=version, default=[],
+                   metavar="N:MODEL_DIR:ONNX_DIR[:PRECISION]",
+                   help="a numbered version (repeat): the graphs, flow and hift of each, its pipeline cosyvoice_vc_vN, "
+                        "and cosyvoice_vc as the router (cosyvoice_triton.serving.rollout); --model-dir / --onnx-dir / "
+                        "--precision are then the live version's")
+    p.add_argument("--live-version", type=int, default=0, help="the version served at start (default: the lowest)")
     args = p.parse_args(argv)
     try:
         report = render_repository(args.flavor, args.out, model_dir=args.model_dir, onnx_dir=args.onnx_dir,
                                    engine_dir=args.engine_dir, precision=args.precision, templates_dir=HERE,
                                    allow_missing=args.allow_missing, profile=args.profile,
-                                   quality_report=args.quality_report, **dict(args.tunables))
+                                   quality_report=args.quality_report, versions=args.versions,
+                                   live_version=args.live_version, **dict(args.tunables))
     except RenderError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

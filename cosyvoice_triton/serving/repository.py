@@ -1002,7 +1002,7 @@ def _version_policy(path: Path, numbers: Iterable[int]) -> None:
     """Append the ``version_policy`` that loads ``numbers`` to a rendered config."""
     listed = ", ".join(str(n) for n in sorted(numbers))
     with open(path, "a") as f:
-        f.write(f"# the live version on disk; `rollout stage` loads the candidate beside it (config override)\n"
+        f.write(f"# the versions served: `rollout stage` / `promote` / `rollback` rewrite this line and load the model\n"
                 f"version_policy {{ specific {{ versions: [ {listed} ] }} }}\n")
 
 

@@ -6,8 +6,10 @@ into one repository, as Triton's numbered versions:
 
 * the six graphs and the two BLS stages that call them (``flow``, ``hift``: :data:`VERSIONED`) get one folder per
   version (``flow_encoder/2/model.onnx``, ``flow/2/model.py``); ``flow`` / ``hift`` version N call the graphs'
-  version N (parameter ``pin_graph_version``). Their ``version_policy`` names the versions to load: the live one
-  on disk; the rollout loads them with a config override naming two while a candidate is staged.
+  version N (parameter ``pin_graph_version``). Their ``version_policy`` names the versions to load: the live one,
+  and the candidate beside it while one is staged. The rollout rewrites that line of the rendered config and loads
+  the model (not a config override: loading a pipeline ensemble makes Triton load its steps from the repository
+  again, which would drop a version only an override named); so a restart serves the versions last set.
 * each version gets its pipeline, ``cosyvoice_vc_v<N>`` (:func:`pipeline_model`): the ``cosyvoice_vc`` ensemble
   with the graph and BLS steps pinned to version N, and the version's manifest (:data:`MANIFEST_NAME`: checkpoint
   digests, the export's files and digests, the precision of each graph, the model's settings).

@@ -1,4 +1,4 @@
-"""Command line: ``python -m cosyvoice_triton {tts,vc,speaker,demo-model,bench,bench-preprocess} ...``
+"""Command line: ``python -m cosyvoice_triton {tts,vc,speaker,demo-model,bench,bench-preprocess,rollout} ...``
 (``cosyvoice-triton``)."""
 
 from __future__ import annotations
@@ -211,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--warmup", type=int, default=2)
     bp.add_argument("--threads", type=int, default=1, help="torch intra-op threads (Silero VAD runs on them)")
     bp.set_defaults(func=_cmd_bench_preprocess)
+
+    from .serving.rollout import add_parser as add_rollout_parser
+
+    add_rollout_parser(sub)  # rollout status|stage N|canary PERCENT|promote|rollback
     return p
 
 

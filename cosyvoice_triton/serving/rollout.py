@@ -525,3 +525,50 @@ class Rollout:
         params["live_version"] = {"string_value": str(int(live))}
         params["candidate_version"] = {"string_value": str(int(candidate))}
         self._load(ROUTER_MODEL, cfg)
+
+
+# ----------------------------------------------------------------------------------------------- command line
+
+
+def add_parser(sub) -> None:
+    """The ``rollout`` subcommand of ``python -m cosyvoice_triton``."""
+    r = sub.add_parser("rollout", help="model version rollouts against a running server (status, stage, canary, "
+                                       "promote, rollback)")
+    r.add_argument("action", choices=("status", "stage", "canary", "promote", "rollback"))
+    r.add_argument("value", nargs="?", help="stage: the version number; canary: the percent sent to it")
+    r.add_argument("--url", default="127.0.0.1:8000", help="the server's HTTP endpoint")
+    r.add_argument("--repository", default="build/model_repository", help="the rendered repository it serves")
+    r.add_argument("--admin-key", default=None, help="default: $COSYVOICE_TRITON_ADMIN_KEY or <repository>/../"
+                                                     "triton/admin_key")
+    r.add_argument("--parity-db", type=float, default=PARITY_DB, help="the parity smoke test's bar (dB)")
+    r.set_defaults(func=_cmd_rollout)
+
+
+def _cmd_rollout(args) -> int:
+    import sys
+
+    if args.action in ("stage", "canary") and args.value is None:
+        print(f"error: rollout {args.action} needs a {'version' if args.action == 'stage' else 'percent'}",
+              file=sys.stderr)
+        return 2
+    try:
+        with Rollout(args.url, args.repository, admin_key=args.admin_key, parity_db=args.parity_db) as ro:
+            if args.action == "stage":
+                parity = ro.stage(int(args.value))
+                print(f"staged v{args.value}: checks passed, parity {parity['db']:.3f} dB "
+                      f"(bar {ro.parity_db:g}); it gets no traffic until `rollout canary PERCENT`")
+            elif args.action == "canary":
+                split = ro.canary(float(args.value))
+                print("split: " + ", ".join(f"v{v} {split.percent(v):.0f}%" for v in sorted(split.weights)))
+            elif args.action == "promote":
+                print(f"v{ro.promote()} is live (100%); the previous version is unloaded")
+            elif args.action == "rollback":
+                print(f"rolled back: v{ro.rollback()} serves 100%; the candidate is unloaded")
+            print(ro.status().describe())
+    except RolloutRefused as exc:
+        print("refused: version " + str(exc.version) + "\n  " + "\n  ".join(exc.problems), file=sys.stderr)
+        return 3
+    except (RolloutError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -15,23 +15,34 @@ the graph allows without changing any result:
 Outputs are split per request and cropped to the request's own lengths (from the spec's axis names).
 ``speech_tokenizer`` is ``pad`` only when a probe at load time shows that a padded batch gives the per-item
 tokens (the shipped graph is not ours); otherwise it is ``group``.
+
+**Fallback.** A request whose call fails for a reason that is not its input's (the runtime's error, out of
+memory; its input passed the checks) is served once more on the graph's fallback: the fp32 graph of the same
+export (``<onnx_dir>/fp32/<graph>.onnx`` next to ``<onnx_dir>/<precision>/<graph>.onnx``) when the primary is a
+reduced precision, else, for a primary on CUDA, the same graph on the CPU; built on first use. Each such request is
+counted in :data:`FALLBACK_COUNTS` by graph and outcome (``served`` / ``failed``), which the metrics export reads
+(:func:`fallback_counts`).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import CosyVoiceError
 from ..frontend.speech_models import speech_token_count
 from ..shapes import GRAPHS, GraphSpec
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH_POLICY", "RUNTIMES", "GraphRunner", "axis_sizes", "check_request", "check_values"]
+__all__ = ["BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes", "check_request", "check_values",
+           "fallback_counts"]
 
 #: How each graph batches requests of different lengths (see the module docstring).
 BATCH_POLICY: Mapping[str, str] = {
@@ -43,6 +54,21 @@ BATCH_POLICY: Mapping[str, str] = {
     "hift_decoder": "group",
 }
 RUNTIMES = ("onnxruntime", "torch")
+#: Requests served once more on a fallback graph, by ``(graph, outcome)``; outcome ``served`` or ``failed``.
+FALLBACK_COUNTS: collections.Counter[tuple[str, str]] = collections.Counter()
+_FALLBACK_LOCK = threading.Lock()
+_REDUCED = ("fp16", "int8", "int8_cpu")
+
+
+def fallback_counts() -> dict[tuple[str, str], int]:
+    """A copy of :data:`FALLBACK_COUNTS` (this process's graphs)."""
+    with _FALLBACK_LOCK:
+        return dict(FALLBACK_COUNTS)
+
+
+def _count_fallback(graph: str, outcome: str) -> None:
+    with _FALLBACK_LOCK:
+        FALLBACK_COUNTS[(graph, outcome)] += 1
 _TORCH_GRAPHS = ("flow_encoder", "flow_estimator", "hift_source", "hift_decoder")
 
 
@@ -139,11 +165,13 @@ class GraphRunner:
         device: ``"cpu"`` or ``"cuda"`` (torch device; onnxruntime uses its CUDA provider when available).
         intra_op_threads: onnxruntime intra-op threads (0: its default).
         policy: ``"pad"``, ``"group"`` or ``"auto"`` (default: :data:`BATCH_POLICY`).
+        fallback: the ONNX file a request is served once more on when its call fails for a reason that is not its
+            input's; ``"auto"`` (default): see the module docstring; None: no fallback.
     """
 
     def __init__(self, name: str, *, onnx_path: str | Path | None = None, runtime: str = "onnxruntime",
                  model_dir: str | Path | None = None, device: str = "cpu", intra_op_threads: int = 1,
-                 policy: str | None = None):
+                 policy: str | None = None, fallback: str | Path | None = "auto"):
         if name not in GRAPHS:
             raise ValueError(f"unknown graph {name!r} (one of {', '.join(GRAPHS)})")
         if runtime not in RUNTIMES:
@@ -166,7 +194,24 @@ class GraphRunner:
         if policy not in ("pad", "group", "auto"):
             raise ValueError(f"{name}: policy must be pad, group or auto, got {policy!r}")
         self.policy = self._probe() if policy == "auto" else policy
-        log.info("%s: %s on %s, %s batching", name, runtime, device, self.policy)
+        self.fallback_path = self._fallback_path(onnx_path, fallback) if runtime == "onnxruntime" else None
+        self._fallback: GraphRunner | None = None
+        self._threads = intra_op_threads
+        log.info("%s: %s on %s, %s batching%s", name, runtime, device, self.policy,
+                 f"; fallback {self.fallback_path}" if self.fallback_path else "")
+
+    def _fallback_path(self, onnx_path, fallback) -> Path | None:
+        if fallback is None:
+            return None
+        if fallback != "auto":
+            return Path(fallback)
+        path = Path(onnx_path)
+        fp32 = path.parent.parent / "fp32" / path.name
+        if path.parent.name in _REDUCED and fp32.is_file():
+            return fp32
+        if self.device.startswith("cuda"):
+            return path  # the same graph, on the CPU
+        return None
 
     # ------------------------------------------------------------------------------------------ load
 
@@ -261,10 +306,29 @@ class GraphRunner:
         except Exception as exc:
             if len(chunk) == 1:
                 log.error("%s: call failed: %s: %s", self.name, type(exc).__name__, exc)
-                return [ItemResult(error=exc)]
+                return [self._fall_back(chunk[0], feeds, sizes, exc)]
             log.warning("%s: batched call of %d requests failed (%s: %s); running them one by one", self.name,
                         len(chunk), type(exc).__name__, exc)
         return [r for i in chunk for r in self._run_isolated([i], feeds, sizes)]
+
+    def _fall_back(self, i: int, feeds: list, sizes: list, exc: Exception) -> ItemResult[dict[str, np.ndarray]]:
+        """Serve item ``i`` once more on the fallback graph, unless its own input is at fault or there is none."""
+        if isinstance(exc, CosyVoiceError) or self.fallback_path is None:
+            return ItemResult(error=exc)
+        try:
+            if self._fallback is None:
+                self._fallback = GraphRunner(self.name, onnx_path=self.fallback_path, device="cpu",
+                                             intra_op_threads=self._threads, policy=self.policy, fallback=None)
+            out = self._fallback._run_chunk([feeds[i]], [sizes[i]])[0]
+        except Exception as again:
+            _count_fallback(self.name, "failed")
+            log.error("%s: fallback %s failed too: %s: %s", self.name, self.fallback_path, type(again).__name__,
+                      again)
+            return ItemResult(error=exc)
+        _count_fallback(self.name, "served")
+        log.warning("%s: served on the fallback %s after %s: %s", self.name, self.fallback_path,
+                    type(exc).__name__, exc)
+        return ItemResult(out)
 
     def _run_chunk(self, feeds: list[dict[str, np.ndarray]], sizes: list[dict[str, int]]
                    ) -> list[dict[str, np.ndarray]]:

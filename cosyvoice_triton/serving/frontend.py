@@ -4,7 +4,9 @@ compute the features of every graph.
 Exactly what :meth:`CosyVoice2.frontend_vc <cosyvoice_triton.pipeline.CosyVoice2.frontend_vc>` computes before
 its ONNX calls, per request: the source at 16 kHz (Whisper 128-bin log-mel for the tokenizer), the prompt
 validated once and resampled to 16 kHz (Whisper log-mel; Kaldi fbank, mean-normalised as CAM++ wants) and to
-24 kHz (the CosyVoice mel the flow is conditioned on). Bad audio raises
+24 kHz (the CosyVoice mel the flow is conditioned on). With a :class:`~cosyvoice_triton.prompt_cache.PromptCache`, a
+prompt recording seen before (same samples, rate and options) gets its features from the cache: resampling,
+VAD, denoising and the three feature extractions are skipped. Bad audio raises
 :class:`~cosyvoice_triton.errors.AudioError` whose message starts with the tensor's name (``source_audio``,
 ``prompt_sample_rate``...), which the server answers with HTTP 400 / gRPC INVALID_ARGUMENT.
 """
@@ -19,6 +21,7 @@ import numpy as np
 from ..config import MelConfig
 from ..errors import AudioError
 from ..frontend import audio, features
+from ..prompt_cache import PromptCache, prompt_key
 from ..shapes import VC_UTTERANCE_INPUTS
 from .batching import ItemResult, run_per_item
 
@@ -88,10 +91,15 @@ class Preprocessor:
         min_seconds, max_seconds: accepted duration of each utterance (the tokenizer's limit is 30 s).
         vad_trim: cut non-speech at both ends of source and prompt (Silero VAD, :mod:`.enhance`).
         denoise_prompt: stationary spectral gating of the prompt (:func:`.enhance.spectral_gate`).
+        prompt_cache: keeps the features of prompts seen before (``None``: none); :func:`.speakers.compute_prompt`
+            keeps whole prompts (tokens, mel, embedding) in it too.
+        model_id: what identifies the model in the cache keys (the model folder, the graphs' models), so that a
+            cache shared between models never mixes them.
     """
 
     def __init__(self, mel: MelConfig, *, sample_rate: int = audio.MEL_SR, min_seconds: float = audio.MIN_SECONDS,
-                 max_seconds: float = audio.MAX_SECONDS, vad_trim: bool = False, denoise_prompt: bool = False):
+                 max_seconds: float = audio.MAX_SECONDS, vad_trim: bool = False, denoise_prompt: bool = False,
+                 prompt_cache: PromptCache | None = None, model_id: str = ""):
         if not 0 < min_seconds <= max_seconds <= audio.MAX_SECONDS:
             raise ValueError(f"need 0 < min_seconds <= max_seconds <= {audio.MAX_SECONDS:g}, got "
                              f"{min_seconds}, {max_seconds}")
@@ -103,6 +111,11 @@ class Preprocessor:
 
             self.vad = VadTrimmer()
         self.denoise_prompt = bool(denoise_prompt)
+        self.prompt_cache = prompt_cache
+        #: everything besides the audio that changes a prompt's features (the cache keys hash it)
+        self.options = {"model": str(model_id), "mel": repr(mel), "sample_rate": self.sample_rate,
+                        "min_seconds": self.min_seconds, "max_seconds": self.max_seconds, "vad_trim": vad_trim,
+                        "denoise_prompt": self.denoise_prompt}
         features.mel_basis(mel)  # build the filter banks now, not in the first request
         features.whisper_mel_filters(128)
 
@@ -132,16 +145,29 @@ class Preprocessor:
         if self.vad is not None:  # optional clean-up (off by default), then the length limits again
             src = audio.validate_audio(self.vad.trim(src, src_sr, name="source_audio"), sample_rate=src_sr,
                                        name="source_audio (speech found by VAD)", **limits)
-            prompt = audio.validate_audio(self.vad.trim(prompt, p_sr, name="prompt_audio"), sample_rate=p_sr,
+        key = None
+        if self.prompt_cache is not None:
+            key = prompt_key(prompt, p_sr, kind="prompt_front_end", options=self.options)
+            entry = self.prompt_cache.get(key)
+        if key is None or entry is None:
+            entry = dict(zip(("prompt_whisper_mel", "prompt_fbank", "prompt_mel"),
+                             self.prompt_features(self._clean_prompt(prompt, p_sr), p_sr), strict=True))
+            if key is not None:
+                entry = self.prompt_cache.put(key, entry)
+        return FrontendFeatures(source_whisper_mel=self.source_features(src, src_sr), **entry)
+
+    def _clean_prompt(self, prompt: np.ndarray, sr: int) -> np.ndarray:
+        """The optional clean-up of a validated prompt (VAD trim, denoising), then the length limits again."""
+        limits = {"min_seconds": self.min_seconds, "max_seconds": self.max_seconds}
+        if self.vad is not None:
+            prompt = audio.validate_audio(self.vad.trim(prompt, sr, name="prompt_audio"), sample_rate=sr,
                                           name="prompt_audio (speech found by VAD)", **limits)
         if self.denoise_prompt:
             from .enhance import spectral_gate
 
-            prompt = audio.validate_audio(spectral_gate(prompt, p_sr), sample_rate=p_sr,
+            prompt = audio.validate_audio(spectral_gate(prompt, sr), sample_rate=sr,
                                           name="prompt_audio (denoised)", **limits)
-        prompt_whisper, fbank, prompt_mel = self.prompt_features(prompt, p_sr)
-        return FrontendFeatures(source_whisper_mel=self.source_features(src, src_sr),
-                                prompt_whisper_mel=prompt_whisper, prompt_fbank=fbank, prompt_mel=prompt_mel)
+        return prompt
 
     def utterance(self, which: str, samples=None, rate=None, encoded=None) -> tuple[np.ndarray, int]:
         """One utterance (``which``: source or prompt) from its request tensors, validated: (mono float32, rate)."""

@@ -17,6 +17,10 @@ __all__ = ["MODEL_PARAMS"]
 _THREADS = Param("intra_op_threads", int, 1, "onnxruntime intra-op threads of this instance (0: all cores)")
 _TORCH_THREADS = Param("torch_threads", int, 1, "torch intra-op threads of this instance")
 _BLS_TIMEOUT = Param("bls_timeout_us", int, 0, "timeout of each BLS call in microseconds (0: none)")
+_PROMPT_CACHE = (
+    Param("prompt_cache_entries", int, 256, "prompts kept by content hash (cosyvoice_triton.prompt_cache; 0: off)"),
+    Param("prompt_cache_mb", float, 64.0, "most MiB of arrays the prompt cache keeps (0: off)"),
+)
 #: The output options of ``postprocess``, also read by the pipelines that answer audio without it (the streaming
 #: models apply what a stream can: the rate; ``cosyvoice_tts`` the loudness of the whole answer).
 _OUTPUT = (
@@ -42,6 +46,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_seconds", float, 30.0, "longest accepted source / prompt (the tokenizer's limit is 30 s)"),
         Param("vad_trim", bool, False, "trim non-speech at both ends of source and prompt (needs silero-vad)"),
         Param("denoise_prompt", bool, False, "stationary spectral-gating noise reduction of the prompt"),
+        *_PROMPT_CACHE,
     ),
     "flow": (
         Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: CFM settings)"),
@@ -96,6 +101,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_seconds", float, 30.0, "longest accepted prompt"),
         Param("tokenizer_model", str, "speech_tokenizer", "the Triton model of the speech_tokenizer graph"),
         Param("speaker_encoder_model", str, "speaker_encoder", "the Triton model of the speaker_encoder graph"),
+        *_PROMPT_CACHE,
         _BLS_TIMEOUT,
     ),
     "cosyvoice_vc_stream": (

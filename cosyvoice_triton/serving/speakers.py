@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SpeakerError
+from ..prompt_cache import PromptCache, prompt_key
 from ..shapes import TensorSpec
 from ..speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
 from .batching import RequestError
@@ -68,19 +69,31 @@ def compute_prompt(pre: Preprocessor, graphs: Mapping[str, GraphFn], audio: tupl
                    prompt_text: str | None = None, prompt_text_tokens=None) -> SpeakerPrompt:
     """``CosyVoice2.prompt`` with the graphs: ``audio`` = (samples, sample rate, encoded bytes) as the request
     gives them; the speech tokens (``speech_tokenizer``), the CAM++ embedding (``speaker_encoder``), the 24 kHz
-    mel cut with the tokens to 2 frames per token, and the transcript with its (already computed) text tokens."""
+    mel cut with the tokens to 2 frames per token, and the transcript with its (already computed) text tokens.
+    With ``pre.prompt_cache``, a recording seen before (same samples, rate and ``pre.options``) skips the front
+    end and both graphs."""
     wave, sr = pre.utterance("prompt", *audio)
-    whisper, fbank, mel = pre.prompt_features(wave, sr)
-    tokens = graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
-                                         "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
-    tokens = np.asarray(tokens["speech_tokens"], np.int32).reshape(-1)
-    embedding = graphs["speaker_encoder"]({"fbank": np.ascontiguousarray(fbank[None], dtype=np.float32)})
+
+    def compute() -> dict[str, np.ndarray]:
+        whisper, fbank, mel = pre.prompt_features(wave, sr)
+        tokens = graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
+                                             "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
+        embedding = graphs["speaker_encoder"]({"fbank": np.ascontiguousarray(fbank[None], dtype=np.float32)})
+        return {"prompt_tokens": np.asarray(tokens["speech_tokens"], np.int32).reshape(-1), "prompt_mel": mel,
+                "embedding": np.asarray(embedding["speaker_embedding"], np.float32).reshape(-1)}
+
+    if pre.prompt_cache is None:
+        entry = compute()
+    else:
+        key = prompt_key(wave, sr, kind="prompt_tokens", options=pre.options)
+        entry = pre.prompt_cache.get_or_compute(key, compute)
+    tokens, mel = entry["prompt_tokens"], entry["prompt_mel"]
     n = min(mel.shape[0] // token_mel_ratio, tokens.size)
     if n < 1:
         raise RequestError("prompt_audio: too short for one speech token")
     text_tokens = np.zeros(0, np.int32) if prompt_text_tokens is None else np.asarray(prompt_text_tokens, np.int32)
     return SpeakerPrompt(prompt_tokens=tokens[:n], prompt_mel=np.ascontiguousarray(mel[: token_mel_ratio * n]),
-                         embedding=np.asarray(embedding["speaker_embedding"], np.float32).reshape(-1),
+                         embedding=entry["embedding"],
                          prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text)
 
 
@@ -174,8 +187,11 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
 
     model_dir = Path(params["model_dir"])
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+    graph_models = (params["tokenizer_model"], params["speaker_encoder_model"])
     pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=params["min_seconds"],
-                       max_seconds=params["max_seconds"])
+                       max_seconds=params["max_seconds"],
+                       prompt_cache=PromptCache.from_params(params["prompt_cache_entries"], params["prompt_cache_mb"]),
+                       model_id=f"{model_dir.resolve()}|{'|'.join(graph_models)}")
     store = SpeakerStore(Path(params["speaker_dir"]).resolve(), capacity=params["capacity"])
     text = None
     if (model_dir / TEXT_DIR).is_dir():
@@ -183,8 +199,8 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
             from ..frontend.text import TextFrontend
 
             return TextFrontend(model_dir / TEXT_DIR)
-    graphs = {"speech_tokenizer": graph_fn(params["tokenizer_model"], "speech_tokenizer"),
-              "speaker_encoder": graph_fn(params["speaker_encoder_model"], "speaker_encoder")}
+    graphs = {"speech_tokenizer": graph_fn(graph_models[0], "speech_tokenizer"),
+              "speaker_encoder": graph_fn(graph_models[1], "speaker_encoder")}
     return SpeakerService(store, pre, graphs, text_frontend=text, token_mel_ratio=config.token_mel_ratio)
 
 

@@ -3,6 +3,7 @@
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.config import ModelConfig
+from cosyvoice_triton.prompt_cache import PromptCache
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.frontend import Preprocessor
 from cosyvoice_triton.serving.metrics import SpeechMetrics
@@ -19,7 +20,8 @@ class TritonPythonModel:
         config = ModelConfig.from_yaml(f"{p['model_dir']}/cosyvoice2.yaml")
         self.pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=p["min_seconds"],
                                 max_seconds=p["max_seconds"], vad_trim=p["vad_trim"],
-                                denoise_prompt=p["denoise_prompt"])
+                                denoise_prompt=p["denoise_prompt"], model_id=p["model_dir"],
+                                prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("source", "prompt"))
 
     def execute(self, requests):

@@ -9,9 +9,10 @@
     python clients/cosyvoice_client.py speaker add alice --prompt voice.wav [--prompt-text "..."]
     python clients/cosyvoice_client.py speaker list | speaker delete alice
 
-``--stream`` asks the streaming model over a gRPC stream (``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``) and
-writes each chunk as it arrives: to a 16-bit wav, or with ``-o -`` as raw 16-bit little-endian mono PCM on stdout
-(for a player); the first-chunk latency is printed (on stderr with ``-o -``). Several VC sources are converted
+``--stream`` asks the streaming model (``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``) over a gRPC stream, or
+with ``--protocol http`` over HTTP ``generate_stream`` (server-sent events), and writes each chunk as it arrives:
+to a 16-bit wav, or with ``-o -`` as raw 16-bit little-endian mono PCM on stdout (for a player, at the served
+rate, printed); the first-chunk latency is printed (on stderr with ``-o -``). Several VC sources are converted
 concurrently (``--concurrency``) over one connection; each result is written as ``<out_dir>/<source stem>.wav``.
 A request the server refuses prints the server's message; the exit code is 1 when any request failed, 2 for bad
 arguments or an unreachable server.
@@ -33,7 +34,7 @@ COMMANDS = ("vc", "tts", "speaker")
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="host:port (default 127.0.0.1:8000 http, 127.0.0.1:8001 grpc)")
     p.add_argument("--protocol", choices=("http", "grpc"), default=None,
-                   help="default: http, or grpc with --stream (streams need gRPC)")
+                   help="default: http, or grpc with --stream (streams go over either)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
 
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     voice.add_argument("--speaker", help="a registered speaker id instead of --prompt")
     v.add_argument("-o", "--output", required=True, help="output wav (one source), folder (several), or - (raw PCM)")
     v.add_argument("--seed", type=int, default=None, help="seed of the vocoder noise (server default: 0)")
-    v.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives (gRPC)")
+    v.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives")
     v.add_argument("--concurrency", type=int, default=4)
 
     t = sub.add_parser("tts", help="text to speech")
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mode", choices=("zero_shot", "cross_lingual", "instruct"), default=None)
     t.add_argument("-o", "--output", required=True, help="output wav, or - for raw s16le PCM on stdout")
     t.add_argument("--seed", type=int, default=None, help="seed of the LM sampling and the vocoder noise")
-    t.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives (gRPC)")
+    t.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives")
 
     s = sub.add_parser("speaker", help="register, list or delete speakers on the server")
     _common(s)
@@ -185,10 +186,6 @@ def main(argv=None) -> int:
         argv = ["vc", *argv]  # the original command line: voice conversion
     args = build_parser().parse_args(argv)
     protocol = args.protocol or ("grpc" if getattr(args, "stream", False) else "http")
-    if getattr(args, "stream", False) and protocol != "grpc":
-        print("error: --stream needs --protocol grpc (Triton serves decoupled models over gRPC streams)",
-              file=sys.stderr)
-        return 2
     try:
         stream = getattr(args, "stream", False)
         model = {"vc": VC_STREAM_MODEL if stream else VC_MODEL, "tts": TTS_STREAM_MODEL if stream else TTS_MODEL,

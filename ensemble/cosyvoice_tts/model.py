@@ -1,6 +1,7 @@
 """Triton Python-backend adapter of ``cosyvoice_tts`` (non-streaming, batched): every request of a batch is sent
 on to ``cosyvoice_tts_stream`` by BLS at once (``stream`` = false: one answer per text segment; their LM work
-shares the in-flight batch there), and its segments are concatenated into one ``waveform``."""
+shares the in-flight batch there), and its segments (at the output rate: resampled there as one stream) are
+concatenated into one ``waveform``, loudness-normalised as a whole when configured."""
 
 import threading
 import time
@@ -12,6 +13,7 @@ from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.postprocess import Postprocessor
 from cosyvoice_triton.serving.tts import error_code
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS
 
@@ -21,7 +23,9 @@ INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts"], model=args["model_name"])
-        self.stream_model, self.rate = p["stream_model"], p["model_sample_rate"]
+        self.post = Postprocessor(model_sample_rate=p["model_sample_rate"], output_sample_rate=p["output_sample_rate"],
+                                  loudness_lufs=p["loudness_lufs"], peak_dbfs=p["peak_dbfs"])
+        self.stream_model, self.rate = p["stream_model"], self.post.output_sample_rate
         self.kwargs = {"timeout": p["bls_timeout_us"]} if p["bls_timeout_us"] else {}
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                      audio_out=True)
@@ -45,7 +49,7 @@ class TritonPythonModel:
                 wave = pb_utils.get_output_tensor_by_name(res, "waveform")
                 if wave is not None:
                     parts.append(wave.as_numpy().reshape(-1))
-            wave = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+            wave = self.post.normalize(np.concatenate(parts) if parts else np.zeros(0, np.float32))
             self.metrics.served(tensors, out_seconds=wave.size / self.rate, elapsed_s=time.monotonic() - start)
             out[i] = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("waveform", wave[None]),

@@ -1,7 +1,8 @@
 """Triton Python-backend adapter of ``cosyvoice_tts_stream`` (decoupled BLS orchestrator): each request gets a
 worker thread that runs ``TTSService.prepare`` + ``synthesize`` and sends one response per audio chunk (or per
-text segment when ``stream`` is false), then the FINAL flag; ``execute`` returns at once. The instance holds ONE
-in-flight LM decode loop (``cosyvoice_triton.serving.lm_engine``); its counters are Triton custom metrics."""
+text segment when ``stream`` is false) at the configured output rate, then the FINAL flag; ``execute`` returns at
+once. The instance holds ONE in-flight LM decode loop (``cosyvoice_triton.serving.lm_engine``); its counters are
+Triton custom metrics."""
 
 import contextlib
 import threading
@@ -32,7 +33,7 @@ class TritonPythonModel:
                               max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
                               wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
                               n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
-                              max_seconds=p["max_seconds"])
+                              max_seconds=p["max_seconds"], output=p)
         self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
             name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "
             "load; label what)", kind=pb_utils.MetricFamily.GAUGE)

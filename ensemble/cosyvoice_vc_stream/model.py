@@ -19,7 +19,7 @@ class TritonPythonModel:
         self.streamer = build_streamer(p, lambda model, graph: triton_io.BlsGraph(pb_utils, model, graph,
                                                                                   timeout_us=timeout),
                                        BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=timeout))
-        rate = self.streamer.pre.sample_rate
+        rate = self.streamer.sample_rate  # the output rate (chunks resampled as one stream)
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("source", "prompt"),
                                      audio_out=True, first_chunk=True)
 

@@ -268,6 +268,10 @@ TRTLLM_INPUTS: tuple[TensorSpec, ...] = (
     _t("random_seed", "uint64", _B, 1),
     _t("min_length", "int32", _B, 1),
     _t("stop", "bool", _B, 1),
+    # added to the logits before sampling: the llm_decoder bias the engine's lm_head lacks, -inf on non-speech ids
+    # (export/convert_llm.py writes it; the rendered config fixes its length to the converted vocabulary's)
+    _t("embedding_bias", "float32", _B, "vocab"),
+    _t("stop_words_list", "int32", _B, 2, "stop_words"),  # the two official stop ids besides end_id
 )
 TRTLLM_OUTPUTS: tuple[TensorSpec, ...] = (
     _t("output_ids", "int32", _B, "beams", "tokens"),

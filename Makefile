@@ -125,5 +125,11 @@ prometheus: ## Debian's prometheus + promtool unpacked into build/tools/promethe
 dashboard: $(VENV)/.installed ## regenerate deploy/grafana/cosyvoice-triton.json from deploy/grafana/dashboard.py
 	$(PY) deploy/grafana/dashboard.py
 
+.PHONY: soak
+SOAK_MINUTES ?= 30
+SOAK_USERS   ?= 20
+soak: $(VENV)/.installed ## (not in CI) SOAK_MINUTES=30 at SOAK_USERS=20 (2x the load tests): 0 failures, < 5% memory growth -> build/soak/report.md
+	$(PY) -m cosyvoice_triton.loadtest.soak --model-dir $(MODEL_DIR) --minutes $(SOAK_MINUTES) --users $(SOAK_USERS) --out build/soak
+
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

@@ -14,7 +14,8 @@
 # PYTHON (default python3), SERVE_FLAVOR (trt|onnx|local, default trt), SERVE=0 to stop after the builds,
 # RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2"),
 # COSYVOICE_TRITON_ADMIN_KEY (the key of the restricted APIs; default: random, written to $BUILD_DIR/triton/admin_key),
-# SUPERVISOR_MAX_RESTARTS / SUPERVISOR_RESTART_WINDOW (server restarts allowed in a window of seconds, default 5 / 600).
+# SUPERVISOR_MAX_RESTARTS / SUPERVISOR_RESTART_WINDOW (server restarts allowed in a window of seconds, default 5 / 600),
+# SUPERVISOR_EXIT_TIMEOUT (on SIGTERM, seconds the requests in flight may take to finish, default 30).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -79,7 +80,11 @@ fi
 # statistics, trace, logging) need the header `cosyvoice-admin-key: <key>` (gRPC:
 # `triton-grpc-protocol-cosyvoice-admin-key`); the key is COSYVOICE_TRITON_ADMIN_KEY, else drawn at random at start,
 # and written to $BUILD_DIR/triton/admin_key. README: "Hardening: what to put in front of Triton".
+# After the load (and after every reload or restart) the supervisor sends one warm-up request through every public
+# pipeline, then writes $BUILD_DIR/triton/warm (the Kubernetes startupProbe waits for it). SIGTERM (docker stop,
+# a pod's termination): Triton finishes the requests in flight, up to SUPERVISOR_EXIT_TIMEOUT s, then exits.
 exec "$PYTHON" -m cosyvoice_triton.serving.supervisor --triton-root "${TRITON_ROOT:-/opt/tritonserver}" \
   --model-repository "$REPO" --work-dir "$BUILD_DIR/triton" --host 0.0.0.0 \
   --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
-  --max-restarts "${SUPERVISOR_MAX_RESTARTS:-5}" --restart-window "${SUPERVISOR_RESTART_WINDOW:-600}"
+  --max-restarts "${SUPERVISOR_MAX_RESTARTS:-5}" --restart-window "${SUPERVISOR_RESTART_WINDOW:-600}" \
+  --exit-timeout "${SUPERVISOR_EXIT_TIMEOUT:-30}"

@@ -256,6 +256,9 @@ def test_what_is_retryable():
     assert is_retryable(InferenceServerException("Stub process 'flow_0_0' is not healthy.", status="500"))
     assert is_retryable(InferenceServerException("Request for unknown model: 'cosyvoice_vc' has no available "
                                                  "versions", status="StatusCode.NOT_FOUND"))
+    assert is_retryable(InferenceServerException(
+        "internal error: BlsError: hift_decoder: Model hift_decoder - Error when running inference: Failed for "
+        "execute the inference request. Model 'hift_decoder' is not ready.", status="StatusCode.INTERNAL"))
     assert not is_retryable(InferenceServerException("Request for unknown model: 'x' is not found",
                                                      status="StatusCode.NOT_FOUND"))
     assert not is_retryable(ValueError("bad"))

@@ -7,10 +7,12 @@ of its inputs and seed):
   ``max_queue_size``, or a queued request timed out, and while a model is being reloaded), HTTP 503;
 * overloaded: gRPC ``RESOURCE_EXHAUSTED``, HTTP 429; a proxy in front could not reach Triton: HTTP 502 / 504;
 * timeouts and lost connections: gRPC ``DEADLINE_EXCEEDED``, a refused or reset connection, a socket timeout;
-* two server faults that say the server is mending itself (measured with a stage killed under load): a stage's
-  Python process died under the request ("Stub process ... is not healthy", HTTP 500 / ``INTERNAL``; the
-  supervisor reloads it in seconds), and a pipeline whose stage is being reloaded ("... has no available
-  versions", HTTP 400 / ``NOT_FOUND``: Triton unloads the ensemble with its member).
+* three server faults that say the server is mending itself (measured with a stage killed under load,
+  tests/test_hardening_live.py): a stage's Python process died under the request ("Stub process ... is not
+  healthy", HTTP 500 / ``INTERNAL``; the supervisor reloads it in seconds); a pipeline whose stage is being
+  reloaded ("... has no available versions", HTTP 400 / ``NOT_FOUND``: Triton unloads the ensemble with its
+  member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is
+  not ready.", ``INTERNAL``: Triton does not know that a BLS stage depends on it).
 
 Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way) and any other
 server error (a bug would only be hit once more), and a streamed call once a chunk has arrived (not handled here:
@@ -38,7 +40,7 @@ RETRY_HTTP_STATUSES = frozenset({"429", "502", "503", "504"})
 #: Statuses the clients give to failures of their own that are worth another try.
 RETRY_CLIENT_STATUSES = frozenset({"timeout", "connection"})
 #: Server messages of a transient state, whatever their status (see the module docstring).
-RETRY_MESSAGES = ("is not healthy", "has no available versions")
+RETRY_MESSAGES = ("is not healthy", "has no available versions", "Failed for execute the inference request. Model")
 
 
 def _status(exc: BaseException) -> str | None:
@@ -73,10 +75,10 @@ class RetryPolicy:
     """How often and how long a client tries a call: at most ``attempts`` tries (1: no retry), waits with full
     jitter capped at ``max_wait`` s, everything within ``deadline`` s of the first try (None: no limit)."""
 
-    attempts: int = 4
-    first_wait: float = 0.25
-    max_wait: float = 4.0
-    deadline: float | None = 60.0
+    attempts: int = 10  # with these waits, enough to ride out a stage reload (~5 s) or a server restart (~30 s)
+    first_wait: float = 0.5
+    max_wait: float = 8.0
+    deadline: float | None = 120.0  # a call that timed out after this is not sent again
 
     def __post_init__(self):
         if self.attempts < 1 or self.first_wait < 0 or self.max_wait < self.first_wait:

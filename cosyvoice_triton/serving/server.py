@@ -74,6 +74,10 @@ ADMIN_KEY_ENV = "COSYVOICE_TRITON_ADMIN_KEY"
 RESTRICTED_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging")
 #: Triton's gRPC frontend expects restricted-protocol headers under this prefix.
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+#: The request size limit passed where the binary has the flag (``--http-max-input-size``, Triton >= 25.05; not in
+#: 2.51 nor in the 25.01 image: there the proxy in front must cap bodies, README "Hardening"). 64 MiB: a 30 s
+#: 48 kHz source + prompt as JSON numbers is ~45 MB, as binary data ~12 MB.
+HTTP_MAX_INPUT_BYTES = 64 << 20
 
 
 def admin_key() -> str:
@@ -177,6 +181,24 @@ def prepare_backends(out_dir: str | Path, installation: TritonInstallation | Non
     return out
 
 
+_HELP: dict[str, str] = {}
+
+
+def server_flags(installation: TritonInstallation) -> str:
+    """The ``tritonserver --help`` text of ``installation`` (cached): which flags this Triton has."""
+    key = str(installation.binary)
+    if key not in _HELP:
+        env = dict(os.environ)
+        if installation.libs is not None:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([str(installation.libs), env.get("LD_LIBRARY_PATH", "")])
+        try:
+            run = subprocess.run([key, "--help"], capture_output=True, text=True, timeout=60, env=env, check=False)
+            _HELP[key] = run.stdout + run.stderr
+        except (OSError, subprocess.TimeoutExpired):
+            _HELP[key] = ""
+    return _HELP[key]
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports that are free on ``host`` right now (bound to port 0 and released)."""
     socks, ports = [], []
@@ -217,6 +239,8 @@ class TritonServer:
         env: extra environment variables for the server and its stubs.
         admin_key: the key of the restricted APIs (default :func:`admin_key`); ``restricted_apis``: which (empty:
             none restricted, for a server that only loopback clients of the same user reach).
+        http_max_input_bytes: the HTTP request size limit, passed as ``--http-max-input-size`` where this Triton
+            has the flag (:attr:`size_limit_enforced`); None: Triton's default.
     """
 
     def __init__(self, model_repository: str | Path, *, work_dir: str | Path | None = None, http_port: int = 0,
@@ -224,7 +248,8 @@ class TritonServer:
                  load_models: Sequence[str] = (), log_verbose: int = 0, exit_timeout: int = 10,
                  extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None,
-                 admin_key: str | None = None, restricted_apis: Sequence[str] = RESTRICTED_APIS):
+                 admin_key: str | None = None, restricted_apis: Sequence[str] = RESTRICTED_APIS,
+                 http_max_input_bytes: int | None = HTTP_MAX_INPUT_BYTES):
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")
@@ -246,6 +271,7 @@ class TritonServer:
         if unknown:
             raise ValueError(f"unknown restricted API group(s) {sorted(unknown)}; Triton 2.51 has {RESTRICTED_APIS}")
         self.admin_key = admin_key or _process_admin_key()
+        self.http_max_input_bytes = http_max_input_bytes
         self.process: subprocess.Popen | None = None
         self.log_path = self.work_dir / "tritonserver.log"
         self._log_file = None
@@ -295,11 +321,18 @@ class TritonServer:
                f"--model-control-mode={self.model_control}", f"--log-verbose={self.log_verbose}",
                f"--exit-timeout-secs={self.exit_timeout}"]
         cmd += [f"--load-model={m}" for m in self.load_models]
+        if self.http_max_input_bytes is not None and self.size_limit_enforced:
+            cmd.append(f"--http-max-input-size={int(self.http_max_input_bytes)}")
         if self.restricted_apis:
             apis = ",".join(self.restricted_apis)
             cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
         return cmd + self.extra_args
+
+    @property
+    def size_limit_enforced(self) -> bool:
+        """Whether this Triton caps HTTP request sizes itself (``--http-max-input-size``); if not, only a proxy can."""
+        return "--http-max-input-size" in server_flags(self.installation or find_installation())
 
     def admin_headers(self, protocol: str = "http") -> dict[str, str]:
         """Headers that open this server's restricted APIs (see :func:`admin_headers`)."""

@@ -23,6 +23,12 @@ the CLI exits 1 so that the orchestrator's restart policy takes over). Every act
 
 The blind spot is one ``interval``: between a stub's death and the next check the server still says ready.
 
+After every (re)start and every reload it warms the server up (``warmup``, default
+:func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) and then writes
+``<work dir>/warm`` (removed while a restart runs): the Kubernetes ``startupProbe`` waits for that file. On SIGTERM
+/ SIGINT the CLI stops watching and stops the server with SIGINT: Triton refuses new requests, finishes those in
+flight (up to ``--exit-timeout`` s), unloads and exits; the CLI exits 0 (1 after giving up).
+
     server = TritonServer(repo, model_control="explicit", load_models=["*"])
     with Supervisor(server, interval=1.0):    # starts the server if needed, then watches it
         ...
@@ -35,15 +41,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import logging
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .server import ServerError, TritonInstallation, TritonServer, _tail
+from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +62,8 @@ __all__ = ["Event", "Supervisor", "main"]
 @dataclass(frozen=True)
 class Event:
     """Something the supervisor saw or did: ``kind`` is ``stub-died``, ``reloaded``, ``reload-failed``,
-    ``server-exited``, ``restarted``, ``restart-failed`` or ``gave-up``; ``seconds``: how long the action took."""
+    ``server-exited``, ``restarted``, ``restart-failed``, ``gave-up`` or ``warmed-up``; ``seconds``: how long the
+    action took."""
 
     time: float  # time.time()
     kind: str
@@ -70,11 +80,14 @@ class Supervisor:
         max_restarts: server restarts allowed within ``restart_window`` seconds before it gives up.
         backoff, max_backoff: the wait before a restart, doubled per restart in the window, capped.
         start_timeout: seconds a (re)start may take to become ready.
+        warmup: called with the server after each (re)start and reload (returns model -> seconds or error);
+            None: no warm-up.
     """
 
     def __init__(self, server: TritonServer, *, interval: float = 1.0, max_restarts: int = 5,
                  restart_window: float = 600.0, backoff: float = 1.0, max_backoff: float = 60.0,
-                 start_timeout: float = 600.0):
+                 start_timeout: float = 600.0,
+                 warmup: Callable[[TritonServer], dict] | None = warm_up):
         if server.model_control != "explicit":
             raise ValueError("the supervisor reloads models through Triton's model-control API: start the server "
                              f"with model_control='explicit' (and load_models=['*']), not {server.model_control!r}")
@@ -84,6 +97,8 @@ class Supervisor:
         self.server = server
         self.interval, self.max_restarts, self.restart_window = float(interval), int(max_restarts), restart_window
         self.backoff, self.max_backoff, self.start_timeout = float(backoff), float(max_backoff), start_timeout
+        self.warmup = warmup
+        self.warm_file = server.work_dir / "warm"
         self.events: list[Event] = []
         self.failed: str | None = None
         self._stubs: dict[int, str] = {}  # pid -> model, as of the last (re)load
@@ -136,6 +151,7 @@ class Supervisor:
             return
         self._remember_stubs()
         self._event("reloaded", model, time.monotonic() - t0)
+        self.warm_up()
 
     def _restart(self) -> None:
         proc = self.server.process
@@ -156,6 +172,7 @@ class Supervisor:
         if self._stop.wait(delay):
             return
         self.server.stop(grace=10.0)  # closes the log, reaps what is left of the process group
+        self.warm_file.unlink(missing_ok=True)
         t0 = time.monotonic()
         try:
             self.server.start(timeout=self.start_timeout)
@@ -166,6 +183,23 @@ class Supervisor:
         self._event("restarted", f"tritonserver ready again on http {self.server.http_url}, grpc "
                                  f"{self.server.grpc_url} (restart {len(self._restarts)} in the window)",
                     time.monotonic() - t0)
+        self.warm_up()
+
+    def warm_up(self) -> dict:
+        """Run :attr:`warmup` on the server, then write :attr:`warm_file`; returns what it returned."""
+        if self.warmup is None:
+            self.warm_file.write_text("no warm-up\n")
+            return {}
+        t0 = time.monotonic()
+        try:
+            done = self.warmup(self.server)
+        except Exception as exc:  # the server serves cold: never fatal
+            done = {"*": f"{type(exc).__name__}: {exc}"}
+        cold = {k: v for k, v in done.items() if isinstance(v, str)}
+        self._event("warmed-up", f"{len(done) - len(cold)} pipeline(s) warm" + (f"; failed: {cold}" if cold else ""),
+                    time.monotonic() - t0)
+        self.warm_file.write_text(json.dumps(done) + "\n")
+        return done
 
     # -------------------------------------------------------------------------------------- life cycle
 
@@ -182,7 +216,9 @@ class Supervisor:
     def start(self) -> Supervisor:
         """Start the server if it is not running, then watch it from a daemon thread."""
         if not self.server.running:
+            self.warm_file.unlink(missing_ok=True)
             self.server.start(timeout=self.start_timeout)
+            self.warm_up()
         self._remember_stubs()
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name="triton-supervisor", daemon=True)
@@ -219,33 +255,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--restart-window", type=float, default=600.0)
     p.add_argument("--start-timeout", type=float, default=1800.0)
+    p.add_argument("--exit-timeout", type=int, default=30,
+                   help="on SIGTERM, seconds Triton waits for the requests in flight before it unloads anyway")
+    p.add_argument("--no-warmup", action="store_true", help="do not send warm-up requests after (re)loads")
     p.add_argument("extra", nargs="*", help="more tritonserver flags (after --)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     inst = TritonInstallation.at(args.triton_root) if args.triton_root else None
     server = TritonServer(args.model_repository, work_dir=args.work_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_control="explicit",
-                          load_models=["*"], extra_args=args.extra, installation=inst)
+                          load_models=["*"], extra_args=args.extra, installation=inst, exit_timeout=args.exit_timeout)
     sup = Supervisor(server, interval=args.interval, max_restarts=args.max_restarts,
-                     restart_window=args.restart_window, start_timeout=args.start_timeout)
+                     restart_window=args.restart_window, start_timeout=args.start_timeout,
+                     warmup=None if args.no_warmup else warm_up)
 
     def on_signal(signum, frame):
+        log.warning("signal %d: stopping; requests in flight finish first (up to %d s)", signum, args.exit_timeout)
         sup._stop.set()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    sup.warm_file.unlink(missing_ok=True)
     try:
         server.start(timeout=args.start_timeout)
     except ServerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if not sup._stop.is_set():
+        sup.warm_up()
     print(f"serving {Path(args.model_repository)}: http {server.http_url}, grpc {server.grpc_url}, metrics "
           f"{server.metrics_url}; log {server.log_path}; admin key (restricted APIs) in "
           f"{server.work_dir / 'admin_key'}", flush=True)
     try:
         sup.run()
     finally:
-        server.stop()
+        code = server.stop()
+        sup.warm_file.unlink(missing_ok=True)
+        log.info("tritonserver stopped (exit code %s)", code)
     if sup.failed:
         print(f"error: {sup.failed}", file=sys.stderr)
         return 1

@@ -1,0 +1,120 @@
+"""Warm a freshly loaded server up: one real request through every public pipeline, so that no client pays for
+first calls (lazy allocations, onnxruntime / TensorRT first-run setup, the LM's first decode, Python imports on
+first use).
+
+Two mechanisms, because Triton's own one does not reach everything:
+
+* Triton's ``model_warmup`` (rendered into the configs of the graphs, ``preprocess`` and ``postprocess``): runs
+  sample requests inside the load, before the model is ready. It cannot serve an ensemble (Triton has no warm-up
+  for ensembles) nor a BLS model (``flow``, ``hift``, the stream and TTS orchestrators, ``speakers``): their
+  warm-up requests would call models that Triton may not have loaded yet (models load in parallel), and a failed
+  warm-up fails the load.
+* :func:`warm_up` (this module), once everything is loaded: for every loaded model whose inputs make it a public
+  pipeline, one request over the protocol it serves (``cosyvoice_vc`` and its versions: a 1 s conversion;
+  ``cosyvoice_tts``: a short sentence; the decoupled streams: one gRPC stream to its end; ``speakers``: a list).
+  These reach every member: the graphs, the BLS stages, the LM. The supervisor runs it after each (re)start and
+  after each model reload; a failure is logged, never fatal (the model serves cold).
+
+Strict readiness is already true while this runs (Triton knows nothing of it): the first requests of a rollout
+may still meet a cold pipeline for the few seconds this takes. The supervisor writes ``<work dir>/warm`` when the
+first warm-up is done; the Kubernetes ``startupProbe`` waits for that file (``deploy/k8s``), so a pod gets traffic
+only once warm.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WARM_TEXT", "plan", "warm_up"]
+
+WARM_TEXT = "Hello."
+
+
+def _models(server) -> list[dict]:
+    """``[{name, inputs, outputs, decoupled}]`` of the loaded models (repository index and configs: admin APIs)."""
+    status, body = server.request("POST", "/v2/repository/index", body=b"{}", admin=True, timeout=30)
+    if status != 200:
+        raise RuntimeError(f"repository index: HTTP {status} {body[:200]!r}")
+    out = []
+    for entry in json.loads(body):
+        if entry.get("state") != "READY":
+            continue
+        status, body = server.request("GET", f"/v2/models/{entry['name']}/config", admin=True, timeout=30)
+        if status != 200:
+            continue
+        cfg = json.loads(body)
+        out.append({"name": cfg["name"], "inputs": {i["name"] for i in cfg.get("input", [])},
+                    "outputs": {o["name"] for o in cfg.get("output", [])},
+                    "decoupled": bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))})
+    return out
+
+
+def plan(models: list[dict]) -> list[tuple[str, str]]:
+    """``(model, how)`` for the public pipelines among ``models``: how is ``vc``, ``vc_stream``, ``tts``,
+    ``tts_stream`` or ``speakers``: audio or text in and a waveform out (not a stage such as ``preprocess``, which
+    takes the audio but answers features); the stages and graphs are reached through them (or warmed by Triton)."""
+    out = []
+    for m in models:
+        inputs, outputs = m["inputs"], m.get("outputs", set())
+        if "action" in inputs and "speaker_id" in inputs:
+            how = "speakers"
+        elif "text" in inputs and "waveform" in outputs:
+            how = "tts_stream" if m["decoupled"] else "tts"
+        elif {"source_audio", "prompt_audio"} <= inputs and "waveform" in outputs:
+            how = "vc_stream" if m["decoupled"] else "vc"
+        else:
+            continue
+        out.append((m["name"], how))
+    return out
+
+
+def _sample(server) -> tuple:
+    from .repository import MARKER, stage_warmup_samples
+
+    tun = {}
+    marker = Path(server.model_repository) / MARKER
+    if marker.is_file():
+        tun = json.loads(marker.read_text()).get("tunables", {})
+    seconds = min(max(1.0, float(tun.get("min_seconds", 1.0))), float(tun.get("max_seconds", 30.0)))
+    s = stage_warmup_samples("preprocess", seconds)
+    return s["source_audio"], int(s["source_sample_rate"][0])
+
+
+def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
+    """One request through every public pipeline of the running ``server`` (a
+    :class:`~cosyvoice_triton.serving.server.TritonServer`); returns model -> seconds it took, or the error."""
+    from ..clients.client import VCClient
+
+    audio, sr = _sample(server)
+    results: dict[str, float | str] = {}
+    todo = plan(_models(server))
+    with VCClient(server.http_url, protocol="http", timeout=timeout, concurrency=1) as http, \
+            VCClient(server.grpc_url, protocol="grpc", timeout=timeout) as grpc:
+        for name, how in todo:
+            t0 = time.perf_counter()
+            try:
+                if how == "vc":
+                    http.model = name
+                    http.convert(audio, audio, source_sr=sr, prompt_sr=sr, seed=0)
+                elif how == "tts":
+                    http.tts(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name)
+                elif how == "vc_stream":
+                    for _ in grpc.convert_stream(audio, audio, source_sr=sr, prompt_sr=sr, seed=0, model=name):
+                        pass
+                elif how == "tts_stream":
+                    for _ in grpc.tts_stream(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name):
+                        pass
+                else:
+                    grpc.list_speakers()
+                results[name] = round(time.perf_counter() - t0, 3)
+            except Exception as exc:  # a cold model still serves: say so and go on
+                results[name] = f"{type(exc).__name__}: {exc}"
+                log.warning("warm-up of %s (%s) failed: %s", name, how, exc)
+    log.info("warm-up: %s", results)
+    return results
+

@@ -1,0 +1,276 @@
+"""Operating faults against a live, supervised ``tritonserver`` (local flavor, tiny demo model, 127.0.0.1):
+
+* warm-up: after the supervisor's start every loaded model has executed (the ensembles, the BLS stages, the
+  streams and the LM included), and ``<work dir>/warm`` says so;
+* a stage's Python process killed under load: readiness goes false, the stage comes back, no request hangs, and
+  clients that retry (the default) see no failure at all while clients that do not see only the transient errors;
+* SIGTERM to the supervisor CLI (the container's entry point) with requests in flight: every one of them is
+  answered, the server stops taking new ones, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import soundfile as sf
+from conftest import FIXTURES, ROOT
+
+from cosyvoice_triton.clients.client import VCClient, VCError
+from cosyvoice_triton.clients.retry import NO_RETRY, is_retryable
+from cosyvoice_triton.serving.server import TritonNotInstalled, TritonServer, find_installation, free_ports
+from cosyvoice_triton.serving.supervisor import Supervisor
+
+pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
+pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
+
+HANG_S = 120.0  # no request may take longer than this, whatever happens to the server
+FIGURES: dict = {}
+
+
+def _installed():
+    try:
+        find_installation()
+    except TritonNotInstalled as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def speech():
+    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
+    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
+    return src[: int(1.5 * ssr)], ssr, prm[: int(1.5 * psr)], psr
+
+
+def _render(serving_assets, out: Path, **tunables) -> Path:
+    from cosyvoice_triton.serving.repository import render_repository
+
+    render_repository("local", out, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
+                      max_queue_delay_us=2000, **tunables)
+    return out
+
+
+@pytest.fixture(scope="module")
+def supervised(serving_assets, tmp_path_factory):
+    _installed()
+    root = tmp_path_factory.mktemp("hardening")
+    repo = _render(serving_assets, root / "model_repository")
+    server = TritonServer(repo, work_dir=root / "triton", exit_timeout=10, model_control="explicit",
+                          load_models=["*"])
+    sup = Supervisor(server, interval=0.25, backoff=0.5, max_backoff=2.0, max_restarts=3, start_timeout=300.0)
+    with sup:
+        yield sup
+    print("\nhardening figures:", json.dumps(FIGURES, indent=1, default=str))
+
+
+class Users:
+    """``n`` threads converting back to back until stopped; each outcome recorded with its latency."""
+
+    def __init__(self, server: TritonServer, speech, protocols: list[str], retry):
+        self.server, self.speech, self.retry = server, speech, retry
+        self.outcomes: list[tuple[str, float, str]] = []  # (protocol, seconds, "ok" | error)
+        self.retries = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in protocols]
+
+    def _run(self, protocol: str) -> None:
+        src, ssr, prm, psr = self.speech
+        url = self.server.http_url if protocol == "http" else self.server.grpc_url
+        kw = {} if self.retry is None else {"retry": self.retry}
+        with VCClient(url, protocol=protocol, timeout=HANG_S, **kw) as client:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    client.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=1)
+                    what = "ok"
+                except VCError as exc:
+                    what = f"{exc.status}: {exc.message[:300]}|retryable={is_retryable(exc)}"
+                with self._lock:
+                    self.outcomes.append((protocol, time.monotonic() - t0, what))
+                if what != "ok" and self.retry is not None:
+                    time.sleep(0.05)
+            with self._lock:
+                self.retries += client.retries
+
+    def __enter__(self) -> Users:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(timeout=HANG_S + 30)
+        assert not any(t.is_alive() for t in self.threads), "a client thread hangs"
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+
+def _statistics(server: TritonServer) -> dict[str, int]:
+    status, body = server.request("GET", "/v2/models/stats", admin=True, timeout=30)
+    assert status == 200, body
+    return {m["name"]: int(m.get("execution_count", 0)) for m in json.loads(body)["model_stats"]}
+
+
+# ------------------------------------------------------------------------------------------------ warm-up
+def test_every_model_is_warm_once_the_supervisor_has_started(supervised):
+    server = supervised.server
+    warm = [e for e in supervised.events if e.kind == "warmed-up"]
+    assert warm, f"no warm-up ran: {supervised.events}"
+    assert "failed" not in warm[0].detail, warm[0].detail
+    done = json.loads(supervised.warm_file.read_text())
+    assert {"cosyvoice_vc", "cosyvoice_vc_stream", "speakers"} <= set(done), done
+    if (server.model_repository / "cosyvoice_tts").is_dir():
+        assert {"cosyvoice_tts", "cosyvoice_tts_stream"} <= set(done), done
+    assert all(isinstance(v, float) for v in done.values()), done
+    executed = _statistics(server)
+    cold = sorted(name for name, n in executed.items() if n < 1)
+    assert not cold, f"models never executed after the warm-up: {cold}"
+    FIGURES["warm-up seconds per pipeline"] = done
+    FIGURES["warm-up total (s)"] = round(warm[0].seconds, 2)
+
+
+def test_the_autoscaler_metrics_exist_on_the_live_server(supervised):
+    """The Prometheus adapter's rules (deploy/k8s) read Triton metrics by name: the server must expose them."""
+    from test_k8s import adapter_metric_names
+
+    from cosyvoice_triton.loadtest.metrics import scrape
+
+    exposed = {s.name for s in scrape(supervised.server.metrics_url, timeout=30)}
+    missing = adapter_metric_names() - exposed
+    assert not missing, f"the HPA's adapter rules read metrics this Triton does not expose: {missing}"
+
+
+# ------------------------------------------------------------------------------- a stage killed under load
+@pytest.mark.parametrize("victim", ["flow", "hift_decoder"])
+def test_a_stage_killed_under_load_comes_back_and_no_request_hangs_or_fails(supervised, speech, victim):
+    server = supervised.server
+    reloads_before = sum(e.kind == "reloaded" and e.detail == victim for e in supervised.events)
+    retrying = Users(server, speech, ["http", "grpc", "http", "grpc"], retry=None)  # the clients' default policy
+    bare = Users(server, speech, ["grpc"], retry=NO_RETRY)
+    unready: list[float] = []
+    with retrying, bare:
+        deadline = time.monotonic() + 120
+        while retrying.count() < 4 and time.monotonic() < deadline:  # load is on
+            time.sleep(0.2)
+        stub = next(s for s in server.python_stubs() if s.model == victim and s.alive)
+        t_kill = time.monotonic()
+        os.kill(stub.pid, signal.SIGKILL)
+        while time.monotonic() - t_kill < 90:
+            if not server.is_ready():
+                unready.append(time.monotonic() - t_kill)
+            elif unready and sum(e.kind == "reloaded" and e.detail == victim
+                                 for e in supervised.events) > reloads_before:
+                break
+            time.sleep(0.05)
+        back = time.monotonic() - t_kill
+        served_before = retrying.count()
+        while retrying.count() < served_before + 4 and time.monotonic() - t_kill < 150:  # serving again
+            time.sleep(0.2)
+    assert unready, "readiness never went false while the stage was dead"
+    outcomes = retrying.outcomes
+    failed = [o for o in outcomes if o[2] != "ok"]
+    slowest = max(o[1] for o in outcomes + bare.outcomes)
+    raw_errors = sorted({o[2] for o in bare.outcomes if o[2] != "ok"})
+    FIGURES[f"kill {victim}"] = {"not ready after (s)": round(unready[0], 2), "ready again after (s)": round(back, 2),
+                                 "requests (retrying clients)": len(outcomes), "failed": len(failed),
+                                 "retries": retrying.retries, "slowest request (s)": round(slowest, 2),
+                                 "errors seen without retries": raw_errors}
+    assert slowest < HANG_S, f"a request took {slowest:.0f} s"
+    assert not failed, f"requests failed although the client retries: {failed[:5]}"
+    assert retrying.retries > 0, "the kill never reached a request (nothing was retried): the test proved nothing"
+    assert all("retryable=True" in e for e in raw_errors), f"an error a client would not retry: {raw_errors}"
+    assert server.is_ready() and sum(e.kind == "reloaded" and e.detail == victim
+                                     for e in supervised.events) > reloads_before
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+def test_sigterm_finishes_the_requests_in_flight_then_exits(serving_assets, tmp_path, speech):
+    _installed()
+    repo = _render(serving_assets, tmp_path / "model_repository", tts="off")
+    http_port, grpc_port, metrics_port = free_ports(3)
+    cmd = [sys.executable, "-m", "cosyvoice_triton.serving.supervisor", "--model-repository", str(repo),
+           "--work-dir", str(tmp_path / "triton"), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+           "--metrics-port", str(metrics_port), "--exit-timeout", "60", "--no-warmup"]
+    log = open(tmp_path / "supervisor.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    probe = TritonServer(repo, work_dir=tmp_path / "probe", http_port=http_port)
+    try:
+        deadline = time.monotonic() + 300
+        while not probe.is_ready():
+            assert proc.poll() is None, (tmp_path / "supervisor.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the supervised server never became ready"
+            time.sleep(0.5)
+        src, ssr, prm, psr = speech
+        done: list[tuple[str, float, str]] = []
+
+        def one(protocol: str) -> None:
+            url = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
+            with VCClient(url, protocol=protocol, timeout=HANG_S, retry=NO_RETRY) as client:
+                try:
+                    res = client.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=1)
+                    what = "ok" if res.seconds > 0 else "empty"
+                except VCError as exc:
+                    what = f"{exc.status}: {exc.message[:200]}"
+            done.append((protocol, time.monotonic(), what))
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in ["http", "grpc"] * 3]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # all six sent; on this machine each takes seconds
+        t_term = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=HANG_S)
+        code = proc.wait(timeout=120)
+        exited = time.monotonic() - t_term
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    text = (tmp_path / "supervisor.log").read_text(errors="replace")
+    in_flight = [d for d in done if d[1] > t_term]
+    FIGURES["SIGTERM"] = {"requests": len(done), "answered after SIGTERM": len(in_flight),
+                          "exit after (s)": round(exited, 2), "exit code": code}
+    assert len(done) == 6, f"{6 - len(done)} request(s) never answered"
+    assert all(d[2] == "ok" for d in done), f"requests in flight failed at SIGTERM: {done}\n{text[-3000:]}"
+    assert in_flight, "every request had finished before SIGTERM: nothing was in flight (the test proved nothing)"
+    assert code == 0, f"exit code {code}\n{text[-3000:]}"
+    assert "tritonserver stopped" in text
+    assert not Path(tmp_path / "triton" / "warm").exists()
+
+
+# ------------------------------------------------------------------------------------------ no server needed
+def test_warm_up_plan_picks_the_public_pipelines_only():
+    from cosyvoice_triton.serving.warmup import plan
+
+    models = [
+        {"name": "preprocess", "inputs": {"source_audio", "prompt_audio", "source_sample_rate"},
+         "outputs": {"source_whisper_mel"}, "decoupled": False},
+        {"name": "cosyvoice_vc", "inputs": {"source_audio", "prompt_audio", "seed"}, "outputs": {"waveform"},
+         "decoupled": False},
+        {"name": "cosyvoice_vc_v2", "inputs": {"source_audio", "prompt_audio"}, "outputs": {"waveform"},
+         "decoupled": False},
+        {"name": "cosyvoice_vc_stream", "inputs": {"source_audio", "prompt_audio", "speaker_id"},
+         "outputs": {"waveform", "chunk_index"}, "decoupled": True},
+        {"name": "cosyvoice_tts", "inputs": {"text", "prompt_audio"}, "outputs": {"waveform"}, "decoupled": False},
+        {"name": "cosyvoice_tts_stream", "inputs": {"text"}, "outputs": {"waveform"}, "decoupled": True},
+        {"name": "speakers", "inputs": {"action", "speaker_id", "prompt_audio"}, "outputs": {"ids"},
+         "decoupled": False},
+        {"name": "hift", "inputs": {"mel"}, "outputs": {"waveform"}, "decoupled": False},
+        {"name": "flow_estimator", "inputs": {"x", "mask"}, "outputs": {"velocity"}, "decoupled": False},
+    ]
+    assert plan(models) == [("cosyvoice_vc", "vc"), ("cosyvoice_vc_v2", "vc"), ("cosyvoice_vc_stream", "vc_stream"),
+                            ("cosyvoice_tts", "tts"), ("cosyvoice_tts_stream", "tts_stream"),
+                            ("speakers", "speakers")]

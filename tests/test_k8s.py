@@ -1,0 +1,176 @@
+"""The Kubernetes manifests (deploy/k8s): every built-in object validated against the Kubernetes OpenAPI schemas of
+``kubernetes-validate`` (strict: an unknown field fails), and the pieces checked against each other and against
+the image (ports, probes on Triton's health endpoints, the non-root user of Dockerfile.triton, the grace period
+against the supervisor's exit timeout, the HPA's metrics against the adapter's rules). That the adapter's queries
+name metrics a live server exposes is checked in tests/test_hardening_live.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+#: The oldest and the newest Kubernetes release the manifests are validated against.
+VERSIONS = ("1.29.0", "1.37.0")
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+
+
+def _objects() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path.name, doc))
+    return out
+
+
+def _one(kind: str, name: str = "cosyvoice-triton") -> dict:
+    found = [d for _, d in _objects() if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def _container() -> dict:
+    return _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_builtin_object_matches_the_kubernetes_schema(version):
+    objects = _objects()
+    kinds = {d["kind"] for _, d in objects}
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "Secret",
+            "PodDisruptionBudget", "ServiceMonitor"} <= kinds, kinds
+    for name, doc in objects:
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{name}: {doc['kind']}/{doc['metadata']['name']} is invalid for Kubernetes {version}: "
+                        f"{exc.message} at {'/'.join(map(str, exc.path))}")
+
+
+def test_the_schema_check_catches_a_mistake():
+    bad = _one("Deployment")
+    bad = yaml.safe_load(yaml.safe_dump(bad))
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+
+
+def test_gpu_probes_and_ports(tmp_path):
+    c = _container()
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    # the startup probe waits for the supervisor's warm file, in the work dir container_start.sh gives it
+    start = (ROOT / "export" / "container_start.sh").read_text()
+    assert '--work-dir "$BUILD_DIR/triton"' in start
+    build = next(e["value"] for e in c["env"] if e["name"] == "BUILD_DIR")
+    assert c["startupProbe"]["exec"]["command"] == ["test", "-f", f"{build}/triton/warm"]
+    from cosyvoice_triton.serving.server import TritonServer
+    from cosyvoice_triton.serving.supervisor import Supervisor
+
+    (tmp_path / "repo").mkdir()
+    server = TritonServer(tmp_path / "repo", work_dir=tmp_path / "triton", model_control="explicit")
+    assert Supervisor(server, warmup=None).warm_file == tmp_path / "triton" / "warm"
+    # liveness must outlast a supervised restart of tritonserver (27 s measured, tests/test_hostile_server.py)
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 45
+
+
+def test_service_exposes_the_container_ports_and_selects_the_pods():
+    svc, dep = _one("Service"), _one("Deployment")
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
+    assert all(labels.get(k) == v for k, v in dep["spec"]["selector"]["matchLabels"].items())
+    names = {p["name"] for p in _container()["ports"]}
+    assert {p["targetPort"] for p in svc["spec"]["ports"]} == names
+    assert svc["spec"]["type"] == "ClusterIP"  # nothing leaves the cluster without the proxy in front
+
+
+def test_scrape_config_points_at_the_metrics_port():
+    dep, mon = _one("Deployment"), _one("ServiceMonitor")
+    ann = dep["spec"]["template"]["metadata"]["annotations"]
+    metrics = next(p["containerPort"] for p in _container()["ports"] if p["name"] == "metrics")
+    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == metrics
+    assert ann["prometheus.io/path"] == "/metrics"
+    assert mon["spec"]["endpoints"][0]["port"] == "metrics"
+    assert mon["spec"]["selector"]["matchLabels"] == _one("Service")["metadata"]["labels"]
+    job = yaml.safe_load(_one("ConfigMap", "cosyvoice-triton-prometheus-scrape")["data"]["scrape-job.yml"])
+    targets = {r.get("target_label") for r in job[0]["relabel_configs"]}
+    assert {"namespace", "pod", "__address__", "__metrics_path__"} <= targets  # what the adapter's rules need
+
+
+def test_runs_as_the_images_non_root_user():
+    dockerfile = (ROOT / "Dockerfile.triton").read_text()
+    users = re.findall(r"^USER\s+(\d+)(?::(\d+))?\s*$", dockerfile, re.M)
+    assert users, "Dockerfile.triton has no numeric USER"
+    uid, gid = users[-1]
+    last_user = [ln for ln in dockerfile.splitlines() if ln.startswith("USER ")][-1]
+    assert last_user == f"USER {uid}:{gid}" and int(uid) != 0
+    pod = _one("Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert pod["runAsNonRoot"] and pod["runAsUser"] == int(uid) and pod["fsGroup"] == int(gid)
+    sec = _container()["securityContext"]
+    assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"]
+    if sec.get("readOnlyRootFilesystem"):  # everything written must be a volume
+        mounts = {m["mountPath"] for m in _container()["volumeMounts"]}
+        assert {"/workspace/build", "/tmp", "/dev/shm"} <= mounts
+
+
+def test_grace_period_covers_prestop_and_the_requests_in_flight():
+    dep = _one("Deployment")["spec"]["template"]["spec"]
+    c = _container()
+    pre = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
+    exit_timeout = int(next(e["value"] for e in c["env"] if e["name"] == "SUPERVISOR_EXIT_TIMEOUT"))
+    assert '--exit-timeout "${SUPERVISOR_EXIT_TIMEOUT:-30}"' in (ROOT / "export" / "container_start.sh").read_text()
+    assert dep["terminationGracePeriodSeconds"] >= pre + exit_timeout + 20
+
+
+def test_admin_key_comes_from_the_secret():
+    c = _container()
+    env = next(e for e in c["env"] if e["name"] == "COSYVOICE_TRITON_ADMIN_KEY")
+    ref = env["valueFrom"]["secretKeyRef"]
+    secret = _one("Secret", ref["name"])
+    assert ref["key"] in secret["stringData"]
+    from cosyvoice_triton.serving.server import ADMIN_KEY_ENV
+
+    assert env["name"] == ADMIN_KEY_ENV
+
+
+def test_hpa_scales_the_deployment_on_metrics_the_adapter_serves():
+    hpa, dep = _one("HorizontalPodAutoscaler"), _one("Deployment")
+    ref = hpa["spec"]["scaleTargetRef"]
+    assert (ref["kind"], ref["name"]) == (dep["kind"], dep["metadata"]["name"])
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    rules = yaml.safe_load(_one("ConfigMap", "cosyvoice-triton-prometheus-adapter")["data"]["config.yaml"])["rules"]
+    served = {r["name"]["as"] for r in rules}
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}
+    assert wanted <= served, f"the HPA asks for {wanted - served}, which no adapter rule serves"
+    for r in rules:
+        assert "<<.LabelMatchers>>" in r["metricsQuery"] and "<<.GroupBy>>" in r["metricsQuery"]
+        assert set(r["resources"]["overrides"]) == {"namespace", "pod"}
+    assert "500m" in hpa_text() and "0.5 x R0" in hpa_text()  # the target's reasoning is written next to it
+
+
+def hpa_text() -> str:
+    return (K8S / "hpa.yaml").read_text()
+
+
+def adapter_metric_names() -> set[str]:
+    """Every Triton metric the adapter's queries read (for the live check in test_hardening_live.py)."""
+    rules = yaml.safe_load(_one("ConfigMap", "cosyvoice-triton-prometheus-adapter")["data"]["config.yaml"])["rules"]
+    return {m for r in rules for m in re.findall(r"\b(nv_[a-z_]+)\b", r["metricsQuery"] + r["seriesQuery"])}
+
+
+def test_the_adapter_reads_triton_metrics():
+    assert adapter_metric_names() == {"nv_inference_queue_duration_us", "nv_inference_request_success",
+                                      "nv_inference_pending_request_count"}

@@ -13,8 +13,9 @@ converted pieces are stitched back together:
    its least reliable part: HiFT's convolutions and the flow's attention see no context there).
 2. The pieces are converted as one batch (tokenizer, flow in batches of ``batch_size``; HiFT one piece per call,
    because it is not padding-invariant).
-3. :func:`stitch` places each piece at its offset and crossfades the overlaps with complementary raised-cosine
-   (Hann) fades, so the edges of each piece carry no weight. The result has exactly the length the unsplit
+3. :func:`stitch` places each piece at its offset and crossfades the overlaps (:func:`crossfade`: raised-cosine
+   fades, power-normalised for the correlation of the two renderings), so the edges of each piece carry no weight
+   and the level does not dip at a seam. The result has exactly the length the unsplit
    conversion would have: ``ceil(frames / 4)`` tokens of the whole source, 960 samples each, adjusted by the
    prompt's mel-token offset as in the unsplit path.
 
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 import librosa
 import numpy as np
 
-__all__ = ["MAX_SECONDS", "OVERLAP_TOKENS", "SAMPLES_PER_TOKEN", "SPLIT_ABOVE_SECONDS", "Piece", "needs_split",
-           "plan_pieces", "stitch"]
+__all__ = ["MAX_SECONDS", "OVERLAP_TOKENS", "SAMPLES_PER_TOKEN", "SPLIT_ABOVE_SECONDS", "Piece", "crossfade",
+           "needs_split", "plan_pieces", "stitch", "token_energy"]
 
 #: Longest source converted (in process and served): 10 minutes.
 MAX_SECONDS = 600.0
@@ -107,15 +108,24 @@ def plan_pieces(wave16: np.ndarray, *, max_piece_seconds: float = SPLIT_ABOVE_SE
     return pieces
 
 
-def _fades(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Complementary raised-cosine fades over ``n`` samples: (fade-in, fade-out), summing to 1."""
-    fade_in = np.sin(0.5 * np.pi * (np.arange(n) + 0.5) / n) ** 2
-    return fade_in, 1.0 - fade_in
+def crossfade(tail: np.ndarray, head: np.ndarray) -> np.ndarray:
+    """Crossfade the end of one piece (``tail``) into the start of the next (``head``, same length) with gains
+    that keep the power constant for their correlation: a raised-cosine fade ``w`` normalised by
+    ``sqrt(w**2 + (1-w)**2 + 2 rho w (1-w))``, where ``rho`` (clipped to [0, 1]) is the normalised correlation of
+    the two. Identical content (rho = 1) gets complementary gains summing to 1 and is reproduced exactly;
+    unrelated renderings (rho = 0, two conversions whose phases differ) get equal-power gains, so the level does
+    not dip in the middle."""
+    n = len(tail)
+    w = np.sin(0.5 * np.pi * (np.arange(n) + 0.5) / n) ** 2
+    norm = float(np.linalg.norm(tail) * np.linalg.norm(head))
+    rho = 1.0 if norm == 0.0 else float(np.clip(np.dot(tail, head) / norm, 0.0, 1.0))
+    gain = 1.0 / np.sqrt(w**2 + (1 - w) ** 2 + 2 * rho * w * (1 - w))
+    return tail * (1 - w) * gain + head * w * gain
 
 
 def stitch(outputs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> np.ndarray:
     """The converted pieces (24 kHz float32, in order) as one waveform: each at its
-    :attr:`Piece.output_offset`, overlaps crossfaded (:func:`_fades`)."""
+    :attr:`Piece.output_offset`, overlaps crossfaded (:func:`crossfade`)."""
     if len(outputs) != len(pieces) or not pieces:
         raise ValueError(f"stitch: {len(outputs)} outputs for {len(pieces)} pieces")
     if len(pieces) == 1:
@@ -130,8 +140,7 @@ def stitch(outputs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> np.ndarray
         if overlap < 0:
             raise ValueError(f"stitch: gap of {-overlap} samples before the piece at {off}: pieces must overlap")
         if overlap:
-            fade_in, fade_out = _fades(overlap)
-            out[off : off + overlap] = out[off : off + overlap] * fade_out + y[:overlap] * fade_in
+            out[off : off + overlap] = crossfade(out[off : off + overlap], y[:overlap])
         out[off + overlap : off + len(y)] = y[overlap:]
         end = max(end, off + len(y))
     return out[:end].astype(np.float32)

@@ -18,7 +18,7 @@ PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
 .PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts export quantize quality bench-export \
-        engines engines-dry-run render serve clean
+        engines engines-dry-run engines-llm render serve clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -109,6 +109,13 @@ engines: $(VENV)/.installed ## TensorRT plans from build/onnx (PRECISION=fp32|fp
 
 engines-dry-run: $(VENV)/.installed ## print the trtexec commands `make engines` would run
 	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
+
+LLM_ENGINE_ARGS ?=
+engines-llm: $(VENV)/.installed ## the LM for TensorRT-LLM: merged HF folder build/llm_hf (checked against PyTorch), engine in build/engines/llm (skipped, reason printed, without TensorRT-LLM + GPU)
+	@if [ ! -f $(MODEL_DIR)/llm.pt ] && [ "$(MODEL_DIR)" = "models/cosyvoice2-demo-$(DEMO_SIZE)" ]; then \
+	  $(PY) -m cosyvoice_triton demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
+	$(PY) export/convert_llm.py --model-dir $(MODEL_DIR) --out build/llm_hf --verify --build-engine \
+	  --checkpoint-dir build/trtllm_checkpoint --engine-dir build/engines/llm $(LLM_ENGINE_ARGS)
 
 .PHONY: loadtest loadtest-full
 LOADTEST_ARGS ?=

@@ -139,6 +139,8 @@ class Tunables:
     max_seconds: float = 30.0
     vad_trim: bool = False  # preprocess: Silero VAD trim of source and prompt (needs silero-vad)
     denoise_prompt: bool = False  # preprocess: spectral-gating noise reduction of the prompt
+    prompt_cache_entries: int = 256  # preprocess, speakers: prompts kept by content hash (0: no prompt cache)
+    prompt_cache_mb: float = 64.0  # preprocess, speakers: most MiB the prompt cache keeps
     default_seed: int = 0
     output_sample_rate: int = 0
     loudness_lufs: float = 0.0
@@ -627,13 +629,17 @@ def _tts(ctx: RenderContext) -> bool:
     return ctx.has_tts
 
 
+def _prompt_cache_params(ctx) -> dict[str, Any]:
+    return {"prompt_cache_entries": ctx.tunables.prompt_cache_entries, "prompt_cache_mb": ctx.tunables.prompt_cache_mb}
+
+
 #: Every served model besides the graphs, in render order. A new model is one row here + its folder (+ its
 #: ``MODEL_PARAMS`` entry when it reads parameters); see model_repository/README.md.
 SERVED_MODELS: tuple[ServedModel, ...] = (
     _stage("preprocess", warmup=_stage_warmup("preprocess"), parameters=lambda ctx: {
         "model_dir": str(ctx.model_dir), "min_seconds": ctx.tunables.min_seconds,
         "max_seconds": ctx.tunables.max_seconds, "vad_trim": ctx.tunables.vad_trim,
-        "denoise_prompt": ctx.tunables.denoise_prompt}),
+        "denoise_prompt": ctx.tunables.denoise_prompt, **_prompt_cache_params(ctx)}),
     _stage("flow", parameters=lambda ctx: {  # BLS: no warm-up (its callees may not be loaded yet)
         "model_dir": str(ctx.model_dir), "n_timesteps": ctx.tunables.n_timesteps, "encoder_model": "flow_encoder",
         "estimator_model": "flow_estimator", "bls_timeout_us": ctx.tunables.bls_timeout_us,
@@ -652,7 +658,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), parameters=lambda ctx: {
                     "model_dir": str(ctx.model_dir), "speaker_dir": ctx.tunables.speaker_dir,
                     "capacity": ctx.tunables.speaker_capacity, "min_seconds": ctx.tunables.min_seconds,
-                    "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us},
+                    "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
+                    **_prompt_cache_params(ctx)},
                 doc="register / get / list / delete speakers (one instance owns the store); BLS: speech_tokenizer, "
                     "speaker_encoder"),
     ServedModel(VC_STREAM_MODEL, f"ensemble/{VC_STREAM_MODEL}", VC_STREAM_INPUTS, VC_STREAM_OUTPUTS,

@@ -1,23 +1,67 @@
 #!/usr/bin/env bash
-# The load-test comparison on one CUDA GPU, for machines without TensorRT or onnxruntime-gpu: both columns serve
-# the four neural graphs (flow encoder/estimator, HiFT source/decoder) as the checkpoint's PyTorch modules on CUDA
-# inside Triton's Python backend (tunables runtime=torch, device=cuda); the shipped speech tokenizer and speaker
-# encoder stay on onnxruntime on the CPU, as does the audio front end. The integrated column keeps dynamic
-# batching; the plain column is the `plain` profile (no dynamic batching) called stage by stage by the client.
+# GPU figures, two modes (each sized to finish in under 8 minutes on a data-centre GPU):
 #
-#   loadtest/gpu.sh                 # full dims (CosyVoice2-0.5B), report in build/loadtest/gpu/report.md
-#   CONFIG=tiny loadtest/gpu.sh     # the tiny demo model
-#   DRY_RUN=1 loadtest/gpu.sh       # no GPU needed: prepare, render both repositories, print the runs
+#   loadtest/gpu.sh                    MODE=bench (default): the seed's scenario on a BARE GPU machine, no Triton:
+#                                      python -m cosyvoice_triton.bench.gpu (10 concurrent 5 s voice conversions at
+#                                      full dims, batched against one at a time, fp32 / bf16 / fp16: latency,
+#                                      throughput, peak GPU memory) -> $OUT_DIR/report.md (build/loadtest/gpu-bench)
+#   DRY_RUN=1 loadtest/gpu.sh          the same on the CPU at tiny dims, 2 requests (checks the set-up here)
+#   MODE=triton loadtest/gpu.sh        the Triton load test below (needs `make install` with a CUDA torch)
+#
+# MODE=bench needs only python3 with torch (a CUDA build) and numpy (1 or 2); PyYAML, which the package's config
+# module imports, is installed from the wheels in $WHEELS (build/gpu-wheels: `make gpu-wheels` fills it, ~1 MB;
+# carry that folder) into $OUT_DIR/site when the interpreter lacks it. Nothing is downloaded. Triton itself is not
+# part of MODE=bench: the tritonserver wheel (nvidia-pytriton, ~100 MB+) does not fit the 64 MiB that can be carried.
+#
+# MODE=triton: the load-test comparison on one CUDA GPU, for machines without TensorRT or onnxruntime-gpu: both
+# columns serve the four neural graphs (flow encoder/estimator, HiFT source/decoder) as the checkpoint's PyTorch
+# modules on CUDA inside Triton's Python backend (tunables runtime=torch, device=cuda); the shipped speech tokenizer
+# and speaker encoder stay on onnxruntime on the CPU, as does the audio front end. The integrated column keeps
+# dynamic batching; the plain column is the `plain` profile (no dynamic batching) called stage by stage by the
+# client.
+#
+#   MODE=triton loadtest/gpu.sh                 # full dims (CosyVoice2-0.5B), report in build/loadtest/gpu/report.md
+#   MODE=triton CONFIG=tiny loadtest/gpu.sh     # the tiny demo model
+#   MODE=triton DRY_RUN=1 loadtest/gpu.sh       # no GPU needed: prepare, render both repositories, print the runs
 #
 # Needs: `make install` done with a CUDA build of torch (the pinned torch==2.13.0 from PyPI is one on Linux x86-64)
-# and an NVIDIA driver (nvidia-smi). Sized to finish in under 8 minutes on a data-centre GPU: every Locust run
-# stops after its requests or MAX_RUN_S seconds, whichever comes first (a capped run is named in the report's
-# notes), and the whole script is cut at TIME_LIMIT_S. nvidia-smi samples the device's memory every 500 ms into
-# $OUT_DIR/nvidia-smi.csv; its peak is appended to the report next to the sampler's per-run figures.
-# Instance kind: flavor `local` renders KIND_CPU instances; with device=cuda each Python stub places its module on
-# the current CUDA device (cuda:0 on a one-GPU machine), which is what this script is for.
+# and an NVIDIA driver (nvidia-smi). Every Locust run stops after its requests or MAX_RUN_S seconds, whichever comes
+# first (a capped run is named in the report's notes), and the whole script is cut at TIME_LIMIT_S. nvidia-smi
+# samples the device's memory every 500 ms into $OUT_DIR/nvidia-smi.csv; its peak is appended to the report next to
+# the sampler's per-run figures. Instance kind: flavor `local` renders KIND_CPU instances; with device=cuda each
+# Python stub places its module on the current CUDA device (cuda:0 on a one-GPU machine), which is what this is for.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+MODE=${MODE:-bench}
+DRY_RUN=${DRY_RUN:-0}
+TIME_LIMIT_S=${TIME_LIMIT_S:-470}
+
+if [ "$MODE" = bench ]; then
+  if [ -z "${PY:-}" ]; then
+    if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  fi
+  OUT_DIR=${OUT_DIR:-build/loadtest/gpu-bench}
+  WHEELS=${WHEELS:-build/gpu-wheels}
+  mkdir -p "$OUT_DIR"
+  if ! "$PY" -c "import yaml" 2>/dev/null; then
+    echo "loadtest/gpu.sh: installing PyYAML from $WHEELS into $OUT_DIR/site (no index)"
+    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$OUT_DIR/site" pyyaml
+    export PYTHONPATH="$PWD/$OUT_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  if [ "$DRY_RUN" = 1 ]; then
+    exec "$PY" -m cosyvoice_triton.bench.gpu --size tiny --device cpu --requests "${REQUESTS:-2}" --seconds 1 \
+      --prompt-seconds 1 --time-limit-s "$TIME_LIMIT_S" --out-dir "$OUT_DIR"
+  fi
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  exec timeout --signal=INT --kill-after=30 "$TIME_LIMIT_S" "$PY" -m cosyvoice_triton.bench.gpu --device cuda \
+    --requests "${REQUESTS:-10}" --seconds "${SECONDS_PER_REQUEST:-5}" --precisions "${PRECISIONS:-fp32,bf16,fp16}" \
+    --time-limit-s "$(( TIME_LIMIT_S - 60 ))" --out-dir "$OUT_DIR"
+fi
+if [ "$MODE" != triton ]; then
+  echo "loadtest/gpu.sh: MODE must be bench or triton, got $MODE" >&2
+  exit 2
+fi
 
 PY=${PY:-.venv/bin/python}
 CONFIG=${CONFIG:-full}
@@ -26,8 +70,6 @@ REQUESTS=${REQUESTS:-100}
 SWEEP_REQUESTS=${SWEEP_REQUESTS:-8}
 PERF_REQUESTS=${PERF_REQUESTS:-10}
 MAX_RUN_S=${MAX_RUN_S:-40}
-TIME_LIMIT_S=${TIME_LIMIT_S:-470}
-DRY_RUN=${DRY_RUN:-0}
 
 args=(--config "$CONFIG" --device cuda --out-dir "$OUT_DIR" --requests "$REQUESTS" --sweep-requests "$SWEEP_REQUESTS"
       --perf-requests "$PERF_REQUESTS" --max-run-s "$MAX_RUN_S" --startup-timeout-s 240)

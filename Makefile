@@ -17,7 +17,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts export quantize quality bench-export \
+.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts bench-peer gpu-wheels export quantize quality bench-export \
         engines engines-dry-run engines-llm render serve clean
 
 help: ## list the stages
@@ -77,6 +77,27 @@ bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at b
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
 	$(PY) -m cosyvoice_triton bench-preprocess
+
+OFFICIAL_DEPS := build/official-deps
+$(OFFICIAL_DEPS)/.installed: | $(VENV)/.installed
+	@# the official flow / HiFT imports (its requirements.txt pins), beside the venv, never in it
+	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS) diffusers==0.29.2 einops==0.8.2 conformer==0.3.2 \
+	  omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 importlib_metadata==10.2.0 zipp==4.1.2
+	touch $@
+
+BENCH_PEER_ARGS ?=
+bench-peer: $(VENV)/.installed ## official code vs library vs served (concurrency 1) at full dims: medians, ratios, memory, GFLOP/s vs GEMM ceiling, targets (OFFICIAL=checkout)
+ifeq ($(OFFICIAL),)
+	@echo "bench-peer: skipped: give OFFICIAL=<checkout of github.com/FunAudioLLM/CosyVoice with its third_party/Matcha-TTS submodule (git clone --recursive)>"
+else
+	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
+	@$(MAKE) --no-print-directory $(OFFICIAL_DEPS)/.installed
+	$(PY) -m cosyvoice_triton.bench.peer --model-dir models/cosyvoice2-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS) $(BENCH_PEER_ARGS)
+endif
+
+gpu-wheels: $(VENV)/.installed ## PyYAML wheels (CPython 3.10-3.13, x86-64) that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels
+	for v in 3.10 3.11 3.12 3.13; do $(VENV)/bin/pip download --quiet --only-binary=:all: --no-deps --platform manylinux2014_x86_64 \
+	  --python-version $$v --implementation cp -d build/gpu-wheels pyyaml==6.0.2; done
 
 export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi

@@ -13,6 +13,9 @@
 # own that writes $BUILD_DIR/onnx/int8 or fp16 files instead),
 # PYTHON (default python3), SERVE_FLAVOR (trt|onnx|local, default trt), SERVE=0 to stop after the builds,
 # RENDER_ARGS (more `model_repository/render.py` arguments, e.g. "--set instances=flow_estimator:2"),
+# LM_BACKEND=tensorrtllm (also convert llm.pt, build its TensorRT-LLM engine into $ENGINE_DIR/llm and render the
+# tensorrt_llm model; needs TensorRT-LLM, i.e. an image on nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3:
+# in this image's base it stops with the reason; README "TensorRT-LLM engine"), MAX_ACTIVE_REQUESTS (its batch, 8),
 # COSYVOICE_TRITON_ADMIN_KEY (the key of the restricted APIs; default: random, written to $BUILD_DIR/triton/admin_key),
 # SUPERVISOR_MAX_RESTARTS / SUPERVISOR_RESTART_WINDOW (server restarts allowed in a window of seconds, default 5 / 600),
 # SUPERVISOR_EXIT_TIMEOUT (on SIGTERM, seconds the requests in flight may take to finish, default 30).
@@ -62,12 +65,21 @@ echo "== 3/4 TensorRT engines ($PRECISION, $BUILDER)"
 "$PYTHON" export/build_engines.py --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" \
   --precision "$PRECISION" --builder "$BUILDER"
 
+LM_ARGS=""
+if [ "${LM_BACKEND:-python}" = tensorrtllm ]; then
+  echo "== 3b/4 LM for TensorRT-LLM: $MODEL_DIR/llm.pt -> $BUILD_DIR/llm_hf -> engine in $ENGINE_DIR/llm"
+  "$PYTHON" export/convert_llm.py --model-dir "$MODEL_DIR" --out "$BUILD_DIR/llm_hf" --build-engine --require-engine \
+    --checkpoint-dir "$BUILD_DIR/trtllm_checkpoint" --engine-dir "$ENGINE_DIR/llm" \
+    --max-batch-size "${MAX_ACTIVE_REQUESTS:-8}"
+  LM_ARGS="--set lm_backend=tensorrtllm --set max_active_requests=${MAX_ACTIVE_REQUESTS:-8}"
+fi
+
 SERVE_FLAVOR="${SERVE_FLAVOR:-trt}"
 REPO="$BUILD_DIR/model_repository"
 echo "== 4/4 serving: render $REPO (flavor $SERVE_FLAVOR, $PRECISION), start tritonserver"
 # shellcheck disable=SC2086  # RENDER_ARGS is a list of arguments
 "$PYTHON" model_repository/render.py --flavor "$SERVE_FLAVOR" --out "$REPO" --model-dir "$MODEL_DIR" \
-  --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" --precision "$PRECISION" ${RENDER_ARGS:-}
+  --onnx-dir "$ONNX_DIR" --engine-dir "$ENGINE_DIR" --precision "$PRECISION" $LM_ARGS ${RENDER_ARGS:-}
 if [ "${SERVE:-1}" = 0 ]; then
   echo "SERVE=0: not starting tritonserver; serve with: tritonserver --model-repository=$REPO"
   exit 0

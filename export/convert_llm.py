@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
             for cmd in result.commands:
                 log.info("%s %s", "would run:" if result.status != "built" else "ran:", shlex.join(cmd))
             if result.status == "skipped":
-                log.info("engine build SKIPPED: %s. Nothing was built; run this in the NGC image (Dockerfile.triton, "
-                         "TRITON_IMAGE=...-trtllm-python-py3) on the serving GPU.", result.reason)
+                log.info("engine build SKIPPED: %s. Nothing was built; build it on the serving GPU in the NGC image "
+                         "nvcr.io/nvidia/tritonserver:25.01-trtllm-python-py3 (README, 'TensorRT-LLM engine').",
+                         result.reason)
                 return SKIPPED_EXIT if args.require_engine else 0
     except CosyVoiceError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -496,7 +496,7 @@ def toolchain_missing() -> str | None:
 
     if importlib.util.find_spec("tensorrt_llm") is None:
         return ("the tensorrt_llm Python package is not installed (it comes with the NGC image "
-                "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3; see Dockerfile.triton)")
+                "nvcr.io/nvidia/tritonserver:<yy.mm>-trtllm-python-py3; README, 'TensorRT-LLM engine')")
     if shutil.which("trtllm-build") is None:
         return "trtllm-build is not on PATH (it comes with the tensorrt_llm package of the NGC -trtllm- image)"
     if not torch.cuda.is_available():
@@ -601,20 +601,44 @@ def served_vocabulary(llm_dir: str | Path, max_batch_size: int) -> tuple[int | N
                           f"{BIAS_FILE} as embedding_bias and ids {list(v.stop_ids[1:])} as stop_words_list")
 
 
-def _checkpoint_main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``checkpoint``: TensorRT-LLM's checkpoint of a merged folder (the first engine command). ``engine``: both
+    engine commands and the serving files, for the stock NGC ``-trtllm-python-py3`` image, which has torch, numpy
+    and TensorRT-LLM but not this package's other dependencies: ``PYTHONPATH=<this checkout> python3 -m
+    cosyvoice_triton.export.trtllm engine --hf-dir build/llm_hf`` (the merged folder comes from
+    export/convert_llm.py, run anywhere)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.export.trtllm checkpoint",
-                                description="TensorRT-LLM checkpoint of a merged CosyVoice2 LM folder")
-    p.add_argument("--hf-dir", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="bfloat16")
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.export.trtllm", description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    ck = sub.add_parser("checkpoint", help="TensorRT-LLM checkpoint of a merged folder")
+    ck.add_argument("--hf-dir", type=Path, required=True)
+    ck.add_argument("--out", type=Path, required=True)
+    ck.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="bfloat16")
+    en = sub.add_parser("engine", help="checkpoint + trtllm-build + serving files")
+    en.add_argument("--hf-dir", type=Path, required=True)
+    en.add_argument("--checkpoint-dir", type=Path, default=Path("build/trtllm_checkpoint"))
+    en.add_argument("--engine-dir", type=Path, default=Path("build/engines/llm"))
+    defaults = EngineOptions()
+    for name in ("dtype", "max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens"):
+        value = getattr(defaults, name)
+        en.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     args = p.parse_args(argv)
-    convert_trtllm_checkpoint(args.hf_dir, args.out, args.dtype)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if args.command == "checkpoint":
+        convert_trtllm_checkpoint(args.hf_dir, args.out, args.dtype)
+        return 0
+    try:
+        options = EngineOptions(args.dtype, args.max_batch_size, args.max_input_len, args.max_seq_len,
+                                args.max_num_tokens)
+    except ConfigError as exc:
+        p.error(str(exc))
+    result = build_llm_engine(args.hf_dir, args.checkpoint_dir, args.engine_dir, options)
+    if result.status == "skipped":
+        print(f"error: engine not built: {result.reason}", file=sys.stderr)
+        return 3
     return 0
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["checkpoint"]:
-        sys.exit("usage: python -m cosyvoice_triton.export.trtllm checkpoint --hf-dir DIR --out DIR [--dtype D]")
-    sys.exit(_checkpoint_main(sys.argv[2:]))
+    sys.exit(main())

@@ -21,8 +21,10 @@ Which model records what (the pipeline's numbers, not each graph's): ``preproces
 Triton's ``nv_inference_request_duration_us`` over ``postprocess``'s audio out, a recording rule in
 ``deploy/prometheus/rules.yml``); the streaming orchestrators ``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``
 and ``cosyvoice_tts`` record everything of their requests (``cosyvoice_tts`` serves through
-``cosyvoice_tts_stream``, so its requests are counted under both); ``flow``, ``hift`` and ``speakers`` their rejects.
-The LM engine's own gauges stay in ``cosyvoice_llm{what}`` (``ensemble/cosyvoice_tts_stream/model.py``).
+``cosyvoice_tts_stream``, so its requests are counted under both); ``speakers`` its rejects. The inner stages
+(``flow``, ``hift``, the graphs) record nothing: a failure there is counted by the stream model that called them
+(as ``internal``), and for ``cosyvoice_vc`` only by Triton's ``nv_inference_request_failure``. The LM engine's own
+gauges stay in ``cosyvoice_llm{what}`` (``ensemble/cosyvoice_tts_stream/model.py``).
 """
 
 from __future__ import annotations

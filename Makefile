@@ -138,13 +138,20 @@ engines-llm: $(VENV)/.installed ## the LM for TensorRT-LLM: merged HF folder bui
 	$(PY) export/convert_llm.py --model-dir $(MODEL_DIR) --out build/llm_hf --verify --build-engine \
 	  --checkpoint-dir build/trtllm_checkpoint --engine-dir build/engines/llm $(LLM_ENGINE_ARGS)
 
-.PHONY: loadtest loadtest-full
+.PHONY: loadtest loadtest-full loadtest-tts loadtest-tts-full
 LOADTEST_ARGS ?=
 loadtest: $(VENV)/.installed ## Locust: plain separate calls vs the integrated ensemble, tiny model, CPU -> build/loadtest/tiny/report.md
 	$(PY) loadtest/run.py --config tiny $(LOADTEST_ARGS)
 
 loadtest-full: $(VENV)/.installed ## the same at CosyVoice2-0.5B dims (long; loadtest/README.md) -> build/loadtest/full/report.md
 	$(PY) loadtest/run.py --config full $(LOADTEST_ARGS)
+
+loadtest-tts: $(VENV)/.installed ## the TTS column: streaming TTS first chunk + RTF, offline TTS, streaming VC at 1/2/4, perf_analyzer --streaming; tiny -> build/loadtest/tiny-tts/report.md
+	$(PY) loadtest/run.py --config tiny --mode tts $(LOADTEST_ARGS)
+
+loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims, short (concurrency 1/2, 2 requests each, no perf_analyzer) -> build/loadtest/full-tts-short/report.md
+	$(PY) loadtest/run.py --config full --mode tts --tts-concurrency 1,2 --tts-requests 2 --warmup-requests 0 \
+		--perf-protocols "" --max-run-s 600 --out-dir build/loadtest/full-tts-short $(LOADTEST_ARGS)
 
 .PHONY: prometheus dashboard
 prometheus: ## Debian's prometheus + promtool unpacked into build/tools/prometheus (apt-get download + dpkg -x, no install)

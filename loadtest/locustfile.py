@@ -29,7 +29,7 @@ if CONFIG.protocol == "grpc":  # before any channel exists: grpc's own threads w
 
     grpc.experimental.gevent.init_gevent()
 
-from cosyvoice_triton.loadtest.callers import make_converter  # noqa: E402
+from cosyvoice_triton.loadtest.callers import make_converter, outcome  # noqa: E402
 from cosyvoice_triton.loadtest.metrics import settled_snapshot  # noqa: E402
 from cosyvoice_triton.loadtest.workload import load_workload  # noqa: E402
 
@@ -42,7 +42,8 @@ _user_ids = itertools.count()
 
 
 class VCUser(User):
-    """One client converting back to back: the source of its turn in the voice of the workload's prompt."""
+    """One client converting back to back: the source of its turn in the voice of the workload's prompt (or, in the
+    TTS column, speaking the text of its turn / streaming that conversion)."""
 
     wait_time = constant(0)
 
@@ -61,16 +62,17 @@ class VCUser(User):
         self.index += 1
         IN_FLIGHT[0] += 1
         try:
-            start, t0, error, audio = time.time(), time.perf_counter(), None, 0.0
+            start, t0, error, got = time.time(), time.perf_counter(), None, outcome(0.0)
             try:
-                audio = self.converter.convert(item, seed=CONFIG.seed)
+                got = outcome(self.converter.convert(item, seed=CONFIG.seed))
             except Exception as exc:
                 error = exc
             latency = time.perf_counter() - t0
             self.environment.events.request.fire(request_type=CONFIG.protocol, name=CONFIG.column,
-                                                 response_time=latency * 1000.0, response_length=int(audio * 1000),
-                                                 exception=error, context={})
-            if RECORDER.record(start, latency, audio, error):
+                                                 response_time=latency * 1000.0,
+                                                 response_length=int(got.audio_s * 1000), exception=error, context={})
+            if RECORDER.record(start, latency, got.audio_s, error, first_chunk_s=got.first_chunk_s,
+                               chunks=got.chunks if error is None else 0):
                 gevent.spawn(self.environment.runner.quit)  # users finish their conversion (--stop-timeout)
         finally:
             IN_FLIGHT[0] -= 1

@@ -6,6 +6,10 @@ Two columns are compared on the same machine, back to back:
 * ``plain``: the client preprocesses and calls each stage model itself, one request at a time, on a repository
   rendered without dynamic batching and with the PyTorch fp32 graphs (:mod:`cosyvoice_triton.clients.plain`).
 
+``--mode tts`` measures the TTS column instead: streaming TTS (``cosyvoice_tts_stream``: first-chunk latency and
+RTF), offline TTS (``cosyvoice_tts``) and streaming VC (``cosyvoice_vc_stream``) at concurrency 1, 2 and 4 over
+gRPC, with perf_analyzer's streaming mode beside Locust (:func:`.runner.run_tts`).
+
 Modules: :mod:`.metrics` (Prometheus text, Triton statistics, snapshots and deltas), :mod:`.sampler` (server RSS,
 CPU and GPU memory over time), :mod:`.workload` (espeak-ng sources and prompt), :mod:`.callers` (one conversion
 per column and protocol, no Locust import), :mod:`.report` (figures, tables, cross-checks), :mod:`.plots`,
@@ -13,4 +17,6 @@ per column and protocol, no Locust import), :mod:`.report` (figures, tables, cro
 """
 
 COLUMNS = ("plain", "integrated")
+#: The TTS column (``--mode tts``): streaming TTS, offline TTS and streaming VC on one integrated server.
+TTS_COLUMNS = ("tts_stream", "tts", "vc_stream")
 PROTOCOLS = ("http", "grpc")

@@ -1,4 +1,6 @@
-"""perf_analyzer on the ``cosyvoice_vc`` ensemble, next to Locust's figures.
+"""perf_analyzer on the ``cosyvoice_vc`` ensemble, next to Locust's figures; for the TTS column, its streaming mode
+(``--streaming`` over gRPC) on the decoupled ``cosyvoice_tts_stream`` / ``cosyvoice_vc_stream``, whose first-response
+latency comes from its ``--profile-export-file`` (every request's send time and response times).
 
 The binary is the one in the ``tritonclient==2.51.0`` wheel (``<venv>/bin/perf_analyzer``; PyPI's
 ``perf-analyzer`` is an empty placeholder). It needs ``libb64.so.0d`` and ``libcudart.so.12``, which ship in the
@@ -26,7 +28,8 @@ from ..serving.server import admin_headers, admin_key
 from ..shapes import VC_MODEL
 from .workload import Workload
 
-__all__ = ["find_perf_analyzer", "input_data", "library_dir", "parse_csv", "run_perf_analyzer"]
+__all__ = ["find_perf_analyzer", "input_data", "library_dir", "parse_csv", "parse_profile_export", "run_perf_analyzer",
+           "tts_input_data"]
 
 NEEDED = {"libb64.so.0d": "libb64-", "libcudart.so.12": "libcudart-"}
 
@@ -73,6 +76,50 @@ def input_data(workload: Workload, path: str | Path, *, items: int = 4, seed: in
     return path
 
 
+def tts_input_data(workload: Workload, path: str | Path, *, items: int = 4, seed: int = 0) -> Path:
+    """``--input-data`` for ``cosyvoice_tts`` / ``cosyvoice_tts_stream``: the workload's first ``items`` texts,
+    zero-shot in its prompt's voice with its prompt text (what the Locust users send)."""
+    data = []
+    for i in range(min(items, len(workload.texts))):
+        it = workload.item(i)
+        row = {"text": {"content": [it.text], "shape": [1]},
+               "prompt_audio": {"content": np.round(it.prompt, 6).tolist(), "shape": [len(it.prompt)]},
+               "prompt_sample_rate": {"content": [int(it.prompt_sr)], "shape": [1]},
+               "seed": {"content": [int(seed)], "shape": [1]}}
+        if it.prompt_text:
+            row["prompt_text"] = {"content": [it.prompt_text], "shape": [1]}
+        data.append(row)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"data": data}))
+    return path
+
+
+def parse_profile_export(doc: dict[str, Any]) -> dict[str, float]:
+    """perf_analyzer's ``--profile-export-file`` JSON (timestamps in ns) -> first-response and last-response
+    latency (mean / p50 / p95 ms) over the requests of the measurement windows that got a response, and how many
+    responses each got. Requests sent outside ``window_boundaries`` (warm-up, the tail) are left out."""
+    from .report import latency_summary
+
+    firsts, totals, responses = [], [], []
+    for exp in doc.get("experiments", []):
+        bounds = [int(b) for b in exp.get("window_boundaries", [])]
+        lo, hi = (bounds[0], bounds[-1]) if len(bounds) >= 2 else (-math.inf, math.inf)
+        for req in exp.get("requests", []):
+            ts, resp = int(req["timestamp"]), [int(t) for t in req.get("response_timestamps", [])]
+            if not resp or not lo <= ts <= hi:
+                continue
+            firsts.append((resp[0] - ts) / 1e9)
+            totals.append((resp[-1] - ts) / 1e9)
+            responses.append(len(resp))
+    if not firsts:
+        raise ValueError("the profile export has no request with a response inside the measurement windows")
+    first, total = latency_summary(firsts), latency_summary(totals)
+    return {"requests": len(firsts), "responses_per_request": float(np.mean(responses)),
+            **{f"first_{k}": v for k, v in first.items()}, "mean_ms": total["mean_ms"], "p50_ms": total["p50_ms"],
+            "p95_ms": total["p95_ms"], "p99_ms": total["p99_ms"]}
+
+
 #: The CSV's parts of a request's latency (their sum is the client's average latency, which the CSV lacks).
 LATENCY_PARTS = ("Client Send", "Network+Server Send/Recv", "Server Queue", "Server Compute Input",
                  "Server Compute Infer", "Server Compute Output", "Client Recv")
@@ -101,22 +148,31 @@ def parse_csv(text: str) -> dict[str, float]:
 
 def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str | Path, work_dir: str | Path, *,
                       model: str = VC_MODEL, requests_per_window: int = 20, max_trials: int = 3,
-                      stability_percent: int = 999, timeout_s: float = 600.0,
+                      stability_percent: int = 999, timeout_s: float = 600.0, streaming: bool = False,
                       extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run perf_analyzer at one concurrency over ``max_trials`` windows of ``requests_per_window`` requests;
     returns its figures, or ``{"note": why}`` when it cannot run or measure (never raises for that).
 
     perf_analyzer reports nothing unless its last 3 windows agree within ``stability_percent``; windows of a few
     seconds-long conversions rarely do on a busy CPU, so the default (999) turns that check off: its figures
-    are then the last 3 windows' (the report says so)."""
-    result: dict[str, Any] = {"protocol": protocol, "concurrency": concurrency}
+    are then the last 3 windows' (the report says so).
+
+    ``streaming``: gRPC streaming (a decoupled model); the latencies then come from the profile export (first
+    response and last response of each request), the throughput from the CSV."""
+    result: dict[str, Any] = {"protocol": protocol, "concurrency": concurrency, "model": model,
+                              "streaming": streaming}
+    if streaming and protocol != "grpc":
+        return {**result, "note": "perf_analyzer streams over gRPC only"}
     binary = find_perf_analyzer()
     if binary is None:
         return {**result, "note": "no perf_analyzer binary (it ships in the tritonclient==2.51.0 wheel)"}
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    csv_path = work / f"perf_analyzer_{protocol}_c{concurrency}.csv"
+    tag = f"{model}_{protocol}_c{concurrency}" if model != VC_MODEL else f"{protocol}_c{concurrency}"
+    csv_path = work / f"perf_analyzer_{tag}.csv"
     csv_path.unlink(missing_ok=True)
+    export = work / f"perf_analyzer_{tag}.profile.json"
+    export.unlink(missing_ok=True)
     try:
         libs = library_dir(work / "pa_libs")
     except Exception as exc:
@@ -126,7 +182,8 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
            "--measurement-request-count", str(requests_per_window), "--max-trials", str(max_trials),
            "-s", str(stability_percent), "-f", str(csv_path),
            # model config and statistics are restricted APIs: perf_analyzer sends the admin header with every call
-           *[a for k, v in admin_headers(protocol).items() for a in ("-H", f"{k}:{v}")], *extra_args]
+           *[a for k, v in admin_headers(protocol).items() for a in ("-H", f"{k}:{v}")],
+           *(["--streaming", "--profile-export-file", str(export)] if streaming else []), *extra_args]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]])
     result["command"] = " ".join(cmd).replace(admin_key(), "<admin key>")
@@ -137,7 +194,7 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
     except OSError as exc:
         return {**result, "note": f"perf_analyzer could not start: {exc}"}
     log = (proc.stdout or "") + (proc.stderr or "")
-    (work / f"perf_analyzer_{protocol}_c{concurrency}.log").write_text(log)
+    (work / f"perf_analyzer_{tag}.log").write_text(log)
     if csv_path.is_file():
         result["note"] = f"{max_trials} windows of {requests_per_window} requests" + (
             ", stability check off" if stability_percent >= 999 else f", stable within {stability_percent}%")
@@ -146,10 +203,26 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
         except (ValueError, KeyError) as exc:
             result["note"] = f"unreadable CSV: {exc}"
             return result
+        if streaming:
+            try:
+                doc = json.loads(export.read_text())
+                result.update(parse_profile_export(doc))
+                result["note"] += "; latencies from the profile export"
+                export.write_text(json.dumps(_timestamps_only(doc)))  # the audio in and out: tens of MB
+            except (OSError, ValueError, KeyError) as exc:
+                result["note"] += f"; no first-response latency ({exc})"
         if proc.returncode != 0:
             result["note"] += f"; exit code {proc.returncode}: {_last_error(log)}"
         return result
     return {**result, "note": f"no result (exit code {proc.returncode}): {_last_error(log)}"}
+
+
+def _timestamps_only(doc: dict[str, Any]) -> dict[str, Any]:
+    """The profile export without each request's inputs and outputs (what :func:`parse_profile_export` reads)."""
+    keep = ("timestamp", "sequence_id", "response_timestamps")
+    return {**doc, "experiments": [
+        {**exp, "requests": [{k: r[k] for k in keep if k in r} for r in exp.get("requests", [])]}
+        for exp in doc.get("experiments", [])]}
 
 
 def _last_error(log: str) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 
 from .report import RunSummary
 
-__all__ = ["plot_latency_cdf", "plot_sweep"]
+__all__ = ["plot_first_chunk", "plot_latency_cdf", "plot_sweep"]
 
 
 def _pyplot():
@@ -69,4 +69,38 @@ def plot_sweep(summaries: Sequence[RunSummary], path: str | Path, *, title: str 
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title or "Throughput and p95 latency against concurrency")
+    return _save(plt, fig, path)
+
+
+def plot_first_chunk(summaries: Sequence[RunSummary], path: str | Path, *, perf: Sequence[Mapping] = (),
+                     title: str = "") -> Path:
+    """The TTS column: first-chunk latency (p50 and p95, with the mean dotted) against concurrency per streaming
+    pipeline, perf_analyzer's first-response p50 as crosses; right: total latency and RTF of every pipeline."""
+    plt = _pyplot()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[str, list[RunSummary]] = {}
+    for s in summaries:
+        groups.setdefault(s.column, []).append(s)
+    for i, (column, runs) in enumerate(sorted(groups.items())):
+        runs = sorted(runs, key=lambda s: s.users)
+        users = [s.users for s in runs]
+        color = f"C{i}"
+        if any(not np.isnan(s.first_p50_ms) for s in runs):
+            a1.plot(users, [s.first_p50_ms for s in runs], marker="o", color=color, label=f"{column} p50")
+            a1.plot(users, [s.first_p95_ms for s in runs], marker="^", ls="--", color=color, label=f"{column} p95")
+            pa = sorted((p["concurrency"], p["first_p50_ms"]) for p in perf
+                        if p.get("first_p50_ms") is not None and p.get("model", "").endswith(column))
+            if pa:
+                a1.plot(*zip(*pa, strict=True), marker="x", ls="", ms=9, color=color,
+                        label=f"{column} p50 (perf_analyzer)")
+        a2.plot(users, [s.p50_ms for s in runs], marker="o", color=color, label=f"{column} total p50")
+    ticks = sorted({s.users for s in summaries})
+    for ax, ylabel in ((a1, "first-chunk latency (ms)"), (a2, "total latency p50 (ms)")):
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(ylabel)
+        ax.set_xticks(ticks)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "First-chunk latency against concurrency")
     return _save(plt, fig, path)

@@ -20,7 +20,7 @@ ENV_VAR = "LOADTEST_CONFIG"
 
 @dataclass
 class RunConfig:
-    column: str  # plain | integrated
+    column: str  # plain | integrated (VC comparison), or tts_stream | tts | vc_stream (the TTS column)
     protocol: str  # http | grpc
     url: str  # host:port of ``protocol``
     http_url: str  # host:port of the server's HTTP endpoint (statistics)
@@ -37,6 +37,7 @@ class RunConfig:
     check_model: str = "cosyvoice_vc"
     calls_per_request: int = 1
     model_dir: str = ""  # the plain client's front end reads its cosyvoice2.yaml ("" : the official settings)
+    chunk_model: str = ""  # streams: the model each audio chunk calls once (its success counter counts chunks)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -56,6 +57,8 @@ class RequestRecord:
     audio_s: float  # seconds of audio produced (0 for a failure)
     ok: bool
     error: str = ""
+    first_chunk_s: float | None = None  # streams: when the first audio chunk arrived, after the request was sent
+    chunks: int = 0  # streams: audio chunks received (1 for a whole answer)
 
 
 @dataclass
@@ -86,7 +89,8 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         return {"config": asdict(self.config),
-                "records": [[r.start, r.latency_s, r.audio_s, r.ok, r.error] for r in self.records],
+                "records": [[r.start, r.latency_s, r.audio_s, r.ok, r.error, r.first_chunk_s, r.chunks]
+                            for r in self.records],
                 "begin": self.begin.to_json() if self.begin else None,
                 "end": self.end.to_json() if self.end else None,
                 "locust_requests": self.locust_requests, "locust_failures": self.locust_failures,
@@ -95,8 +99,7 @@ class RunResult:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RunResult:
-        return cls(RunConfig(**d["config"]), [RequestRecord(float(a), float(b), float(c), bool(ok), str(e))
-                                              for a, b, c, ok, e in d["records"]],
+        return cls(RunConfig(**d["config"]), [_record(r) for r in d["records"]],
                    Snapshot.from_json(d["begin"]) if d.get("begin") else None,
                    Snapshot.from_json(d["end"]) if d.get("end") else None,
                    int(d.get("locust_requests", 0)), int(d.get("locust_failures", 0)),
@@ -114,6 +117,14 @@ class RunResult:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+def _record(row: list) -> RequestRecord:
+    """A record from its JSON row (5 fields before the TTS columns, 7 since)."""
+    a, b, c, ok, e, *rest = row
+    first = float(rest[0]) if rest and rest[0] is not None else None
+    return RequestRecord(float(a), float(b), float(c), bool(ok), str(e), first,
+                         int(rest[1]) if len(rest) > 1 else 0)
+
+
 class RunRecorder:
     """The state of one Locust run: warm-up, then measuring from :meth:`start_measuring` until the target is reached."""
 
@@ -126,14 +137,15 @@ class RunRecorder:
         self.warmup_completed = 0
         self.stop_requested = False
 
-    def record(self, start: float, latency_s: float, audio_s: float, error: BaseException | str | None) -> bool:
+    def record(self, start: float, latency_s: float, audio_s: float, error: BaseException | str | None, *,
+               first_chunk_s: float | None = None, chunks: int = 0) -> bool:
         """Note one completion; True when the target has just been reached (the caller stops the run)."""
         self.completed += 1
         if not self.measuring:
             return False
         msg = "" if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
         self.records.append(RequestRecord(start, latency_s, audio_s if error is None else 0.0, error is None,
-                                          msg[:300]))
+                                          msg[:300], first_chunk_s, chunks))
         if not self.stop_requested and len(self.records) >= self.config.target_requests:
             self.stop_requested = True
             return True

@@ -17,8 +17,8 @@ import numpy as np
 from .metrics import stats_delta, success_delta
 from .recording import RunResult
 
-__all__ = ["CrossCheck", "RunSummary", "change", "comparison_table", "cross_check", "latency_summary",
-           "render_markdown", "summarize_run"]
+__all__ = ["ChunkCheck", "CrossCheck", "RunSummary", "change", "chunk_check", "comparison_table", "cross_check",
+           "latency_summary", "render_markdown", "summarize_run", "tts_table"]
 
 TOLERANCE = 0.01  # Locust's count against Triton's success counter
 
@@ -69,6 +69,33 @@ def cross_check(run: RunResult) -> CrossCheck:
 
 
 @dataclass
+class ChunkCheck:
+    """Streams: audio chunks the clients received against the increase of the success counter of the model each
+    chunk calls once (``hift_decoder``: one vocoder call per chunk); equal when nothing else calls it."""
+
+    model: str
+    chunks_received: int
+    triton_delta: float
+
+    @property
+    def passed(self) -> bool:
+        return self.chunks_received > 0 and self.triton_delta == self.chunks_received
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def chunk_check(run: RunResult) -> ChunkCheck | None:
+    model = run.config.chunk_model
+    if not model:
+        return None
+    delta = math.nan
+    if run.begin is not None and run.end is not None:
+        delta = success_delta(run.begin, run.end, model)[model]
+    return ChunkCheck(model, sum(r.chunks for r in run.records if r.ok), delta)
+
+
+@dataclass
 class RunSummary:
     """The figures of one Locust run (one column, protocol and concurrency)."""
 
@@ -95,6 +122,12 @@ class RunSummary:
     errors: dict[str, int] = field(default_factory=dict)
     check: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, dict[str, float]] = field(default_factory=dict)
+    # streams (the TTS column): first-chunk latency over the successful requests, chunks per request
+    first_mean_ms: float = math.nan
+    first_p50_ms: float = math.nan
+    first_p95_ms: float = math.nan
+    chunks_per_request: float = math.nan
+    chunk_check: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,12 +152,18 @@ def summarize_run(run: RunResult, *, server: Mapping[str, float] | None = None) 
             errors[r.error] = errors.get(r.error, 0) + 1
     stages = stats_delta(run.begin.statistics, run.end.statistics) if run.begin and run.end else {}
     good = duration > 0 and not math.isnan(duration)
+    firsts = [r.first_chunk_s for r in ok if r.first_chunk_s is not None]
+    first = latency_summary(firsts)
+    chunks = chunk_check(run)
     return RunSummary(
         run.config.column, run.config.protocol, run.config.users, len(run.records), len(run.records) - len(ok),
         duration, lat["mean_ms"], lat["p50_ms"], lat["p95_ms"], lat["p99_ms"],
         len(ok) / duration if good else math.nan, audio / duration if good else math.nan, rtf,
         audio / len(ok) if ok else math.nan, **dict(server or {}), target_reached=run.target_reached,
-        errors=errors, check=cross_check(run).to_json(), stages=stages)
+        errors=errors, check=cross_check(run).to_json(), stages=stages, first_mean_ms=first["mean_ms"],
+        first_p50_ms=first["p50_ms"], first_p95_ms=first["p95_ms"],
+        chunks_per_request=float(np.mean([r.chunks for r in ok])) if ok else math.nan,
+        chunk_check=chunks.to_json() if chunks else {})
 
 
 # ------------------------------------------------------------------------------------------------ tables
@@ -218,8 +257,97 @@ def slowest_stage(stages: Mapping[str, Mapping[str, float]], exclude: Sequence[s
     return name, totals[name] / sum(totals.values())
 
 
+def finish_markdown(out: list[str], report: Mapping[str, Any]) -> str:
+    """``out`` (markdown lines) with the report's plots and notes appended, as one text."""
+    plots = report.get("plots", [])
+    if plots:
+        out = [*out, "## Plots", "", *[f"![{Path(p).stem}]({Path(p).name})" for p in plots], ""]
+    notes = report.get("notes", [])
+    if notes:
+        out = [*out, "## Notes", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+#: The TTS column's rows, in this order.
+TTS_LABELS = {"tts_stream": "streaming TTS (cosyvoice_tts_stream)", "tts": "offline TTS (cosyvoice_tts)",
+              "vc_stream": "streaming VC (cosyvoice_vc_stream)"}
+
+
+def tts_table(runs: Sequence[RunSummary]) -> str:
+    """The TTS column: per pipeline and concurrency, first-chunk latency (streams), end-to-end latency, RTF."""
+    lines = ["| pipeline | concurrency | requests (failed) | first chunk mean / p50 / p95 ms | "
+             "total mean / p50 / p95 ms | RTF | audio s / request | chunks / request | requests / s | "
+             "CPU (whole machine) |",
+             "|---|---:|---:|---|---|---:|---:|---:|---:|---:|"]
+    order = list(TTS_LABELS)
+    for s in sorted(runs, key=lambda s: (order.index(s.column) if s.column in order else 99, s.users)):
+        first = ("-" if math.isnan(s.first_mean_ms) else
+                 f"{_fmt(s.first_mean_ms)} / {_fmt(s.first_p50_ms)} / {_fmt(s.first_p95_ms)}")
+        lines.append(f"| {TTS_LABELS.get(s.column, s.column)} | {s.users} | {s.requests} ({s.failures}) | {first} | "
+                     f"{_fmt(s.mean_ms)} / {_fmt(s.p50_ms)} / {_fmt(s.p95_ms)} | {_fmt(s.rtf, 2)} | "
+                     f"{_fmt(s.mean_audio_s, 2)} | {_fmt(s.chunks_per_request, 1)} | {_fmt(s.req_per_s, 3)} | "
+                     f"{_fmt(s.cpu_triton * 100, 0, '%')} |")
+    return "\n".join(lines)
+
+
+def _perf_stream_table(perf: Sequence[Mapping[str, Any]], runs: Sequence[RunSummary]) -> list[str]:
+    out = ["| model | concurrency | perf_analyzer first response mean / p50 / p95 ms | Locust first chunk mean / p50 / "
+           "p95 ms | perf_analyzer total mean / p95 ms | Locust total mean / p95 ms | perf_analyzer req/s | Locust "
+           "req/s | note |", "|---|---:|---|---|---|---|---:|---:|---|"]
+    for p in perf:
+        col = {"cosyvoice_tts_stream": "tts_stream", "cosyvoice_vc_stream": "vc_stream",
+               "cosyvoice_tts": "tts"}.get(p.get("model", ""), "")
+        loc = next((s for s in runs if s.column == col and s.users == p["concurrency"]), None)
+
+        def g(key, p=p):
+            return _num(p.get(key))
+
+        pf = f"{_fmt(g('first_mean_ms'))} / {_fmt(g('first_p50_ms'))} / {_fmt(g('first_p95_ms'))}"
+        lf = (f"{_fmt(loc.first_mean_ms)} / {_fmt(loc.first_p50_ms)} / {_fmt(loc.first_p95_ms)}" if loc else "n/a")
+        out.append(f"| {p.get('model', '')} | {p['concurrency']} | {pf} | {lf} | {_fmt(g('mean_ms'))} / "
+                   f"{_fmt(g('p95_ms'))} | {f'{_fmt(loc.mean_ms)} / {_fmt(loc.p95_ms)}' if loc else 'n/a'} | "
+                   f"{_fmt(g('throughput'), 3)} | {_fmt(loc.req_per_s, 3) if loc else 'n/a'} | {p.get('note', '')} |")
+    return out
+
+
+def render_tts_markdown(report: Mapping[str, Any]) -> str:
+    """The TTS column's report (``--mode tts``)."""
+    out = [f"# Load test: the TTS column, streaming TTS / offline TTS / streaming VC ({report.get('config_name', '')})",
+           ""]
+    setup = report.get("setup", {})
+    if setup:
+        out += ["## Set-up", ""] + [f"- {k}: {v}" for k, v in setup.items()] + [""]
+    runs = [RunSummary.from_json(r) for r in report.get("runs", [])]
+    if runs:
+        out += ["## Streaming and offline latency (gRPC)", "", tts_table(runs), "",
+                "First chunk: from sending the request to the first audio chunk in the client. Total: to the last "
+                "response. RTF: mean over requests of total latency / seconds of audio received.", ""]
+        out += ["## Cross-check: Locust against Triton's counters", "",
+                "| run | Locust ok | model | Triton delta | | chunks received | chunk model | Triton delta | |",
+                "|---|---:|---|---:|---|---:|---|---:|---|"]
+        for s in runs:
+            c, k = s.check, s.chunk_check
+            chunk_cells = (f"{k['chunks_received']} | {k['model']} | {_fmt(_num(k['triton_delta']))} | "
+                           f"{'ok' if k['passed'] else 'MISMATCH'}") if k else "- | - | - | -"
+            out.append(f"| {s.column} x{s.users} | {c.get('locust_ok', 'n/a')} | {c.get('model', '')} | "
+                       f"{_fmt(_num(c.get('triton_delta')))} | {'ok' if c.get('passed') else 'MISMATCH'} | "
+                       f"{chunk_cells} |")
+        out.append("")
+    perf = report.get("perf_analyzer", [])
+    if perf:
+        out += ["## perf_analyzer (gRPC, --streaming for the decoupled models) next to Locust", ""]
+        out += [*_perf_stream_table(perf, runs), ""]
+    top = max((s for s in runs if s.column == "tts_stream" and s.stages), key=lambda s: s.users, default=None)
+    if top is not None:
+        out += [f"## Per-model statistics: streaming TTS at concurrency {top.users} (delta over the window)", "",
+                _stage_table(top.stages), ""]
+    return finish_markdown(out, report)
+
+
 def render_markdown(report: Mapping[str, Any]) -> str:
     """The markdown report from the JSON report (see :func:`cosyvoice_triton.loadtest.runner.run`)."""
+    if report.get("mode") == "tts":
+        return render_tts_markdown(report)
     out = [f"# Load test: plain separate calls vs integrated pipeline ({report.get('config_name', '')})", ""]
     setup = report.get("setup", {})
     if setup:
@@ -284,13 +412,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         from .profile import profile_markdown
 
         out += profile_markdown(report["profile"])
-    plots = report.get("plots", [])
-    if plots:
-        out += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
-    notes = report.get("notes", [])
-    if notes:
-        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(out).rstrip() + "\n"
+    return finish_markdown(out, report)
 
 
 def _jsonable(x: Any) -> Any:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import COLUMNS, PROTOCOLS
+from . import COLUMNS, PROTOCOLS, TTS_COLUMNS
 from .metrics import settled_snapshot, success_delta
 from .recording import ENV_VAR, RunConfig, RunResult
 from .report import RunSummary, render_markdown, summarize_run, write_report
@@ -35,7 +35,7 @@ from .workload import Workload, cached_workload, load_workload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONFIGS", "Options", "main", "run"]
+__all__ = ["CONFIGS", "Options", "main", "run", "run_tts"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
@@ -80,6 +80,12 @@ class Options:
     profile_only: bool = False  # only the profile, from an existing <out_dir>/report.json; rewrites the report
     profile_graph: str = ""  # the graph to profile (empty: the slowest of profile.PROFILED_GRAPHS)
     notes: list[str] = field(default_factory=list)
+    #: vc: plain separate calls vs the integrated ensemble; tts: the TTS column (:func:`run_tts`)
+    mode: str = "vc"
+    tts_columns: tuple[str, ...] = TTS_COLUMNS
+    tts_concurrency: tuple[int, ...] = (1, 2, 4)
+    tts_requests: int = 8  # measured requests per TTS-column pipeline and concurrency: at least this, 1 per user
+    perf_concurrency: tuple[int, ...] | None = None  # --mode tts: perf_analyzer's levels (None: tts_concurrency)
 
     @property
     def warmup(self) -> int:
@@ -385,6 +391,10 @@ def run(opts: Options) -> dict[str, Any]:
     for p in (*opts.protocols, *opts.perf_protocols):
         if p not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {p!r}")
+    if opts.mode == "tts":
+        return run_tts(opts)
+    if opts.mode != "vc":
+        raise ValueError(f"mode must be vc or tts, got {opts.mode!r}")
     out_dir = Path(opts.out_dir)
     if opts.profile_only:
         return profile_only(opts)
@@ -464,6 +474,151 @@ def run(opts: Options) -> dict[str, Any]:
     print(render_markdown(report))
     print(f"wrote {md}, {js}, " + ", ".join(str(p) for p in plots), flush=True)
     return report
+
+
+# -------------------------------------------------------------------------------------------- TTS column
+
+#: The TTS column's pipelines: the public model each request calls (its success counter counts the requests) and
+#: the model each streamed chunk calls exactly once (its success counter counts the chunks).
+TTS_CHECKS = {"tts_stream": ("cosyvoice_tts_stream", "hift_decoder"), "tts": ("cosyvoice_tts", ""),
+              "vc_stream": ("cosyvoice_vc_stream", "hift_decoder")}
+
+
+def tts_requests(opts: Options, users: int) -> int:
+    return max(opts.tts_requests, users)
+
+
+def run_tts(opts: Options) -> dict[str, Any]:
+    """The TTS column: one integrated server (TTS rendered) measured with Locust over gRPC, one pipeline after the
+    other (streaming TTS, offline TTS, streaming VC), each at every ``tts_concurrency``; then perf_analyzer's
+    streaming mode on ``cosyvoice_tts_stream`` at the same concurrencies. Writes report.md / report.json and
+    ``first_chunk.png`` into ``opts.out_dir``."""
+    from ..serving.server import TritonServer
+    from .plots import plot_first_chunk
+
+    bad = [c for c in opts.tts_columns if c not in TTS_COLUMNS]
+    if bad:
+        raise ValueError(f"TTS columns must be among {TTS_COLUMNS}, got {bad}")
+    out_dir = Path(opts.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    setup = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))}
+    from ..shapes import GRAPHS
+
+    ensure_assets(opts, list(GRAPHS))
+    if not (Path(opts.model_dir) / "llm.pt").is_file():
+        raise FileNotFoundError(f"{opts.model_dir}/llm.pt not found: the TTS column needs the LM")
+    wl_path = out_dir / "workload.npz"
+    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    print(f"== workload: {workload.describe()}; {len(workload.texts)} TTS texts", flush=True)
+    work = out_dir / "tts"
+    work.mkdir(parents=True, exist_ok=True)
+    tunables = {"tts": "on", **opts.integrated_tunables}
+    saved, opts.integrated_tunables = opts.integrated_tunables, tunables
+    try:
+        repo, rendered = render("integrated", opts, work / "model_repository")
+    finally:
+        opts.integrated_tunables = saved
+    if opts.dry_run:
+        plan = [f"{c} grpc: {u} users, {tts_requests(opts, u)} measured requests" for c in opts.tts_columns
+                for u in opts.tts_concurrency]
+        print("== dry run: would run\n" + "\n".join(plan), flush=True)
+        return {"rendered": rendered, "runs": plan}
+    print("== TTS column: starting tritonserver", flush=True)
+    server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10,
+                          restricted_apis=("shared-memory", "model-repository", "trace", "logging"))
+    server.start(timeout=opts.startup_timeout_s)
+    runs: list[RunSummary] = []
+    perf: list[dict[str, Any]] = []
+    profiles: dict[str, Any] = {}
+    with server:
+        print(f"   ready in {server.start_seconds:.1f} s (grpc {server.grpc_url})", flush=True)
+        sampler = ServerSampler(server.process.pid, server.metrics_url, gpu=opts.device != "cpu").start()
+        try:
+            idle_rss = sample_tree(server.process.pid).rss_bytes / 2**20
+            for column in opts.tts_columns:
+                profiles[column] = warm_up(column, "grpc", server.grpc_url, server.http_url, server.metrics_url,
+                                           workload, opts.model_dir, n=0)  # the profiled call warms up
+                print(f"   {column}: calls per request {profiles[column]}", flush=True)
+                model, chunk_model = TTS_CHECKS[column]
+                for users in opts.tts_concurrency:
+                    n = tts_requests(opts, users)
+                    cfg = RunConfig(column=column, protocol="grpc", url=server.grpc_url, http_url=server.http_url,
+                                    metrics_url=server.metrics_url, workload=str(wl_path),
+                                    out=str(work / f"result_{column}_u{users}.json"), users=users, target_requests=n,
+                                    warmup_requests=users if opts.warmup_requests < 0 else opts.warmup_requests,
+                                    seed=opts.seed, check_model=model, calls_per_request=1,
+                                    model_dir=str(opts.model_dir), chunk_model=chunk_model)
+                    result = run_locust(cfg, work, opts.max_run_s)
+                    t0, t1 = result.window
+                    runs.append(summarize_run(result, server=server_figures(sampler, t0, t1)))
+                    if not result.target_reached:
+                        opts.notes.append(f"{column} x{users}: stopped at --max-run-s {opts.max_run_s:.0f} with "
+                                          f"{len(result.records)} of {n} requests")
+            if "grpc" in opts.perf_protocols:
+                perf = run_perf_streaming(opts, server.grpc_url, workload, work)
+            server_info = {"start_s": server.start_seconds, "idle_rss_mb": idle_rss,
+                           "peak_rss_mb": sampler.peak_rss_mb()}
+        finally:
+            sampler.stop()
+    plots = [plot_first_chunk(runs, out_dir / "first_chunk.png", perf=perf,
+                              title=f"TTS column: first-chunk latency against concurrency ({opts.name})")]
+    setup.update({
+        "config": opts.name, "model": f"{opts.model_dir} ({opts.demo_size} dims; random weights, real shapes)"
+        if "demo" in Path(opts.model_dir).name else opts.model_dir,
+        "workload": f"{workload.describe()}; TTS: {len(workload.texts)} English sentences of "
+        f"{min(len(t.split()) for t in workload.texts)}-{max(len(t.split()) for t in workload.texts)} words in "
+        "turn, zero-shot in the prompt's voice",
+        "protocol": "gRPC (streams: one gRPC stream per request)",
+        "concurrency": ", ".join(str(u) for u in opts.tts_concurrency) + " users per pipeline, all spawned at once; "
+        + ("the first <users> completions left out" if opts.warmup_requests < 0 else
+           f"the first {opts.warmup_requests} completions left out") + "; before them, one request per pipeline "
+        "alone (warm-up and the calls-per-request profile)",
+        "requests per level": f"at least {opts.tts_requests}, 1 per user (users finish the request they are in)",
+        "repository": f"local flavor, graph precision {rendered.get('graph_precision')}, tunables {tunables}",
+        "versions": ", ".join(f"{k} {v}" for k, v in _versions().items()),
+        "duration": f"{time.time() - started:.0f} s",
+    })
+    notes = list(dict.fromkeys(opts.notes))
+    notes += [
+        "The demo models have random weights: the LM never samples its end-of-speech token early, so every "
+        "utterance runs to the LM's length limit (20 x the text tokens): audio length and LM work follow the text.",
+        "Locust and perf_analyzer run on the same machine as the server and take CPU time from it.",
+        "Cross-check: each request's public model counts it once (nv_inference_request_success); each streamed "
+        "chunk calls hift_decoder exactly once, so the chunks the clients received equal hift_decoder's increase "
+        "(the offline cosyvoice_tts calls the stream model inside, so its chunks are not checked).",
+        f"server ready in {server_info['start_s']:.1f} s, RSS at start {server_info['idle_rss_mb']:.0f} MB, "
+        f"peak {server_info['peak_rss_mb']:.0f} MB",
+    ] + [f"{c}: one request = " + ", ".join(f"{m} x{v:.0f}" for m, v in sorted(p.items())) + " (warm-up profile)"
+         for c, p in profiles.items()]
+    report = {"mode": "tts", "config_name": opts.name, "setup": setup, "options": asdict(opts),
+              "rendered": {"tts": rendered}, "calls_per_request": profiles, "runs": [s.to_json() for s in runs],
+              "perf_analyzer": perf, "plots": [str(p) for p in plots], "notes": notes}
+    md, js = write_report(report, out_dir)
+    print(render_markdown(report))
+    print(f"wrote {md}, {js}, " + ", ".join(str(p) for p in plots), flush=True)
+    return report
+
+
+def run_perf_streaming(opts: Options, url: str, workload: Workload, work: Path) -> list[dict[str, Any]]:
+    """perf_analyzer ``--streaming`` on ``cosyvoice_tts_stream`` at each TTS concurrency (gRPC): 3 windows of as
+    many requests as Locust measures at that level."""
+    from ..shapes import TTS_STREAM_MODEL
+    from .perf import run_perf_analyzer, tts_input_data
+
+    if "tts_stream" not in opts.tts_columns:
+        return []
+    data = tts_input_data(workload, work / "perf_analyzer_tts_input.json", seed=opts.seed)
+    out = []
+    for users in opts.tts_concurrency if opts.perf_concurrency is None else opts.perf_concurrency:
+        print(f"   perf_analyzer --streaming {TTS_STREAM_MODEL} at concurrency {users}", flush=True)
+        r = run_perf_analyzer(url, "grpc", users, data, work, model=TTS_STREAM_MODEL, streaming=True,
+                              requests_per_window=tts_requests(opts, users),
+                              timeout_s=max(300.0, opts.max_run_s))
+        print(f"   -> first response p50 {r.get('first_p50_ms', 'n/a')} ms, {r.get('throughput', 'n/a')} req/s "
+              f"{r.get('note', '')}", flush=True)
+        out.append(r)
+    return out
 
 
 def run_profile(opts: Options, report: dict[str, Any], workload: Workload) -> dict[str, Any]:
@@ -567,6 +722,15 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the profile of the integrated column's slowest graph after the columns")
     p.add_argument("--profile-only", action="store_true", default=None,
                    help="only profile, from an existing <out-dir>/report.json (rewrites report.md / report.json)")
+    p.add_argument("--mode", choices=("vc", "tts"), help="vc: plain vs integrated voice conversion (default); tts: "
+                   "the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, streaming VC")
+    p.add_argument("--tts-columns", type=_csv(str, TTS_COLUMNS),
+                   help=f"--mode tts: pipelines ({','.join(TTS_COLUMNS)})")
+    p.add_argument("--tts-concurrency", type=_csv(int), help="--mode tts: concurrency levels (default 1,2,4)")
+    p.add_argument("--tts-requests", type=int, help="--mode tts: measured requests per pipeline and level (at "
+                   "least 1 per user)")
+    p.add_argument("--perf-concurrency", type=_csv(int), help="--mode tts: perf_analyzer's concurrency levels "
+                   "(default: --tts-concurrency)")
     p.add_argument("--profile-graph", help="the graph to profile (default: the slowest of flow_estimator, "
                    "hift_decoder, flow_encoder in the integrated column)")
     return p
@@ -579,6 +743,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         overrides["integrated_tunables"] = dict(overrides["integrated_tunables"])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
+    if opts.mode == "tts" and "out_dir" not in overrides:
+        opts.out_dir = f"{base.out_dir}-tts"
     return opts
 
 

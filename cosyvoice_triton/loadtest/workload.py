@@ -1,7 +1,8 @@
 """The load test's audio: real speech from espeak-ng (:mod:`cosyvoice_triton.export.speech_corpus`).
 
 Sources of varied lengths (3-7 s, about 5 s on average) in several languages and voices, and one prompt of 3 s
-in another voice. Synthesised once and cached in an ``.npz`` that every Locust process loads.
+in another voice. Synthesised once and cached in an ``.npz`` that every Locust process loads. The TTS columns
+speak :data:`TTS_TEXTS` in turn in the prompt's voice (zero-shot, with :data:`TTS_PROMPT_TEXT` as its transcript).
 """
 
 from __future__ import annotations
@@ -11,7 +12,20 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Item", "Workload", "build_workload", "load_workload"]
+__all__ = ["TTS_PROMPT_TEXT", "TTS_TEXTS", "Item", "Workload", "build_workload", "load_workload"]
+
+#: What the TTS columns speak, in turn: English sentences of 6-17 words (the LM's work grows with the text tokens).
+TTS_TEXTS = (
+    "Hello there, this is a short test.",
+    "The weather is lovely today, so we are going for a walk by the river.",
+    "Please read the next sentence slowly and clearly.",
+    "A streaming voice answers while the rest of the sentence is still being generated.",
+    "Thank you for calling, how can I help you today?",
+    "Seven large boxes arrived this morning, and two of them were already open.",
+)
+#: The prompt's transcript for zero-shot TTS. The prompt is cut from longer espeak-ng speech, so this is a
+#: stand-in of a plausible length (the LM reads its tokens as context): the demo models have random weights.
+TTS_PROMPT_TEXT = "Here is a short sample of my voice."
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,8 @@ class Item:
     source_sr: int
     prompt: np.ndarray
     prompt_sr: int
+    text: str = ""  # what a TTS column speaks
+    prompt_text: str = ""
 
     @property
     def source_seconds(self) -> float:
@@ -33,13 +49,16 @@ class Workload:
     prompt: np.ndarray
     prompt_sr: int
     descriptions: tuple[str, ...] = ()
+    texts: tuple[str, ...] = TTS_TEXTS
+    prompt_text: str = TTS_PROMPT_TEXT
 
     def __len__(self) -> int:
         return len(self.sources)
 
     def item(self, i: int) -> Item:
         k = i % len(self.sources)
-        return Item(self.sources[k], self.source_rates[k], self.prompt, self.prompt_sr)
+        return Item(self.sources[k], self.source_rates[k], self.prompt, self.prompt_sr,
+                    self.texts[i % len(self.texts)] if self.texts else "", self.prompt_text)
 
     @property
     def source_seconds(self) -> list[float]:
@@ -60,7 +79,7 @@ class Workload:
         arrays = {f"source_{i}": s for i, s in enumerate(self.sources)}
         np.savez(path, source_rates=np.array(self.source_rates, np.int64), prompt=self.prompt,
                  prompt_sr=np.array(self.prompt_sr, np.int64), descriptions=np.array(self.descriptions, dtype=str),
-                 **arrays)
+                 texts=np.array(self.texts, dtype=str), prompt_text=np.array(self.prompt_text, dtype=str), **arrays)
         return path
 
 
@@ -68,8 +87,11 @@ def load_workload(path: str | Path) -> Workload:
     with np.load(path, allow_pickle=False) as z:
         rates = tuple(int(r) for r in z["source_rates"])
         sources = tuple(z[f"source_{i}"].astype(np.float32) for i in range(len(rates)))
+        extra = {}
+        if "texts" in z.files:  # written before the TTS columns: the defaults
+            extra = {"texts": tuple(str(t) for t in z["texts"]), "prompt_text": str(z["prompt_text"])}
         return Workload(sources, rates, z["prompt"].astype(np.float32), int(z["prompt_sr"]),
-                        tuple(str(d) for d in z["descriptions"]))
+                        tuple(str(d) for d in z["descriptions"]), **extra)
 
 
 def build_workload(n_sources: int = 16, *, min_seconds: float = 3.0, max_seconds: float = 7.0,

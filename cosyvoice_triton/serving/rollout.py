@@ -365,7 +365,10 @@ class Rollout:
                       {k: sorted(v) for k, v in loaded.items()}, sorted(self.manifests))
 
     def counts(self, version: int) -> tuple[int, int]:
-        """(successful, failed) requests of a version's pipeline since it was loaded (Triton's statistics)."""
+        """(successful, failed) requests of a version's pipeline since it was loaded (Triton's statistics; (0, 0)
+        when it is not loaded)."""
+        if not self.client.is_model_ready(pipeline_model(version)):
+            return 0, 0
         stats = self.client.get_inference_statistics(pipeline_model(version), headers=self.headers)
         ok = fail = 0
         for s in stats.get("model_stats", []):

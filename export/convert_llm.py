@@ -70,16 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _reusable(out: Path, model_dir: Path) -> bool:
-    """A folder converted from the same llm.pt already (same folder, same size)."""
+def _reusable(out: Path, model_dir: Path, dtype: str) -> bool:
+    """A folder converted from the same llm.pt already (same folder, same size, the dtype asked for)."""
     try:
         doc = json.loads((out / VOCAB_FILE).read_text(encoding="utf-8"))
         read_vocab(out)
     except (OSError, ValueError, CosyVoiceError):
         return False
     src = doc.get("source", {})
-    return (src.get("model_dir") == str(model_dir.resolve())
-            and src.get("llm_pt_bytes") == (model_dir / "llm.pt").stat().st_size)
+    return (src.get("model_dir") == str(model_dir.resolve()) and (model_dir / "llm.pt").is_file()
+            and src.get("llm_pt_bytes") == (model_dir / "llm.pt").stat().st_size
+            and dtype in ("auto", doc.get("dtype")))
 
 
 def _verify(args) -> bool:
@@ -101,7 +102,7 @@ def _verify(args) -> bool:
     r = verify_conversion(args.out, lm, text, prompt_text, prompt_speech, steps=args.verify_steps)
     tol = 1e-3 if dtype == "float32" else 0.25  # reduced-precision weights move the log-probabilities
     ok = r["max_abs_logp_diff"] <= tol and r["text_mass"] == 0.0 and (r["greedy_equal"] or dtype != "float32")
-    log.info("verify: max |log p| difference %.2e (bar %.0e, weights %s), greedy tokens equal: %s (%d tokens), "
+    log.info("verify: max |log p| difference %.2e (bar %.2g, weights %s), greedy tokens equal: %s (%d tokens), "
              "largest probability of a non-speech id: %.1e -> %s", r["max_abs_logp_diff"], tol, dtype,
              r["greedy_equal"], len(r["tokens"]), r["text_mass"], "OK" if ok else "FAILED")
     return ok
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     except CosyVoiceError as exc:
         parser.error(f"{exc} (--{str(exc).split()[0].replace('_', '-')})")
     try:
-        if not args.overwrite and args.model_dir.is_dir() and _reusable(args.out, args.model_dir):
+        if not args.overwrite and args.model_dir.is_dir() and _reusable(args.out, args.model_dir, args.dtype):
             log.info("%s: converted from this llm.pt already (--overwrite to convert again)", args.out)
         else:
             convert_llm(args.model_dir, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=log.info)

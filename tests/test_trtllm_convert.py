@@ -323,6 +323,10 @@ def test_engine_build_skips_here_and_says_why(model_dir, converted, tmp_path, ca
     assert rc == 0 and "engine build SKIPPED" in text and "Nothing was built" in text
     rc, text, _ = _cli([*base, "--require-engine"], caplog, capsys)
     assert rc == 3 and "SKIPPED" in text
+    from cosyvoice_triton.export.trtllm import main as trtllm_main  # the stock -trtllm- image's entry point
+
+    assert trtllm_main(["engine", "--hf-dir", str(converted), "--engine-dir", str(tmp_path / "engines" / "llm")]) == 3
+    assert toolchain_missing() in capsys.readouterr().err
     assert not (tmp_path / "engines").exists()
     with pytest.raises(ConfigError):
         EngineOptions(dtype="int4")

@@ -163,6 +163,15 @@ class Tunables:
     speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
     vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
     vc_max_waiting: int = 4  # cosyvoice_vc_stream: streams waiting for a worker; beyond, refused at once (UNAVAILABLE)
+    #: Several tasks on one server (README "Sharing the machine"). ``priority_levels`` >= 2: every dynamic batcher
+    #: gets that many levels (1 highest; a request's own ``priority`` overrides), each model's default level from
+    #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
+    priority_levels: int = 0
+    task_priority: Mapping[str, int] = field(default_factory=dict)
+    #: Triton's rate limiter (serve with ``--rate-limit=execution_count``): model -> units of the resource
+    #: ``task_quota`` each of its instances needs per execution; the server has as many units as the largest need,
+    #: so models listed here execute one at a time (a task's quota). Only on models that call no listed model.
+    rate_limit: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -192,6 +201,14 @@ class Tunables:
                 raise RenderError(f"tunable instances: unknown model {model!r}")
             if int(n) < 1:
                 raise RenderError(f"tunable instances[{model!r}] must be >= 1, got {n}")
+        if self.priority_levels == 1 or self.priority_levels < 0:
+            raise RenderError(f"tunable priority_levels must be 0 (off) or >= 2, got {self.priority_levels}")
+        for tunable, limit in (("task_priority", self.priority_levels), ("rate_limit", 1 << 30)):
+            for model, n in getattr(self, tunable).items():
+                if model not in (*GRAPHS, *SERVED_NAMES):
+                    raise RenderError(f"tunable {tunable}: unknown model {model!r}")
+                if not 1 <= int(n) <= limit:
+                    raise RenderError(f"tunable {tunable}[{model!r}] must be in 1..{limit}, got {n}")
 
 
 #: The "plain" deployment: what a team that wraps the official code would serve. No dynamic batching (one request
@@ -272,13 +289,31 @@ def _warmup_block(samples: Mapping[str, np.ndarray], batch: int) -> str:
             + "\n".join(inputs) + "\n  }\n]")
 
 
-def _dynamic_batching_block(tun: Tunables) -> str:
+#: The default priority level of the TTS entry models when ``priority_levels`` is on (the rest: the lowest level).
+HIGH_PRIORITY_MODELS = (TTS_STREAM_MODEL, TTS_MODEL)
+
+
+def _priority_lines(tun: Tunables, name: str) -> str:
+    if not tun.priority_levels:
+        return ""
+    default = tun.task_priority.get(name, 1 if name in HIGH_PRIORITY_MODELS else tun.priority_levels)
+    return f"  priority_levels: {tun.priority_levels}\n  default_priority_level: {default}\n"
+
+
+def _instance_count(tun: Tunables, name: str, count: int) -> str:
+    """The instance group's count, with the rate limiter's resource need of ``name`` when it has one."""
+    need = tun.rate_limit.get(name)
+    return str(count) if not need else (f'{count} rate_limiter {{ resources [ {{ name: "task_quota" count: {need} }} ] '
+                                        "}")
+
+
+def _dynamic_batching_block(tun: Tunables, name: str = "") -> str:
     """The ``dynamic_batching`` block of a graph or stage config, or (batching off) a comment saying so."""
     if not tun.dynamic_batching:
         return ("# no dynamic_batching (tunable dynamic_batching=false): the default scheduler runs one request per\n"
                 "# execution; queued requests wait without a delay, size or timeout policy")
     return (f"dynamic_batching {{\n  max_queue_delay_microseconds: {tun.max_queue_delay_us}\n"
-            f"  default_queue_policy {{\n    timeout_action: REJECT\n"
+            f"{_priority_lines(tun, name)}  default_queue_policy {{\n    timeout_action: REJECT\n"
             f"    default_timeout_microseconds: {tun.queue_timeout_us}\n    allow_timeout_override: true\n"
             f"    max_queue_size: {tun.max_queue_size}\n  }}\n}}")
 
@@ -778,8 +813,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
 
     def common(name: str) -> dict[str, Any]:
         default = next((m.instances for m in SERVED_MODELS if m.name == name), 1)
-        return {"dynamic_batching": _dynamic_batching_block(tun),
-                "instance_count": int(tun.instances.get(name, default))}
+        return {"dynamic_batching": _dynamic_batching_block(tun, name),
+                "instance_count": _instance_count(tun, name, int(tun.instances.get(name, default)))}
 
     def source(rel: str) -> Path:  # a path of the table (model_repository/... or ensemble/...) in this render
         head, _, rest = rel.partition("/")

@@ -54,6 +54,16 @@ def ref_npz(tiny_dir: Path):
     return load
 
 
+def speech_pair(source_s: float, prompt_s: float) -> tuple[np.ndarray, int, np.ndarray, int]:
+    """The bundled source and prompt recordings cut to ``source_s`` / ``prompt_s`` seconds:
+    ``(source, its rate, prompt, its rate)``, float32."""
+    import soundfile as sf
+
+    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
+    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
+    return src[: int(source_s * ssr)], ssr, prm[: int(prompt_s * psr)], psr
+
+
 def rel_err(actual, expected) -> float:
     """max|a - e| / max|e|, the oracle README's relative error."""
     a, e = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import soundfile as sf
 import yaml
-from conftest import FIXTURES, ROOT
+from conftest import ROOT, speech_pair
 
 from cosyvoice_triton.loadtest.metrics import counter_total, parse_prometheus
 from cosyvoice_triton.serving import metrics as m
@@ -123,19 +122,12 @@ def test_promql_names_parser():
 
 
 @pytest.fixture(scope="module")
-def speech():
-    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
-    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
-    return src[: int(2.0 * ssr)], ssr, prm[: int(1.5 * psr)], psr
-
-
-@pytest.fixture(scope="module")
-def traffic(triton_server, speech):
+def traffic(triton_server):
     """VC and TTS requests over both protocols, two refused ones; the metrics before and after, and what the
     client saw."""
     from cosyvoice_triton.clients.client import StreamStats, VCClient, VCError
 
-    src, ssr, prm, psr = speech
+    src, ssr, prm, psr = speech_pair(2.0, 1.5)
     seen: dict = {"source_s": src.size / ssr, "prompt_s": prm.size / psr}
     before = scrape(triton_server)
     with VCClient(triton_server.http_url, protocol="http", timeout=300) as http:

@@ -82,6 +82,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
         Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
         Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
+        *_PROMPT_CACHE,
         Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
         *_OUTPUT,
         _BLS_TIMEOUT,

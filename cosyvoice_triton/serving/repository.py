@@ -635,7 +635,7 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
             "max_waiting_requests": tun.max_waiting_requests, "wait_timeout_s": tun.tts_wait_timeout_s,
             "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
-            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds}
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx)}
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from ..config import ModelConfig
 from ..errors import LLMError, TextError
 from ..models.llm import QWEN_DIR, LMRequest, load_llm
 from ..pipeline import lm_prompt
+from ..prompt_cache import PromptCache
 from ..speakers import SpeakerPrompt
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
@@ -107,6 +108,7 @@ class TTSService:
         max_active, max_waiting, wait_timeout_s: the LM engine's queue policy.
         max_text_chars: longest accepted text.
         min_seconds, max_seconds: accepted prompt duration.
+        prompt_cache: a prompt recording seen before skips the front end and both graphs (:func:`.compute_prompt`).
         output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
             ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
     """
@@ -115,6 +117,7 @@ class TTSService:
                  hift: HiftFn | None = None, speakers: SpeakerFn | None = None, max_active: int = 8,
                  max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
                  n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
+                 prompt_cache: PromptCache | None = None,
                  device: str = "cpu", output: Mapping[str, Any] | None = None):
         from ..frontend.text import TextFrontend
 
@@ -128,7 +131,7 @@ class TTSService:
         self.lm = load_llm(model_dir, self.config, device=device)
         self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
         self.pre = Preprocessor(self.config.mel, sample_rate=self.config.sample_rate, min_seconds=min_seconds,
-                                max_seconds=max_seconds)
+                                max_seconds=max_seconds, prompt_cache=prompt_cache, model_id=str(model_dir.resolve()))
         self.graphs = graphs
         self.solver = FlowSolver(self.config.flow.cfm, token_mel_ratio=self.config.token_mel_ratio,
                                  n_timesteps=n_timesteps, max_batch=1)

@@ -10,6 +10,7 @@ import threading
 import torch
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.prompt_cache import PromptCache
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.lm_engine import JobCancelled
 from cosyvoice_triton.serving.metrics import SpeechMetrics, streaming
@@ -33,7 +34,8 @@ class TritonPythonModel:
                               max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
                               wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
                               n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
-                              max_seconds=p["max_seconds"], output=p)
+                              max_seconds=p["max_seconds"], output=p,
+                              prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))
         self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
             name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "
             "load; label what)", kind=pb_utils.MetricFamily.GAUGE)

@@ -20,18 +20,26 @@ converted pieces are stitched back together:
    prompt's mel-token offset as in the unsplit path.
 
 Sources of at most :data:`SPLIT_ABOVE_SECONDS` (30 s) are never split: they convert exactly as before.
+
+:func:`convert_in_pieces` runs the three steps around any batched converter: ``CosyVoice2.convert_long`` in
+process, :func:`convert_served` against the served ``cosyvoice_vc`` (each piece one request, all in flight at once,
+so Triton's dynamic batcher runs them through the flow and HiFT together; the repeated prompt is a hit of the
+``preprocess`` prompt cache after the first piece), and ``serving.local.LocalPipeline`` (the ensemble in process).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import librosa
 import numpy as np
 
-__all__ = ["MAX_SECONDS", "OVERLAP_TOKENS", "SAMPLES_PER_TOKEN", "SPLIT_ABOVE_SECONDS", "Piece", "crossfade",
-           "needs_split", "plan_pieces", "stitch", "token_energy"]
+from .errors import AudioError
+from .frontend import audio
+
+__all__ = ["MAX_SECONDS", "OVERLAP_TOKENS", "SAMPLES_PER_TOKEN", "SPLIT_ABOVE_SECONDS", "Piece", "convert_in_pieces",
+           "convert_served", "crossfade", "needs_split", "plan_pieces", "stitch", "token_energy"]
 
 #: Longest source converted (in process and served): 10 minutes.
 MAX_SECONDS = 600.0
@@ -144,3 +152,49 @@ def stitch(outputs: Sequence[np.ndarray], pieces: Sequence[Piece]) -> np.ndarray
         out[off + overlap : off + len(y)] = y[overlap:]
         end = max(end, off + len(y))
     return out[:end].astype(np.float32)
+
+
+#: Converts 16 kHz source pieces (one prompt, fixed by the caller) into 24 kHz waveforms, in order.
+PieceConverter = Callable[[list[np.ndarray]], Sequence[np.ndarray]]
+
+
+def convert_in_pieces(source16: np.ndarray, convert: PieceConverter) -> np.ndarray:
+    """Plan the pieces of a 16 kHz source (at most :data:`MAX_SECONDS`), convert them with one ``convert`` call
+    and stitch the results."""
+    if len(source16) > MAX_SECONDS * _TOKENIZER_SR:
+        raise AudioError(f"source: {len(source16) / _TOKENIZER_SR:.1f} s is too long; at most {MAX_SECONDS:g} s "
+                         "is accepted")
+    pieces = plan_pieces(source16)
+    outputs = list(convert([source16[p.start : p.end] for p in pieces]))
+    if len(outputs) != len(pieces):
+        raise RuntimeError(f"the converter answered {len(outputs)} waveforms for {len(pieces)} pieces")
+    return stitch(outputs, pieces)
+
+
+def convert_served(client, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
+                   seed: int | None = None) -> np.ndarray:
+    """Voice conversion of a source of up to :data:`MAX_SECONDS` through the served ``cosyvoice_vc`` with a
+    :class:`~cosyvoice_triton.clients.client.VCClient` (``source``/``prompt``: paths, encoded bytes, or samples
+    with ``*_sr``): a source of at most 30 s is one ordinary request; a longer one is cut here and its pieces
+    sent at once (:meth:`VCClient.convert_many`), then stitched. The server must answer the model's 24 kHz
+    waveform without per-request loudness normalisation (``postprocess``'s defaults), or the pieces would not
+    join. Returns float32 samples at 24 kHz."""
+    src16 = audio.load_audio(source, target_sr=_TOKENIZER_SR, sample_rate=source_sr, name="source",
+                             max_seconds=MAX_SECONDS)
+    if not needs_split(len(src16)):
+        result = client.convert(source, prompt, source_sr=source_sr, prompt_sr=prompt_sr, seed=seed)
+        return np.asarray(result.waveform, np.float32)
+
+    def convert(pieces: list[np.ndarray]) -> list[np.ndarray]:
+        jobs = [{"source": p, "prompt": prompt, "source_sr": _TOKENIZER_SR, "prompt_sr": prompt_sr} for p in pieces]
+        waves = []
+        for r in client.convert_many(jobs, seed=seed):
+            if isinstance(r, Exception):
+                raise r
+            if r.sample_rate != 24000:
+                raise RuntimeError(f"the server answers {r.sample_rate} Hz: long sources need the model's 24 kHz "
+                                   "(postprocess output_sample_rate 0)")
+            waves.append(np.asarray(r.waveform, np.float32))
+        return waves
+
+    return convert_in_pieces(src16, convert)

@@ -319,15 +319,18 @@ class CosyVoice2:
         most 30 s cut at low-energy points (:func:`~.longform.plan_pieces`), tokenized together, through the flow
         in padded batches of ``batch_size`` pieces, HiFT one piece per call (its NSF noise drawn in order from one
         generator seeded with ``seed``), stitched with crossfades (:func:`~.longform.stitch`)."""
-        pieces = longform.plan_pieces(source16)
         entry = self.prompt_features(prompt, prompt_sr=prompt_sr, timer=timer)
-        tokens = self._tokenize([source16[p.start : p.end] for p in pieces], timer)
-        generator, outputs = _generator(seed), []
-        for first in range(0, len(pieces), batch_size):
-            for mel in self._flow_batch(entry, tokens[first : first + batch_size], timer):
-                speech, _ = self._hift(mel, None, None, generator, timer)
-                outputs.append(speech[0].float().cpu().numpy())
-        return longform.stitch(outputs, pieces)
+        generator = _generator(seed)
+
+        def convert(pieces: list[np.ndarray]) -> list[np.ndarray]:
+            tokens, outputs = self._tokenize(pieces, timer), []
+            for first in range(0, len(pieces), batch_size):
+                for mel in self._flow_batch(entry, tokens[first : first + batch_size], timer):
+                    speech, _ = self._hift(mel, None, None, generator, timer)
+                    outputs.append(speech[0].float().cpu().numpy())
+            return outputs
+
+        return longform.convert_in_pieces(source16, convert)
 
     def _flow_batch(self, entry: CacheEntry, tokens: Sequence[np.ndarray], timer: StageTimer) -> list[torch.Tensor]:
         """Non-streaming flow of several source token sequences with one prompt, as one padded batch: the mel

@@ -173,3 +173,31 @@ def test_minutes_long_source_converts_with_clean_seams(model):
     assert len(y) == int(speech_token_count(len(src) // 160)) * 960 + prompt_offset * 480
     assert np.isfinite(y).all()
     _check_seams(y, pieces)
+
+
+def test_pieces_go_through_the_served_stages_as_one_batch(serving_assets):
+    """The served path (LocalPipeline: the ensemble's stages, batching and graphs in process): one batch of pieces,
+    the right length, clean seams. Against a live server, :func:`longform.convert_served` sends the same pieces as
+    concurrent ``cosyvoice_vc`` requests."""
+    import soundfile as sf
+
+    from cosyvoice_triton.serving.local import LocalPipeline
+
+    local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
+    prm, psr = sf.read(PROMPT, dtype="float32")
+    batches = []
+
+    def convert(pieces):
+        batches.append(len(pieces))
+        requests = [{"source_audio": p[None], "source_sample_rate": np.array([[SR]], np.int32),
+                     "prompt_audio": prm[None], "prompt_sample_rate": np.array([[psr]], np.int32)} for p in pieces]
+        return [r.unwrap() for r in local.convert_batch(requests)]
+
+    src = _speech(42.0)
+    y = longform.convert_in_pieces(src, convert)
+    pieces = longform.plan_pieces(src)
+    assert batches == [len(pieces)] and len(pieces) == 2
+    n_prompt_tokens = int(speech_token_count(len(audio.resample(prm, orig_sr=psr, target_sr=SR)) // 160))
+    n_prompt_mel = len(local.pre.prompt_features(prm, psr)[2])
+    assert len(y) == int(speech_token_count(len(src) // 160)) * 960 + (2 * n_prompt_tokens - n_prompt_mel) * 480
+    _check_seams(y, pieces)

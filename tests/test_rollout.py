@@ -22,6 +22,7 @@ from cosyvoice_triton.serving.rollout import (
     Split,
     VersionSpec,
     check_version,
+    pipeline_gone,
     pipeline_model,
     read_manifests,
     startup_models,
@@ -49,6 +50,16 @@ def test_split_parse_format_and_refusals():
     for bad in ("1:0,2:0", "1=90", "x:1", "1:-3", ""):
         with pytest.raises(ValueError):
             Split.parse(bad)
+
+
+def test_router_resends_only_what_never_ran():
+    model = "cosyvoice_vc_v2"
+    assert pipeline_gone("requested model 'cosyvoice_vc_v2' is not available", model)
+    assert pipeline_gone("Request for unknown model: 'cosyvoice_vc_v2' is not found", model)
+    # the pipeline ran and failed inside: not resent (it could have had effects, and it would fail again)
+    assert not pipeline_gone("in ensemble 'cosyvoice_vc_v2', internal error: BlsError: flow_encoder: Model "
+                             "'flow_encoder' is not ready", model)
+    assert not pipeline_gone("preprocess: source_audio is silent", model)
 
 
 # ---------------------------------------------------------------------------------------------------- assets

@@ -53,7 +53,7 @@ from .params import Param
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_FILES", "MANIFEST_NAME", "PARITY_DB", "ROUTER_MODEL", "ROUTER_PARAMS", "VERSIONED", "Rollout",
-           "RolloutError", "RolloutRefused", "Split", "VersionSpec", "check_version", "pipeline_model",
+           "RolloutError", "RolloutRefused", "Split", "VersionSpec", "check_version", "pipeline_gone", "pipeline_model",
            "read_manifests", "startup_models", "version_manifest"]
 
 ROUTER_MODEL = VC_MODEL
@@ -85,6 +85,17 @@ def startup_models(repository: str | Path) -> list[str]:
 
 
 _POLICY = re.compile(r"version_policy \{ specific \{ versions: \[[^\]]*\] \} \}")
+
+
+_GONE = ("is not available", "unknown model", "is not found", "not ready", "not at ready state",
+         "has no available versions")
+
+
+def pipeline_gone(message: str, model: str) -> bool:
+    """Does a failed forward's error say that ``model`` itself was not there (unloaded, unloading, not ready), so
+    that the request never ran and may go to another version? (A router instance being replaced can still hold
+    requests picked for a version that a promote or rollback is unloading.)"""
+    return f"'{model}'" in message and "in ensemble" not in message and any(g in message for g in _GONE)
 
 
 def pipeline_model(version: int) -> str:
@@ -319,6 +330,7 @@ class Rollout:
             raise RolloutError(f"no admin key: set ${ADMIN_KEY_ENV} (the server's <work_dir>/admin_key)")
         self.headers = admin_headers("http", admin_key)
         self.parity_db = float(parity_db)
+        self.drain_timeout = float(timeout)
         self.client = httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)
         self.manifests = read_manifests(self.repository)
         if not self.manifests:
@@ -516,10 +528,20 @@ class Rollout:
             self.client.unload_model(model, headers=self.headers)
         except Exception as exc:  # not loaded: nothing to unload
             log.debug("unload %s: %s", model, exc)
-        deadline = time.monotonic() + 120
-        while self.client.is_model_ready(model) and time.monotonic() < deadline:
+        # Triton finishes the pipeline's requests in flight before the unload completes (state UNLOADING until
+        # then); only then may its stages lose the version, or a request between two BLS calls would fail
+        deadline = time.monotonic() + self.drain_timeout
+        while self._state_of(model) in ("READY", "UNLOADING", "LOADING"):
+            if time.monotonic() > deadline:
+                raise RolloutError(f"{model} still unloading after {self.drain_timeout:.0f} s: its versions are kept")
             time.sleep(0.2)
         self._set_versions([keep], ("flow", "hift", *GRAPHS))
+
+    def _state_of(self, model: str) -> str:
+        for m in self.client.get_model_repository_index(headers=self.headers):
+            if m["name"] == model:
+                return str(m.get("state", ""))
+        return ""
 
     def _set_router(self, *, live: int, candidate: int, split: Mapping[int, int]) -> None:
         cfg = self.router_config()

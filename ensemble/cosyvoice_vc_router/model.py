@@ -1,6 +1,8 @@
 """Triton Python-backend router of ``cosyvoice_vc`` in a versioned repository (BLS): each request goes on, as it
 is, to the pipeline of one version (``cosyvoice_vc_v<N>``) picked by the split of the config's ``parameters``
-(:class:`cosyvoice_triton.serving.rollout.Split`); the requests of a batch run concurrently."""
+(:class:`cosyvoice_triton.serving.rollout.Split`); the requests of a batch run concurrently. A request whose
+version's pipeline is gone (being unloaded by a promote or rollback while this instance is being replaced) goes to
+another version of the split instead."""
 
 import asyncio
 import json
@@ -8,7 +10,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.rollout import ROUTER_PARAMS, Split
+from cosyvoice_triton.serving.rollout import ROUTER_PARAMS, Split, pipeline_gone
 from cosyvoice_triton.shapes import VC_INPUTS, VC_OPTIONAL_INPUTS
 
 INPUTS = [t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)]
@@ -28,9 +30,14 @@ class TritonPythonModel:
         parameters = json.loads(request.parameters() or "{}")
         if parameters:
             kwargs["parameters"] = parameters
-        bls = pb_utils.InferenceRequest(model_name=self.target.format(version=self.split.choose()), inputs=inputs,
-                                        requested_output_names=sorted(request.requested_output_names()), **kwargs)
-        res = await bls.async_exec()
+        outputs = sorted(request.requested_output_names())
+        first = self.split.choose()
+        for version in (first, *(v for v in self.split.weights if v != first)):  # the others: only if it is gone
+            model = self.target.format(version=version)
+            res = await pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
+                                                  **kwargs).async_exec()
+            if not res.has_error() or not pipeline_gone(res.error().message(), model):
+                break
         if res.has_error():
             err = res.error()
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(err.message(), err.code()))

@@ -98,7 +98,7 @@ def test_reject_reason(error, reason):
 
 
 def test_results_of_a_stage_batch():
-    sm, _ = make(inputs=("source", "prompt"), audio_out=True)
+    sm, _ = make(inputs=("source", "prompt"), audio_out=True, timed=False)
     ok = {"source_audio": np.zeros((1, 16000 * 2), np.float32), "source_sample_rate": np.array([[16000]]),
           "prompt_audio": np.zeros((1, 4410), np.float32), "prompt_sample_rate": np.array([[44100]])}
     sm.results([ok, ok, {}], [ItemResult(1.25), ItemResult(0.5), ItemResult(error=AudioError("silent"))],
@@ -106,7 +106,9 @@ def test_results_of_a_stage_batch():
     assert series(sm, m.AUDIO_IN, input="source").value() == pytest.approx(4.0)
     assert series(sm, m.AUDIO_IN, input="prompt").value() == pytest.approx(0.2)
     assert sm.audio_out.metric.value() == pytest.approx(1.75)
-    assert sm.rtf.metric.observations == []  # a stage does not know a request's wall time
+    assert sm.rtf is None and not sm.families[m.RTF.name].metrics  # a stage does not know a request's wall time
+    sm.served(ok, out_seconds=1.0, elapsed_s=2.0)
+    assert sm.audio_out.metric.value() == pytest.approx(2.75)
     assert series(sm, m.REJECTS, reason="bad_audio").value() == 1.0
     with pytest.raises(ValueError):  # one result per request
         sm.results([ok], [])

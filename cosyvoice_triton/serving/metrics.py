@@ -156,11 +156,12 @@ class SpeechMetrics:
         pb: ``triton_python_backend_utils`` (or a stand-in with its ``MetricFamily``).
         model, version: the labels (``args["model_name"]``, ``args["model_version"]`` in ``initialize()``).
         inputs: the utterances whose seconds in are counted (``("source", "prompt")``, ``("prompt",)``, or none).
-        audio_out: count seconds out and the real-time factor; first_chunk: also the first-chunk latency.
+        audio_out: count seconds out and (``timed``: the model knows a request's wall time) the real-time factor;
+        first_chunk: the first-chunk latency.
     """
 
     def __init__(self, pb, model: str, version: str | int, *, inputs: Sequence[str] = (), audio_out: bool = False,
-                 first_chunk: bool = False, clock: Callable[[], float] = time.monotonic):
+                 timed: bool = True, first_chunk: bool = False, clock: Callable[[], float] = time.monotonic):
         self.model, self.version, self.inputs, self.clock = model, str(version), tuple(inputs), clock
         # the families are kept: Triton wants a family to outlive its metrics
         self.families = {f.name: pb.MetricFamily(name=f.name, description=f.description,
@@ -175,7 +176,7 @@ class SpeechMetrics:
         self.rejects = {r: metric(REJECTS, reason=r) for r in REASONS}
         self.audio_in = {i: metric(AUDIO_IN, input=i) for i in self.inputs}
         self.audio_out = metric(AUDIO_OUT) if audio_out else None
-        self.rtf = metric(RTF) if audio_out else None
+        self.rtf = metric(RTF) if audio_out and timed else None
         self.first_chunk = metric(FIRST_CHUNK) if first_chunk else None
 
     # ------------------------------------------------------------------------------------------ record
@@ -191,7 +192,7 @@ class SpeechMetrics:
                     m.increment(seconds)
         if self.audio_out is not None and out_seconds is not None:
             self.audio_out.increment(max(float(out_seconds), 0.0))
-            if elapsed_s is not None and out_seconds > 0:
+            if self.rtf is not None and elapsed_s is not None and out_seconds > 0:
                 self.rtf.observe(float(elapsed_s) / float(out_seconds))
 
     def rejected(self, error: BaseException | str) -> str:

@@ -15,7 +15,8 @@ class TritonPythonModel:
         self.post = Postprocessor(model_sample_rate=p["model_sample_rate"],
                                   output_sample_rate=p["output_sample_rate"], loudness_lufs=p["loudness_lufs"],
                                   peak_dbfs=p["peak_dbfs"], output_format=p["output_format"])
-        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], audio_out=True)
+        self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], audio_out=True,
+                                     timed=False)
         self.rate = p["model_sample_rate"]
 
     def execute(self, requests):

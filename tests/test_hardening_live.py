@@ -188,7 +188,7 @@ def test_a_stage_killed_under_load_comes_back_and_no_request_hangs_or_fails(supe
                                  "errors seen without retries": raw_errors}
     assert slowest < HANG_S, f"a request took {slowest:.0f} s"
     assert not failed, f"requests failed although the client retries: {failed[:5]}"
-    assert retrying.retries > 0, "the kill never reached a request (nothing was retried): the test proved nothing"
+    assert retrying.retries > 0 or raw_errors, "the kill reached no request: the test proved nothing"
     assert all("retryable=True" in e for e in raw_errors), f"an error a client would not retry: {raw_errors}"
     assert server.is_ready() and sum(e.kind == "reloaded" and e.detail == victim
                                      for e in supervised.events) > reloads_before

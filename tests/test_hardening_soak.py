@@ -33,6 +33,17 @@ def test_the_warm_in_waits_for_the_users_requests():
     assert abs(memory_growth(samples, t0, t1, warm_until=605.0)[2]) < 1e-9
 
 
+def test_windows_span_the_waves_of_requests():
+    # users in step: RSS rises and falls with a 60 s period; 10% of a 10 min run (60 s) can catch one phase
+    samples, t0, t1 = _series(lambda t: 2000 + 400 * math.sin(2 * math.pi * t / 60), minutes=10, every=1.0)
+    assert abs(memory_growth(samples, t0, t1, min_window=90.0)[2]) < 1e-3  # peaks of windows > one wave
+
+
+def test_the_end_peak_is_compared_with_the_peak_after_the_warm_in():
+    samples, t0, t1 = _series(lambda t: 2000 + 400 * math.sin(2 * math.pi * t / 60) + t / 60 * 10, every=1.0)
+    assert 0.06 < memory_growth(samples, t0, t1, min_window=90.0)[2] < 0.12  # +10 MB a minute under the waves
+
+
 def test_a_run_too_short_has_no_growth_figure_and_fails():
     samples, t0, t1 = _series(lambda t: 2000, minutes=4)
     assert math.isnan(memory_growth(samples, t0, t1, warm_until=200.0)[2])

@@ -158,7 +158,9 @@ def test_hpa_scales_the_deployment_on_metrics_the_adapter_serves():
     for r in rules:
         assert "<<.LabelMatchers>>" in r["metricsQuery"] and "<<.GroupBy>>" in r["metricsQuery"]
         assert set(r["resources"]["overrides"]) == {"namespace", "pod"}
-    assert "500m" in hpa_text() and "0.5 x R0" in hpa_text()  # the target's reasoning is written next to it
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
+    assert targets == {"cosyvoice_queue_seconds_per_request": "400m", "cosyvoice_pending_requests": "1"}
+    assert "0.5 x 0.82 = 0.41 s -> 400m" in hpa_text() and "2.5 x 0.41" in hpa_text()  # the reasoning, next to it
 
 
 def hpa_text() -> str:

@@ -7,10 +7,13 @@ from the bundled speech at seeded random offsets, one 3 s prompt. The server's p
 its Python stubs) is sampled every few seconds. Verdict:
 
 * failures: requests that failed after the client's retries: must be 0 (retries are reported next to them);
-* memory growth: mean RSS of the last 10% of the run against the mean of the 10% after a warm-in (until every user
-  has had two requests answered on average, and at least the first 10% of the run or 30 s: the allocators' arenas
-  grow to the largest padded batch seen, and that takes some requests), must be under ``max_growth`` (5%); a run
-  too short to leave both windows apart has no growth figure and fails;
+* memory growth: the peak RSS of the last window of the run against the peak of the window after a warm-in
+  (until every user has had two requests answered on average, and at least the first 10% of the run or 30 s: the
+  allocators' arenas grow to the largest padded batch seen, and that takes some requests); a window is 10% of the
+  run and at least 1.5 p99 latencies long. Peaks, not means: the users fall into step, so RSS rises and falls with
+  each wave of requests, and a mean over a window measures the phase of a wave (a 5 min run here read -25%); the
+  peak of a window that holds a whole wave does not. Must be under ``max_growth`` (5%); a run too short to leave
+  both windows apart has no growth figure and fails;
 * the supervisor must have had nothing to do (no stub died, no server restart).
 
 Writes ``<out>/report.json``, ``<out>/report.md`` and ``<out>/soak.png`` (RSS and latency over time); exits 1
@@ -72,17 +75,19 @@ class SoakResult:
 
 
 def memory_growth(samples: list[tuple[float, float]], t0: float, t1: float, warm_in: float = 0.1,
-                  warm_until: float = -math.inf) -> tuple[float, float, float]:
-    """``(baseline, end, growth)`` of ``(time, rss)`` samples of a run from ``t0`` to ``t1``: the baseline is the
-    mean over ``[t0 + w, t0 + w + 10%]`` with the warm-in ``w = max(30 s, warm_in x duration, warm_until - t0)``,
-    the end the mean of the last 10%; growth = end / baseline - 1 (NaN when the windows overlap or are empty)."""
+                  warm_until: float = -math.inf, min_window: float = 0.0) -> tuple[float, float, float]:
+    """``(baseline, end, growth)`` of ``(time, rss)`` samples of a run from ``t0`` to ``t1``: with the warm-in
+    ``w = max(30 s, warm_in x duration, warm_until - t0)`` and the window ``v = max(10% of the run, min_window)``,
+    the baseline is the peak over ``[t0 + w, t0 + w + v]``, the end the peak of the last ``v``; growth = end /
+    baseline - 1 (NaN when the windows overlap or are empty)."""
     span = t1 - t0
     w = max(30.0, warm_in * span, warm_until - t0)
-    base = [r for t, r in samples if t0 + w <= t <= t0 + w + 0.1 * span]
-    end = [r for t, r in samples if t >= t1 - 0.1 * span]
-    if not base or not end or t0 + w + 0.1 * span > t1 - 0.1 * span:
+    v = max(0.1 * span, min_window)
+    base = [r for t, r in samples if t0 + w <= t <= t0 + w + v]
+    end = [r for t, r in samples if t >= t1 - v]
+    if not base or not end or t0 + w + v > t1 - v:
         return math.nan, math.nan, math.nan
-    b, e = float(np.mean(base)), float(np.mean(end))
+    b, e = float(np.max(base)), float(np.max(end))
     return b, e, e / b - 1.0
 
 
@@ -182,8 +187,8 @@ def run_soak(server, *, minutes: float, users: int, seed: int = 0, sample_every:
     rss = [(s.time, s.rss_bytes / 2**20) for s in sampler.tree]
     ends = sorted(o[0] for o in measured)
     warm_until = ends[2 * users - 1] if len(ends) >= 2 * users else math.inf
-    result.rss_baseline_mb, result.rss_end_mb, result.memory_growth = memory_growth(rss, t_start, t_end,
-                                                                                    warm_until=warm_until)
+    result.rss_baseline_mb, result.rss_end_mb, result.memory_growth = memory_growth(
+        rss, t_start, t_end, warm_until=warm_until, min_window=1.5 * result.latency_p99_s if lat else 0.0)
     result.warm_in_s = warm_until - t_start
     result.rss_peak_mb = max((r for _, r in rss), default=math.nan)
     try:
@@ -230,11 +235,11 @@ def report_md(result: SoakResult, command: str) -> str:
             ("audio converted", f"{result.audio_seconds:,.0f} s"),
             ("latency p50 / p99 / max", f"{result.latency_p50_s:.2f} / {result.latency_p99_s:.2f} / "
                                         f"{result.latency_max_s:.2f} s"),
-            ("server RSS baseline / end / peak", f"{result.rss_baseline_mb:,.0f} / {result.rss_end_mb:,.0f} / "
-                                                 f"{result.rss_peak_mb:,.0f} MB"),
+            ("server RSS: peak after the warm-in / peak at the end / peak of the run",
+             f"{result.rss_baseline_mb:,.0f} / {result.rss_end_mb:,.0f} / {result.rss_peak_mb:,.0f} MB"),
             (f"memory growth (bar < {result.max_growth:.0%})",
              f"{result.memory_growth:+.2%}" if not math.isnan(result.memory_growth) else
-             "no figure: the run is too short for a warm-in and two separate windows"),
+             "no figure: the run is too short for a warm-in and two separate windows of 1.5 x p99 latency"),
             ("warm-in (2 requests per user answered)", f"{result.warm_in_s:.0f} s"),
             ("queue / compute s per cosyvoice_vc request (all stages)",
              f"{result.queue_s_per_request:.2f} / {result.compute_s_per_request:.2f}"),

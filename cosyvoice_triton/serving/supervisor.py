@@ -24,8 +24,10 @@ the CLI exits 1 so that the orchestrator's restart policy takes over). Every act
 The blind spot is one ``interval``: between a stub's death and the next check the server still says ready.
 
 After every (re)start and every reload it warms the server up (``warmup``, default
-:func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) and then writes
-``<work dir>/warm`` (removed while a restart runs): the Kubernetes ``startupProbe`` waits for that file. On SIGTERM
+:func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) from a thread of its
+own, so that the checks go on meanwhile (a warm-up that waited on a stage killed during it would otherwise blind
+the supervisor), and then writes ``<work dir>/warm`` (removed while a restart runs): the Kubernetes
+``startupProbe`` waits for that file; :meth:`Supervisor.start` waits for the first warm-up. On SIGTERM
 / SIGINT the CLI stops watching and stops the server with SIGINT: Triton refuses new requests, finishes those in
 flight (up to ``--exit-timeout`` s), unloads and exits; the CLI exits 0 (1 after giving up).
 
@@ -99,6 +101,9 @@ class Supervisor:
         self.backoff, self.max_backoff, self.start_timeout = float(backoff), float(max_backoff), start_timeout
         self.warmup = warmup
         self.warm_file = server.work_dir / "warm"
+        self._warming: threading.Thread | None = None
+        self._warm_again = False
+        self._warm_lock = threading.Lock()
         self.events: list[Event] = []
         self.failed: str | None = None
         self._stubs: dict[int, str] = {}  # pid -> model, as of the last (re)load
@@ -151,7 +156,7 @@ class Supervisor:
             return
         self._remember_stubs()
         self._event("reloaded", model, time.monotonic() - t0)
-        self.warm_up()
+        self.warm_up_soon()
 
     def _restart(self) -> None:
         proc = self.server.process
@@ -183,7 +188,33 @@ class Supervisor:
         self._event("restarted", f"tritonserver ready again on http {self.server.http_url}, grpc "
                                  f"{self.server.grpc_url} (restart {len(self._restarts)} in the window)",
                     time.monotonic() - t0)
-        self.warm_up()
+        self.warm_up_soon()
+
+    def warm_up_soon(self) -> threading.Thread | None:
+        """Run :meth:`warm_up` in a thread (once more after it if asked again while it runs); returns the thread."""
+        with self._warm_lock:
+            if self._warming is not None and self._warming.is_alive():
+                self._warm_again = True
+                return self._warming
+            self._warming = threading.Thread(target=self._warm_loop, name="triton-warm-up", daemon=True)
+            self._warming.start()
+            return self._warming
+
+    def _warm_loop(self) -> None:
+        while True:
+            self.warm_up()
+            with self._warm_lock:
+                if not self._warm_again or self._stop.is_set():
+                    self._warm_again = False
+                    return
+                self._warm_again = False
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Wait for the warm-up in progress (if any); True when none is left running."""
+        thread = self._warming
+        if thread is not None:
+            thread.join(timeout)
+        return thread is None or not thread.is_alive()
 
     def warm_up(self) -> dict:
         """Run :attr:`warmup` on the server, then write :attr:`warm_file`; returns what it returned."""
@@ -215,14 +246,17 @@ class Supervisor:
 
     def start(self) -> Supervisor:
         """Start the server if it is not running, then watch it from a daemon thread."""
-        if not self.server.running:
+        started = not self.server.running
+        if started:
             self.warm_file.unlink(missing_ok=True)
             self.server.start(timeout=self.start_timeout)
-            self.warm_up()
         self._remember_stubs()
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name="triton-supervisor", daemon=True)
         self._thread.start()
+        if started:
+            self.warm_up_soon()
+            self.wait_warm(self.start_timeout)
         return self
 
     def stop(self) -> None:
@@ -282,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if not sup._stop.is_set():
-        sup.warm_up()
+        sup.warm_up_soon()  # the checks start at once; the warm file appears when it is done
     print(f"serving {Path(args.model_repository)}: http {server.http_url}, grpc {server.grpc_url}, metrics "
           f"{server.metrics_url}; log {server.log_path}; admin key (restricted APIs) in "
           f"{server.work_dir / 'admin_key'}", flush=True)

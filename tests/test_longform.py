@@ -1,5 +1,5 @@
 """Long sources: cuts at low-energy points, stitching without clicks or level jumps, no change below 30 s, and a
-2.5-minute conversion of the right length with clean seams (tiny demo model)."""
+2-minute conversion of the right length with clean seams (tiny demo model), also through the served stages."""
 
 from __future__ import annotations
 
@@ -161,12 +161,13 @@ def test_over_the_limits(model):
         model.convert(_speech(31.0), PROMPT, source_sr=SR, stream=True)
 
 
-@pytest.mark.slow  # ~1 min on an idle 2-core CPU, several under load
+@pytest.mark.slow  # ~1 min on an idle 2-core CPU; 7 min measured with a load average of 15
+@pytest.mark.timeout(2400)
 def test_minutes_long_source_converts_with_clean_seams(model):
-    src = _speech(150.0) + 0.0
+    src = _speech(125.0)
     src = np.concatenate([src, src[:1234]])  # not a whole number of tokens
     pieces = longform.plan_pieces(src)
-    assert len(pieces) >= 6
+    assert len(pieces) >= 5
     y = model.convert(src, PROMPT, source_sr=SR, seed=0)
     entry = model.prompt_features(PROMPT)
     prompt_offset = 2 * len(entry["prompt_tokens"]) - len(entry["prompt_mel"])  # as in the unsplit path

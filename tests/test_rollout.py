@@ -271,8 +271,9 @@ def test_rollout_sequence_under_load(versioned_repo):
             ro.rollback()
             st = ro.status()
             assert (st.live, st.candidate, st.ready[2], st.loaded["hift"]) == (1, 0, False, [1])
-            figures["rolled back"] = _phase(ro, load, 4)
-            assert figures["rolled back"] == {1: figures["rolled back"][1], 2: 0} and figures["rolled back"][1] >= 4
+            figures["rolled back"] = _phase(ro, load, 6)
+            # the rollback reloaded v1's pipeline: the <= 2 requests in flight then are counted by the replaced one
+            assert figures["rolled back"][2] == 0 and figures["rolled back"][1] >= 4, figures
 
             ro.stage(2)
             assert ro.promote() == 2

@@ -1,6 +1,8 @@
-"""Streaming clients and the CLI against a live server: sync and asyncio gRPC streams (chunks as they arrive,
-first-chunk latency, early close cancels), the CLI's ``--stream`` to a wav or raw PCM on stdout, ``speaker
-add|list|delete``, and the TTS calls (skipped with the reason while the server has no TTS models)."""
+"""Streaming clients and the CLI against a live server: sync and asyncio streams over gRPC and HTTP
+``generate_stream`` (the same chunks, first-chunk latency, early close, errors with the server's message), the
+CLI's ``--stream`` to a wav or raw PCM on stdout over either protocol, ``speaker add|list|delete``, a stream
+request to a non-streaming model and the reverse, and the TTS calls (skipped with the reason while the server has
+no TTS models)."""
 
 from __future__ import annotations
 
@@ -114,10 +116,138 @@ def test_cli_speakers_and_stream_by_speaker(triton_server, tmp_path):
     assert proc.returncode == 1 and "invalid" in proc.stderr.decode()
 
 
-def test_cli_stream_needs_grpc(triton_server):
-    proc = _cli("vc", "--url", triton_server.http_url, "--protocol", "http", "--source", str(SOURCE), "--prompt",
-                str(PROMPT), "--stream", "-o", "-")
-    assert proc.returncode == 2 and "grpc" in proc.stderr.decode()
+def test_cli_stream_over_http_equals_grpc(triton_server, tmp_path):
+    outs = {}
+    for protocol, url in (("http", triton_server.http_url), ("grpc", triton_server.grpc_url)):
+        outs[protocol] = tmp_path / f"{protocol}.wav"
+        proc = _cli("vc", "--url", url, "--protocol", protocol, "--source", str(SOURCE), "--prompt", str(PROMPT),
+                    "--seed", "7", "--stream", "-o", str(outs[protocol]))
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert "first chunk after" in proc.stdout.decode()
+    http, sr = sf.read(outs["http"], dtype="int16")
+    grpc, _ = sf.read(outs["grpc"], dtype="int16")
+    assert sr == 24000 and len(http) > 24000 * 4.5
+    np.testing.assert_array_equal(http, grpc)
+
+
+# ------------------------------------------------------------------------------- HTTP generate_stream
+def test_http_stream_equals_grpc(triton_server, speech, sync_chunks):
+    src, ssr, prm, psr = speech
+    want, _ = sync_chunks
+    stats = StreamStats()
+    with VCClient(triton_server.http_url, protocol="http", timeout=120) as c:
+        got = list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=5, stats=stats))
+        encoded = list(c.convert_stream(SOURCE, PROMPT, seed=5, encoded=True))  # files: decoded here for JSON
+    assert [ch.index for ch in got] == [ch.index for ch in want]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.waveform, b.waveform)  # float32 survives the JSON round trip
+    assert stats.chunks == len(got) and stats.sample_rate == 24000
+    assert 0 < stats.first_chunk_s == got[0].elapsed_s < stats.total_s == got[-1].elapsed_s
+    print(f"first chunk over HTTP generate_stream after {stats.first_chunk_s:.2f} s, total {stats.total_s:.2f} s")
+    assert sum(len(ch.waveform) for ch in encoded) > 24000 * 4.5
+
+
+def test_async_http_stream_equals_grpc(triton_server, speech, sync_chunks):
+    src, ssr, prm, psr = speech
+
+    async def run():
+        stats = StreamStats()
+        async with AsyncVCClient(triton_server.http_url, protocol="http", timeout=120) as c:
+            got = [ch async for ch in c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=5, stats=stats)]
+            early = c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr)
+            first = await early.__anext__()
+            await early.aclose()  # closes the connection; the session stays usable
+            again = [ch async for ch in c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=5)]
+        return got, stats, first, again
+
+    got, stats, first, again = asyncio.run(run())
+    want, _ = sync_chunks
+    for a, b, c in zip(got, want, again, strict=True):
+        np.testing.assert_array_equal(a.waveform, b.waveform)
+        np.testing.assert_array_equal(c.waveform, b.waveform)
+    assert stats.first_chunk_s is not None and 0 < stats.first_chunk_s < stats.total_s
+    assert first.index == 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_stream_errors_carry_the_server_message(triton_server, speech, protocol):
+    src, ssr, _, _ = speech
+    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
+    with VCClient(url, protocol=protocol, timeout=60) as c:
+        with pytest.raises(VCError) as info:
+            list(c.convert_stream(src, source_sr=ssr, speaker_id="no_such_voice"))
+        assert "unknown speaker 'no_such_voice'" in info.value.message
+        if protocol == "http":  # a gRPC stream's error carries only its message (ModelStreamInferResponse)
+            assert info.value.status == "400" and info.value.invalid_argument
+        assert len(list(c.convert_stream(src[: ssr * 2], PROMPT, source_sr=ssr))) >= 1  # still serving
+
+
+class _MidStreamError:
+    """A local HTTP server that answers generate_stream as Triton does when a model fails after its first chunk:
+    status 200, one chunk event, then an error event."""
+
+    def __enter__(self):
+        import http.server
+        import json
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+                self.end_headers()
+                chunk = {"chunk_index": 0, "sample_rate": 24000, "waveform": [0.25] * 480}
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+                self.wfile.write(b'data: {"error":"internal error: RuntimeError: the vocoder failed"}\n\n')
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        return f"127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_an_error_mid_stream_is_raised_after_the_chunks_before_it(speech):
+    src, ssr, prm, psr = speech
+    with _MidStreamError() as url:
+        got = []
+        with VCClient(url, protocol="http", timeout=30) as c, pytest.raises(VCError) as info:
+            for chunk in c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr):
+                got.append(chunk)
+        assert len(got) == 1 and got[0].waveform.shape == (480,)
+        assert info.value.message == "cosyvoice_vc_stream: internal error: RuntimeError: the vocoder failed"
+        assert info.value.status == "stream" and not info.value.invalid_argument
+
+        async def run():
+            seen = []
+            async with AsyncVCClient(url, protocol="http", timeout=30) as c:
+                async for chunk in c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr):
+                    seen.append(chunk)
+            return seen
+
+        with pytest.raises(VCError, match="the vocoder failed"):
+            asyncio.run(run())
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wrong_kind_of_request_for_the_model(triton_server, speech, protocol):
+    """A whole-answer request to the streaming model is refused with a message that says so; a stream request to
+    the whole-answer model is served as a stream of one chunk (Triton allows it), over both protocols."""
+    src, ssr, prm, psr = speech
+    url = triton_server.http_url if protocol == "http" else triton_server.grpc_url
+    with VCClient(url, protocol=protocol, model="cosyvoice_vc_stream", timeout=120) as c:
+        with pytest.raises(VCError) as info:
+            c.convert(src, prm, source_sr=ssr, prompt_sr=psr)
+        assert "decoupled" in info.value.message, info.value
+        chunks = list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, model="cosyvoice_vc"))
+    assert len(chunks) == 1 and abs(len(chunks[0].waveform) / 24000 - 3.0) < 0.1
 
 
 # ------------------------------------------------------------------------------------------------ TTS
@@ -131,6 +261,17 @@ def tts_client(triton_server):
         pytest.skip(f"TTS models not available: {exc}")
     yield c
     c.close()
+
+
+def test_tts_stream_over_http_equals_grpc(tts_client, triton_server, speech):
+    _, _, prm, psr = speech
+    want = list(tts_client.tts_stream("Hello there.", prompt=prm, prompt_sr=psr, seed=3))
+    stats = StreamStats()
+    with TTSClient(triton_server.http_url, protocol="http", timeout=300) as c:
+        got = list(c.tts_stream("Hello there.", prompt=prm, prompt_sr=psr, seed=3, stats=stats))
+    assert len(got) == len(want) >= 1 and stats.first_chunk_s is not None
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.waveform, b.waveform)
 
 
 def test_tts_whole_and_streamed(tts_client, speech):

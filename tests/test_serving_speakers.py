@@ -128,3 +128,51 @@ def test_served_register_get_list_delete(client, prompt_audio, model):
         client.register_speaker("bad/id", prm, prompt_sr=psr)
     assert info.value.invalid_argument and "invalid" in info.value.message
     assert client.is_ready()
+
+
+# ------------------------------------------------------------------------------------------ restart
+def test_served_speaker_survives_a_server_restart(serving_assets, tmp_path_factory, prompt_audio):
+    """Register through the ``speakers`` model, stop tritonserver, start a new one on the same speaker folder: the
+    speaker is listed and TTS (``cosyvoice_tts``) and streaming VC by its id give the same audio as before."""
+    from conftest import served
+
+    from cosyvoice_triton.serving.repository import render_repository
+
+    prm, psr = prompt_audio
+    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
+    src = src[: int(2.5 * ssr)]
+    root = tmp_path_factory.mktemp("restart")
+    folder = root / "speakers"
+    repo = root / "model_repository"
+    render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
+                      speaker_dir=str(folder))
+    text = TRANSCRIPT if (serving_assets["model_dir"] / "CosyVoice-BlankEN").is_dir() else None
+
+    def speak(server):
+        with VCClient(server.http_url, timeout=300) as c:
+            listed = c.list_speakers()
+            tts = c.tts("Good morning to you.", speaker_id="kept_voice", seed=3).waveform
+        with VCClient(server.grpc_url, protocol="grpc", timeout=300) as c:
+            vc = np.concatenate([ch.waveform for ch in c.convert_stream(src, source_sr=ssr, speaker_id="kept_voice",
+                                                                        seed=3)])
+        return listed, tts, vc
+
+    with served(repo) as first:
+        with VCClient(first.http_url, timeout=300) as c:
+            registered = c.register_speaker("kept_voice", prm, prompt_sr=psr, prompt_text=text)
+        listed, tts_before, vc_before = speak(first)
+        first_pid = first.process.pid
+    assert listed == ["kept_voice"] and (folder / "kept_voice.npz").is_file()
+    with served(repo) as second:
+        assert second.process.pid != first_pid
+        with VCClient(second.http_url, timeout=300) as c:
+            kept = c.get_speaker("kept_voice")
+        listed, tts_after, vc_after = speak(second)
+    assert listed == ["kept_voice"]
+    np.testing.assert_array_equal(kept.prompt_tokens, registered.prompt_tokens)
+    np.testing.assert_array_equal(kept.prompt_mel, registered.prompt_mel)
+    np.testing.assert_array_equal(kept.embedding, registered.embedding)
+    assert kept.prompt_text == (text or "")
+    assert tts_before.size > 0 and vc_before.size > ssr
+    np.testing.assert_array_equal(tts_after, tts_before)
+    np.testing.assert_array_equal(vc_after, vc_before)

@@ -9,6 +9,7 @@ samples the same tokens). In-flight batching and cancellation are read from the 
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import threading
@@ -328,16 +329,27 @@ def test_wrong_protocol_for_the_model_kind(server, prompt):
         assert "decoupled" in info.value.message()
     finally:
         g.close()
-    # the reverse: Triton serves a non-decoupled model over a stream, as one final response
+    # HTTP generate (one answer) on the decoupled model: Triton's message says to use generate_stream
+    body = {"text": TEXT, "prompt_audio": prompt[0].tolist(), "prompt_sample_rate": prompt[1], "seed": SEED}
+    req = urllib.request.Request(f"http://{server.http_url}/v2/models/cosyvoice_tts_stream/generate",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=240) as r:  # Triton 2.51 answers this error with status 200
+        assert "use generate stream" in json.loads(r.read())["error"]
+    # the reverse: Triton serves a non-decoupled model over a stream, as one final response, on both protocols
     chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt), model="cosyvoice_tts")
     assert error is None and final and len(chunks) == 1 and chunks[0][1].size > 0
+    from cosyvoice_triton.clients.client import TTSClient
+
+    with TTSClient(server.http_url, protocol="http", timeout=240) as c:
+        http_chunks = list(c.tts_stream(TEXT, prompt=prompt[0], prompt_sr=prompt[1], prompt_text=PROMPT_TEXT,
+                                        seed=SEED, model="cosyvoice_tts"))
+    assert len(http_chunks) == 1
+    np.testing.assert_array_equal(http_chunks[0].waveform, chunks[0][1])
 
 
 def test_http_generate_stream_serves_the_decoupled_model(server, prompt):
     """Triton 2.51 serves a decoupled Python model over HTTP's generate_stream (server-sent events): the same
     chunks as the gRPC stream."""
-    import json
-
     wave, sr = prompt
     body = {"text": TEXT, "prompt_audio": wave.tolist(), "prompt_sample_rate": sr, "prompt_text": PROMPT_TEXT,
             "seed": SEED}

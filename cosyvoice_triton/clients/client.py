@@ -762,8 +762,12 @@ class AsyncVCClient:
         ``generate_stream`` with ``aiohttp``); closing the generator early cancels the call (gRPC: the request on
         the server too) or closes the connection (HTTP). Errors as :meth:`VCClient.stream_raw`."""
         if self.protocol == "http":
-            async for chunk in self._http_stream(model, inputs, parameters, stats):
-                yield chunk
+            inner = self._http_stream(model, inputs, parameters, stats)
+            try:
+                async for chunk in inner:
+                    yield chunk
+            finally:  # closed early: close its connection now, not when the generator is collected
+                await inner.aclose()
             return
         request = {"model_name": model, "inputs": list(inputs), "parameters": parameters}
 

@@ -86,6 +86,12 @@ class Options:
     tts_concurrency: tuple[int, ...] = (1, 2, 4)
     tts_requests: int = 8  # measured requests per TTS-column pipeline and concurrency: at least this, 1 per user
     perf_concurrency: tuple[int, ...] | None = None  # --mode tts: perf_analyzer's levels (None: tts_concurrency)
+    # --mode mixed (:mod:`.mixed`): steady high-priority users, the low-priority flood, the high class's measured
+    # requests per run, and the servers (False: without the policy, True: with it)
+    mixed_high_users: int = 1
+    mixed_low_users: int = 6
+    mixed_requests: int = 8
+    mixed_policies: tuple[bool, ...] = (False, True)
 
     @property
     def warmup(self) -> int:
@@ -186,9 +192,9 @@ def locust_command(cfg_path: Path, users: int, csv_prefix: Path, max_run_s: floa
             "--csv", str(csv_prefix), "--exit-code-on-error", "0"]
 
 
-def run_locust(cfg: RunConfig, work: Path, max_run_s: float) -> RunResult:
-    """One Locust run in a subprocess; returns what the locustfile recorded."""
-    tag = f"{cfg.column}_{cfg.protocol}_u{cfg.users}"
+def run_locust(cfg: RunConfig, work: Path, max_run_s: float, tag: str = "") -> RunResult:
+    """One Locust run in a subprocess; returns what the locustfile recorded (``tag`` names its files)."""
+    tag = tag or f"{cfg.column}_{cfg.protocol}_u{cfg.users}"
     cfg_path = cfg.save(work / f"{tag}.config.json")
     Path(cfg.out).unlink(missing_ok=True)
     cmd = locust_command(cfg_path, cfg.users, work / f"locust_{tag}", max_run_s)
@@ -393,8 +399,12 @@ def run(opts: Options) -> dict[str, Any]:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {p!r}")
     if opts.mode == "tts":
         return run_tts(opts)
+    if opts.mode == "mixed":
+        from .mixed import run_mixed
+
+        return run_mixed(opts)
     if opts.mode != "vc":
-        raise ValueError(f"mode must be vc or tts, got {opts.mode!r}")
+        raise ValueError(f"mode must be vc, tts or mixed, got {opts.mode!r}")
     out_dir = Path(opts.out_dir)
     if opts.profile_only:
         return profile_only(opts)
@@ -581,8 +591,8 @@ def run_tts(opts: Options) -> dict[str, Any]:
     })
     notes = list(dict.fromkeys(opts.notes))
     notes += [
-        "The demo models have random weights: the LM never samples its end-of-speech token early, so every "
-        "utterance runs to the LM's length limit (20 x the text tokens): audio length and LM work follow the text.",
+        "The demo models have random weights: how much audio the LM produces for a text (between 2x and 20x its "
+        "text tokens, until it samples end-of-speech) is whatever the random LM samples; audio seconds are measured.",
         "Locust and perf_analyzer run on the same machine as the server and take CPU time from it.",
         "Cross-check: each request's public model counts it once (nv_inference_request_success); each streamed "
         "chunk calls hift_decoder exactly once, so the chunks the clients received equal hift_decoder's increase "
@@ -722,8 +732,15 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the profile of the integrated column's slowest graph after the columns")
     p.add_argument("--profile-only", action="store_true", default=None,
                    help="only profile, from an existing <out-dir>/report.json (rewrites report.md / report.json)")
-    p.add_argument("--mode", choices=("vc", "tts"), help="vc: plain vs integrated voice conversion (default); tts: "
-                   "the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, streaming VC")
+    p.add_argument("--mode", choices=("vc", "tts", "mixed"), help="vc: plain vs integrated voice conversion "
+                   "(default); tts: the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, streaming "
+                   "VC; mixed: a steady high-priority class under a low-priority flood (and the reverse), without "
+                   "and with the sharing policy")
+    p.add_argument("--mixed-high-users", type=int, help="--mode mixed: users of the steady high-priority class")
+    p.add_argument("--mixed-low-users", type=int, help="--mode mixed: users of the low-priority flood")
+    p.add_argument("--mixed-requests", type=int, help="--mode mixed: measured requests of each run")
+    p.add_argument("--mixed-policies", type=_csv(lambda x: x.strip().lower() in ("1", "true", "with", "on")),
+                   help="--mode mixed: servers to run: without,with (default both)")
     p.add_argument("--tts-columns", type=_csv(str, TTS_COLUMNS),
                    help=f"--mode tts: pipelines ({','.join(TTS_COLUMNS)})")
     p.add_argument("--tts-concurrency", type=_csv(int), help="--mode tts: concurrency levels (default 1,2,4)")
@@ -743,8 +760,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
         overrides["integrated_tunables"] = dict(overrides["integrated_tunables"])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
-    if opts.mode == "tts" and "out_dir" not in overrides:
-        opts.out_dir = f"{base.out_dir}-tts"
+    if opts.mode in ("tts", "mixed") and "out_dir" not in overrides:
+        opts.out_dir = f"{base.out_dir}-{opts.mode}"
     return opts
 
 

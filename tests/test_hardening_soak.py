@@ -44,6 +44,12 @@ def test_the_end_peak_is_compared_with_the_peak_after_the_warm_in():
     assert 0.06 < memory_growth(samples, t0, t1, min_window=90.0)[2] < 0.12  # +10 MB a minute under the waves
 
 
+def test_samples_after_the_end_do_not_count():
+    samples, t0, t1 = _series(lambda t: 2000, minutes=30)
+    samples.append((t1 + 30, 5000))  # the sampler runs on while the last requests are answered
+    assert memory_growth(samples, t0, t1)[2] == 0.0
+
+
 def test_a_run_too_short_has_no_growth_figure_and_fails():
     samples, t0, t1 = _series(lambda t: 2000, minutes=4)
     assert math.isnan(memory_growth(samples, t0, t1, warm_until=200.0)[2])

@@ -84,7 +84,7 @@ def memory_growth(samples: list[tuple[float, float]], t0: float, t1: float, warm
     w = max(30.0, warm_in * span, warm_until - t0)
     v = max(0.1 * span, min_window)
     base = [r for t, r in samples if t0 + w <= t <= t0 + w + v]
-    end = [r for t, r in samples if t >= t1 - v]
+    end = [r for t, r in samples if t1 - v <= t <= t1]  # not the stragglers answered after the end
     if not base or not end or t0 + w + v > t1 - v:
         return math.nan, math.nan, math.nan
     b, e = float(np.max(base)), float(np.max(end))
@@ -209,7 +209,8 @@ def plot(series: dict, result: SoakResult, path: Path) -> Path:
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     if series["rss"]:
         a.plot([(t - t0) / 60 for t, _ in series["rss"]], [r for _, r in series["rss"]], lw=1)
-    a.axhline(result.rss_baseline_mb, color="gray", ls="--", lw=0.8, label="baseline (after warm-in)")
+    a.axhline(result.rss_baseline_mb, color="gray", ls="--", lw=0.8, label="peak after the warm-in")
+    a.axvline(result.minutes, color="gray", ls=":", lw=0.8, label="end of the load")
     a.set_ylabel("server RSS (MB)")
     a.set_title(f"soak: {result.users} users, {result.minutes:g} min, {result.requests} requests, "
                 f"{result.failures} failed, memory {result.memory_growth:+.1%}")
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                                     if e.kind not in ("warmed-up",)]
     (out / "report.json").write_text(json.dumps({**asdict(result), "passed": result.passed,
                                                  "command": command}, indent=2) + "\n")
+    (out / "series.json").write_text(json.dumps(series) + "\n")  # to recompute or re-plot the figures
     plot(series, result, out / "soak.png")
     text = report_md(result, command)
     (out / "report.md").write_text(text)

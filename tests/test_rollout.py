@@ -234,6 +234,7 @@ def _assert_share(counts: dict[int, int], percent: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2400)  # two stages load 8 models each; with the exports of the fixtures on a loaded 2-core machine
 def test_rollout_sequence_under_load(versioned_repo):
     repo = versioned_repo
     with served(repo, model_control="explicit", load_models=startup_models(repo)) as server, \

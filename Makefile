@@ -149,9 +149,10 @@ loadtest-full: $(VENV)/.installed ## the same at CosyVoice2-0.5B dims (long; loa
 loadtest-tts: $(VENV)/.installed ## the TTS column: streaming TTS first chunk + RTF, offline TTS, streaming VC at 1/2/4, perf_analyzer --streaming; tiny -> build/loadtest/tiny-tts/report.md
 	$(PY) loadtest/run.py --config tiny --mode tts $(LOADTEST_ARGS)
 
-loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims, short (concurrency 1/2, 1 and 2 requests, no perf_analyzer) -> build/loadtest/full-tts-short/report.md
-	$(PY) loadtest/run.py --config full --mode tts --tts-concurrency 1,2 --tts-requests 1 --warmup-requests 0 \
-		--perf-protocols "" --max-run-s 600 --out-dir build/loadtest/full-tts-short $(LOADTEST_ARGS)
+loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims, short (streaming TTS of one short text and streaming VC, concurrency 1/2, 1 and 2 requests, no perf_analyzer) -> build/loadtest/full-tts-short/report.md
+	$(PY) loadtest/run.py --config full --mode tts --tts-columns tts_stream,vc_stream --tts-text "Hi there." \
+		--tts-concurrency 1,2 --tts-requests 1 --warmup-requests 0 --perf-protocols "" --max-run-s 900 \
+		--out-dir build/loadtest/full-tts-short $(LOADTEST_ARGS)
 
 .PHONY: loadtest-mixed
 loadtest-mixed: $(VENV)/.installed ## two tasks on one server: steady high-priority TTS streams under a low-priority VC flood and the reverse, without and with the sharing policy (tiny) -> build/loadtest/tiny-mixed/report.md

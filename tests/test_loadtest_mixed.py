@@ -36,6 +36,7 @@ def test_targets_use_first_chunk_for_streams_and_flag_failures():
     assert "| met (x1.40) | NO | 12.5 |" in md
 
 
+@pytest.mark.timeout(1800)  # a server start and 6 short Locust runs: minutes, many more on a shared loaded machine
 def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
     if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")

@@ -110,9 +110,11 @@ def test_workload_texts_round_trip_and_old_files(tmp_path):
 # --------------------------------------------------------------------------------------------- live run
 
 
+@pytest.mark.timeout(1800)  # a server start and 9 short Locust runs: minutes, many more on a shared loaded machine
 def test_live_tts_column_figures_come_from_the_responses(serving_assets, tmp_path):
-    """Streaming TTS, offline TTS and streaming VC at concurrency 1 and 2, two requests each, and perf_analyzer's
-    streaming mode at concurrency 1: every figure is checked against the server's counters or the raw records."""
+    """Streaming TTS, offline TTS and streaming VC at concurrency 1 and 2 (1 and 2 measured requests), and
+    perf_analyzer's streaming mode at concurrency 1: every figure is checked against the server's counters or the
+    raw records."""
     if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
     pytest.importorskip("matplotlib")
@@ -133,14 +135,14 @@ def test_live_tts_column_figures_come_from_the_responses(serving_assets, tmp_pat
              prompt_text="the prompt says hello").save(out / "workload.npz")
     opts = Options(name="smoke-tts", mode="tts", model_dir=str(serving_assets["model_dir"]),
                    onnx_dir=str(serving_assets["onnx_dir"]), out_dir=str(out), tts_concurrency=(1, 2),
-                   tts_requests=2, perf_requests=2, precision="fp32", max_run_s=400,
+                   tts_requests=1, perf_concurrency=(1,), precision="fp32", max_run_s=400,
                    integrated_tunables={"max_queue_delay_us": 5000})
     report = run(opts)
     runs = {(r["column"], r["users"]): r for r in report["runs"]}
     assert set(runs) == {(c, u) for c in ("tts_stream", "tts", "vc_stream") for u in (1, 2)}
     for (column, users), r in runs.items():
         assert r["failures"] == 0, r["errors"]
-        assert r["requests"] >= max(2, 2 * users)
+        assert r["requests"] >= users
         # every successful request is one request of the public model in Triton's counters
         assert r["check"]["passed"] and r["check"]["triton_delta"] == r["requests"], r["check"]
         raw = RunResult.load(out / "tts" / f"result_{column}_u{users}.json")
@@ -170,7 +172,7 @@ def test_live_tts_column_figures_come_from_the_responses(serving_assets, tmp_pat
     assert "## Streaming and offline latency (gRPC)" in md and "MISMATCH" not in md
     assert (out / "first_chunk.png").is_file()
     perf = report["perf_analyzer"]
-    assert [p["concurrency"] for p in perf] == [1, 2]
+    assert [p["concurrency"] for p in perf] == [1]
     if find_perf_analyzer() is not None:
         for p in perf:
             assert p["first_p50_ms"] > 0 and p["first_mean_ms"] <= p["mean_ms"], p

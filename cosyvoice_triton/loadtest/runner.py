@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class Options:
     tts_concurrency: tuple[int, ...] = (1, 2, 4)
     tts_requests: int = 8  # measured requests per TTS-column pipeline and concurrency: at least this, 1 per user
     perf_concurrency: tuple[int, ...] | None = None  # --mode tts: perf_analyzer's levels (None: tts_concurrency)
+    tts_texts: tuple[str, ...] = ()  # --mode tts: what the TTS pipelines speak (empty: workload.TTS_TEXTS)
     # --mode mixed (:mod:`.mixed`): steady high-priority users, the low-priority flood, the high class's measured
     # requests per run, and the servers (False: without the policy, True: with it)
     mixed_high_users: int = 1
@@ -520,6 +521,9 @@ def run_tts(opts: Options) -> dict[str, Any]:
         raise FileNotFoundError(f"{opts.model_dir}/llm.pt not found: the TTS column needs the LM")
     wl_path = out_dir / "workload.npz"
     workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    if opts.tts_texts and tuple(opts.tts_texts) != workload.texts:
+        workload = replace(workload, texts=tuple(opts.tts_texts))
+        workload.save(wl_path)  # what the Locust processes load
     print(f"== workload: {workload.describe()}; {len(workload.texts)} TTS texts", flush=True)
     work = out_dir / "tts"
     work.mkdir(parents=True, exist_ok=True)
@@ -746,6 +750,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tts-concurrency", type=_csv(int), help="--mode tts: concurrency levels (default 1,2,4)")
     p.add_argument("--tts-requests", type=int, help="--mode tts: measured requests per pipeline and level (at "
                    "least 1 per user)")
+    p.add_argument("--tts-text", dest="tts_texts", action="append", help="--mode tts: a text the TTS pipelines "
+                   "speak in turn (repeatable; default: six English sentences of 7-15 words)")
     p.add_argument("--perf-concurrency", type=_csv(int), help="--mode tts: perf_analyzer's concurrency levels "
                    "(default: --tts-concurrency)")
     p.add_argument("--profile-graph", help="the graph to profile (default: the slowest of flow_estimator, "
@@ -758,6 +764,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if "integrated_tunables" in overrides:
         overrides["integrated_tunables"] = dict(overrides["integrated_tunables"])
+    if "tts_texts" in overrides:
+        overrides["tts_texts"] = tuple(overrides["tts_texts"])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
     if opts.mode in ("tts", "mixed") and "out_dir" not in overrides:

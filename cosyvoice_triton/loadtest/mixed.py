@@ -19,11 +19,13 @@ classes together, mean CPU (``nv_cpu_utilization``) and the server processes' CP
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -96,45 +98,60 @@ def _class_figures(s: RunSummary, result: RunResult) -> dict[str, Any]:
             "answered": len(ok), "started": len(result.records)}
 
 
-def run_scenarios(opts, server, sampler, work: Path, workload_path: Path, *, priorities: bool) -> list[dict]:
-    """Every scenario on one running server: high alone, low alone, both at once."""
+def run_scenarios(opts, server, sampler, work: Path, workload_path: Path, *, priorities: bool,
+                  out: list[dict] | None = None, done: Callable[[], None] = lambda: None) -> list[dict]:
+    """Every scenario on one running server: high alone, low alone, both at once. A scenario that fails (the
+    server died, a run wrote nothing) is kept as ``{"error": ...}`` and the next one is tried; ``done()`` is called
+    after each scenario has been appended to ``out``."""
+    out = [] if out is None else out
+    for name, high, low in SCENARIOS:
+        try:
+            res = _scenario(opts, server, sampler, work, workload_path, name, high, low, priorities)
+        except Exception as exc:  # reported: the scenarios that ran stand
+            res = {"scenario": name, "high": high, "low": low, "priorities": priorities,
+                   "error": f"{type(exc).__name__}: {str(exc)[-600:]}"}
+            print(f"   {name}: FAILED {res['error']}", flush=True)
+        out.append(res)
+        done()
+    return out
+
+
+def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str, high: str, low: str,
+              priorities: bool) -> dict:
     from .runner import run_locust, server_figures
 
     urls = {"grpc": server.grpc_url, "http": server.http_url, "metrics": server.metrics_url}
-    out = []
-    for name, high, low in SCENARIOS:
-        tag = f"{high}_over_{low}"
-        hu, lu = opts.mixed_high_users, opts.mixed_low_users
-        n_high, n_low = opts.mixed_requests, max(opts.mixed_requests, lu)
-        print(f"== {name} ({'with' if priorities else 'without'} priorities)", flush=True)
-        res: dict[str, Any] = {"scenario": name, "high": high, "low": low, "priorities": priorities}
-        for key, column, users, n in (("high_alone", high, hu, n_high), ("low_alone", low, lu, n_low)):
-            cfg = _config(column, users, n, work / f"{tag}_{key}.json", urls, str(workload_path), opts)
-            r = run_locust(cfg, work, opts.max_run_s, tag=f"{tag}_{key}")
-            t0, t1 = r.window
-            res[key] = _class_figures(summarize_run(r, server=server_figures(sampler, t0, t1)), r)
-        # both at once: the flood first (it runs until stopped; nothing left out, so its warm-up gate never pauses
-        # it), then the steady class's measured run
-        lcfg = _config(low, lu, 10**9, work / f"{tag}_low_mixed.json", urls, str(workload_path), opts, warmup=0,
+    tag = f"{high}_over_{low}"
+    hu, lu = opts.mixed_high_users, opts.mixed_low_users
+    n_high, n_low = opts.mixed_requests, max(opts.mixed_requests, lu)
+    print(f"== {name} ({'with' if priorities else 'without'} priorities)", flush=True)
+    res: dict[str, Any] = {"scenario": name, "high": high, "low": low, "priorities": priorities}
+    for key, column, users, n in (("high_alone", high, hu, n_high), ("low_alone", low, lu, n_low)):
+        cfg = _config(column, users, n, work / f"{tag}_{key}.json", urls, str(workload_path), opts)
+        r = run_locust(cfg, work, opts.max_run_s, tag=f"{tag}_{key}")
+        t0, t1 = r.window
+        res[key] = _class_figures(summarize_run(r, server=server_figures(sampler, t0, t1)), r)
+    # both at once: the flood first (it runs until stopped; nothing left out, so its warm-up gate never pauses
+    # it), then the steady class's measured run
+    lcfg = _config(low, lu, 10**9, work / f"{tag}_low_mixed.json", urls, str(workload_path), opts, warmup=0,
+                   alone=False)
+    proc, log = _start_locust(lcfg, work, opts.max_run_s)
+    try:
+        hcfg = _config(high, hu, n_high, work / f"{tag}_high_mixed.json", urls, str(workload_path), opts,
                        alone=False)
-        proc, log = _start_locust(lcfg, work, opts.max_run_s)
-        try:
-            hcfg = _config(high, hu, n_high, work / f"{tag}_high_mixed.json", urls, str(workload_path), opts,
-                           alone=False)
-            hr = run_locust(hcfg, work, opts.max_run_s, tag=f"{tag}_high_mixed")
-        finally:
-            proc.send_signal(signal.SIGTERM)  # users finish the request they are in (--stop-timeout)
-        lr = _finish(proc, lcfg, log, timeout=opts.max_run_s + 900)
-        print(f"   flood: {len(lr.records)} measured requests ({sum(not r.ok for r in lr.records)} failed)", flush=True)
-        t0, t1 = min(hr.window[0], lr.window[0]), max(hr.window[1], lr.window[1])
-        machine = server_figures(sampler, t0, t1)
-        res["high_mixed"] = _class_figures(summarize_run(hr, server=server_figures(sampler, *hr.window)), hr)
-        res["low_mixed"] = _class_figures(summarize_run(lr, server=server_figures(sampler, *lr.window)), lr)
-        audio = sum(r.audio_s for x in (hr, lr) for r in x.records if r.ok)
-        res["machine"] = {**machine, "window_s": t1 - t0, "audio_s_per_s": audio / (t1 - t0) if t1 > t0 else math.nan,
-                          "requests_per_s": sum(len(x.records) for x in (hr, lr)) / (t1 - t0) if t1 > t0 else math.nan}
-        out.append(res)
-    return out
+        hr = run_locust(hcfg, work, opts.max_run_s, tag=f"{tag}_high_mixed")
+    finally:
+        proc.send_signal(signal.SIGTERM)  # users finish the request they are in (--stop-timeout)
+    lr = _finish(proc, lcfg, log, timeout=opts.max_run_s + 900)
+    print(f"   flood: {len(lr.records)} measured requests ({sum(not r.ok for r in lr.records)} failed)", flush=True)
+    t0, t1 = min(hr.window[0], lr.window[0]), max(hr.window[1], lr.window[1])
+    machine = server_figures(sampler, t0, t1)
+    res["high_mixed"] = _class_figures(summarize_run(hr, server=server_figures(sampler, *hr.window)), hr)
+    res["low_mixed"] = _class_figures(summarize_run(lr, server=server_figures(sampler, *lr.window)), lr)
+    audio = sum(r.audio_s for x in (hr, lr) for r in x.records if r.ok)
+    res["machine"] = {**machine, "window_s": t1 - t0, "audio_s_per_s": audio / (t1 - t0) if t1 > t0 else math.nan,
+                      "requests_per_s": sum(len(x.records) for x in (hr, lr)) / (t1 - t0) if t1 > t0 else math.nan}
+    return res
 
 
 def _p95(c: dict[str, Any]) -> float:
@@ -158,7 +175,7 @@ def mixed_markdown(report: dict[str, Any]) -> str:
     out += ["## Per class: alone and mixed", "",
             "| scenario | priorities | class | users | alone p50 / p95 ms | mixed p50 / p95 ms | p95 mixed / alone | "
             "answered (failed) | longest wait s |", "|---|---|---|---:|---|---|---:|---|---:|"]
-    for res in report.get("scenarios", []):
+    for res in _ok(report):
         for cls in ("high", "low"):
             a, m = res[f"{cls}_alone"], res[f"{cls}_mixed"]
             first = "first chunk " if not math.isnan(_num(a.get("first_p95_ms"))) else ""
@@ -176,7 +193,7 @@ def mixed_markdown(report: dict[str, Any]) -> str:
             "CPU (nv_cpu_utilization) | server processes' CPU | high p95 within 1.5x | every low answered | "
             "longest low wait s |",
             "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
-    for res in report.get("scenarios", []):
+    for res in _ok(report):
         m, t = res["machine"], targets(res)
         out.append(f"| {res['scenario']} | {'on' if res['priorities'] else 'off'} | {_fmt(m['window_s'])} | "
                    f"{_fmt(_num(m['audio_s_per_s']), 2)} | {_fmt(_num(m['requests_per_s']), 3)} | "
@@ -184,7 +201,16 @@ def mixed_markdown(report: dict[str, Any]) -> str:
                    f"{'met' if t['high_met'] else 'missed'} (x{_fmt(t['high_p95_ratio'], 2)}) | "
                    f"{'yes' if t['low_all_answered'] else 'NO'} | {_fmt(_num(t['low_longest_s']), 1)} |")
     out.append("")
+    failed = [r for r in report.get("scenarios", []) if "error" in r]
+    if failed:
+        out += ["## Scenarios that did not complete", ""] + [
+            f"- {r['scenario']} ({'with' if r['priorities'] else 'without'} the policy): {r['error']}" for r in failed]
+        out.append("")
     return finish_markdown(out, report)
+
+
+def _ok(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in report.get("scenarios", []) if "error" not in r]
 
 
 def _num(v: Any) -> float:
@@ -196,7 +222,7 @@ def plot_mixed(report: dict[str, Any], path: Path) -> Path:
     from .plots import _pyplot, _save
 
     plt = _pyplot()
-    scen = report.get("scenarios", [])
+    scen = _ok(report)
     names = list(dict.fromkeys(r["scenario"] for r in scen))
     fig, axes = plt.subplots(1, max(1, len(names)), figsize=(6 * max(1, len(names)), 4.2), squeeze=False)
     for ax, name in zip(axes[0], names, strict=False):
@@ -218,6 +244,15 @@ def plot_mixed(report: dict[str, Any], path: Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
     fig.suptitle("Mixed load: each class's p95 alone and under the other class's flood")
     return _save(plt, fig, path)
+
+
+def _partial(out_dir: Path, scenarios: list[dict]) -> None:
+    """The scenarios so far in ``partial.json`` (a crash later loses nothing measured)."""
+    import json
+
+    from .report import _jsonable
+
+    (out_dir / "partial.json").write_text(json.dumps(_jsonable(scenarios), indent=1) + "\n")
 
 
 def run_mixed(opts) -> dict[str, Any]:
@@ -252,7 +287,13 @@ def run_mixed(opts) -> dict[str, Any]:
         server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10,
                               restricted_apis=("shared-memory", "model-repository", "trace", "logging"),
                               extra_args=POLICY_SERVER_ARGS if priorities else ())
-        server.start(timeout=opts.startup_timeout_s)
+        try:
+            server.start(timeout=opts.startup_timeout_s)
+        except Exception as exc:
+            scenarios += [{"scenario": n, "high": h, "low": lo, "priorities": priorities,
+                           "error": f"server did not start: {type(exc).__name__}: {str(exc)[-400:]}"}
+                          for n, h, lo in SCENARIOS]
+            continue
         with server:
             sampler = ServerSampler(server.process.pid, server.metrics_url).start()
             try:
@@ -261,7 +302,8 @@ def run_mixed(opts) -> dict[str, Any]:
                 for column in ("tts_stream", "integrated"):
                     warm_up(column, "grpc", server.grpc_url, server.http_url, server.metrics_url, workload,
                             opts.model_dir, n=0)
-                scenarios += run_scenarios(opts, server, sampler, work, wl_path, priorities=priorities)
+                run_scenarios(opts, server, sampler, work, wl_path, priorities=priorities, out=scenarios,
+                              done=functools.partial(_partial, out_dir, scenarios))
             finally:
                 sampler.stop()
     report = {"mode": "mixed", "config_name": opts.name, "setup": setup, "options": asdict(opts),

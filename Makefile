@@ -158,6 +158,10 @@ loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims,
 loadtest-mixed: $(VENV)/.installed ## two tasks on one server: steady high-priority TTS streams under a low-priority VC flood and the reverse, without and with the sharing policy (tiny) -> build/loadtest/tiny-mixed/report.md
 	$(PY) loadtest/run.py --config tiny --mode mixed $(LOADTEST_ARGS)
 
+.PHONY: rollout-demo
+rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback (tiny, CPU) -> build/loadtest/rollout/report.md
+	$(PY) -m cosyvoice_triton.loadtest.rollout $(ROLLOUT_ARGS)
+
 .PHONY: prometheus dashboard
 prometheus: ## Debian's prometheus + promtool unpacked into build/tools/prometheus (apt-get download + dpkg -x, no install)
 	sh deploy/prometheus/fetch-prometheus.sh build/tools/prometheus

@@ -225,12 +225,12 @@ def _phase(ro: Rollout, load: Load, n: int) -> dict[int, int]:
 
 
 def _assert_share(counts: dict[int, int], percent: int) -> None:
-    """Smooth weighted round robin in each of the router's 2 instances: every window of 100 picks of one instance
-    holds exactly the split; over n picks of two instances v2 gets n * p within 2 per instance, plus 1 for requests
-    that completed across the window's edges."""
+    """Smooth weighted round robin in each of the router's 4 instances: an instance's v2 picks are within 1 of its
+    picks * p, so over n requests v2 gets n * p within 4, plus 2 for the requests of the 2 users that crossed the
+    window's edges."""
     n = counts[1] + counts[2]
-    assert abs(counts[2] - n * percent / 100) <= 5, (counts, percent)
-    assert counts[2] >= 1, counts  # 20 requests at 10%: each instance picks v2 at its 5th and 15th request
+    assert abs(counts[2] - n * percent / 100) <= 6, (counts, percent)
+    assert counts[2] >= 1, counts  # 20 requests at 10%: one instance has >= 5 of them, and its 5th pick is v2
 
 
 @pytest.mark.slow

@@ -1044,7 +1044,7 @@ def _version_policy(path: Path, numbers: Iterable[int]) -> None:
     """Append the ``version_policy`` that loads ``numbers`` to a rendered config."""
     listed = ", ".join(str(n) for n in sorted(numbers))
     with open(path, "a") as f:
-        f.write(f"# the versions served: `rollout stage` / `promote` / `rollback` rewrite this line and load the model\n"
+        f.write("# the versions served: `rollout stage` / `promote` / `rollback` rewrite this line and load the model\n"
                 f"version_policy {{ specific {{ versions: [ {listed} ] }} }}\n")
 
 
@@ -1122,10 +1122,10 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     params.update(split=f"{live}:100", live_version=live, candidate_version=0,
                   bls_timeout_us=ctx.tunables.bls_timeout_us)
     write(entry.name, "ensemble/cosyvoice_vc_router/config.pbtxt.in", {
-        "name": entry.name, "max_batch_size": 16,
+        "name": entry.name, "max_batch_size": 1,
         "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
         "outputs": _io_block("output", outputs),
-        "instance_count": int(ctx.tunables.instances.get(entry.name, 2)),
+        "instance_count": int(ctx.tunables.instances.get(entry.name, 4)),  # requests forwarded at once
         "parameters": _parameters_block(params)}, router / "config.pbtxt.in")
     dst = out / entry.name / "1" / "model.py"
     dst.parent.mkdir(parents=True, exist_ok=True)

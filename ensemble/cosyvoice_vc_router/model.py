@@ -1,10 +1,11 @@
 """Triton Python-backend router of ``cosyvoice_vc`` in a versioned repository (BLS): each request goes on, as it
 is, to the pipeline of one version (``cosyvoice_vc_v<N>``) picked by the split of the config's ``parameters``
-(:class:`cosyvoice_triton.serving.rollout.Split`); the requests of a batch run concurrently. A request whose
+(:class:`cosyvoice_triton.serving.rollout.Split`), by a synchronous BLS call: requests run concurrently in the
+model's instances (an ``async_exec`` fan-out crashed this Triton 2.51 under load: Signal 11 in the Python
+backend's execute, as in triton-inference-server/server#6720). A request whose
 version's pipeline is gone (being unloaded by a promote or rollback while this instance is being replaced) goes to
 another version of the split instead."""
 
-import asyncio
 import json
 
 import triton_python_backend_utils as pb_utils
@@ -21,10 +22,10 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], ROUTER_PARAMS, model=args["model_name"])
         self.split, self.target, self.timeout = Split.parse(p["split"]), p["target"], p["bls_timeout_us"]
 
-    async def execute(self, requests):
-        return list(await asyncio.gather(*(self.forward(r) for r in requests)))
+    def execute(self, requests):
+        return [self.forward(r) for r in requests]
 
-    async def forward(self, request):
+    def forward(self, request):
         inputs = [t for name in INPUTS if (t := pb_utils.get_input_tensor_by_name(request, name)) is not None]
         kwargs = {"timeout": self.timeout} if self.timeout else {}
         parameters = json.loads(request.parameters() or "{}")
@@ -34,8 +35,8 @@ class TritonPythonModel:
         first = self.split.choose()
         for version in (first, *(v for v in self.split.weights if v != first)):  # the others: only if it is gone
             model = self.target.format(version=version)
-            res = await pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
-                                                  **kwargs).async_exec()
+            res = pb_utils.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs,
+                                            **kwargs).exec()
             if not res.has_error() or not pipeline_gone(res.error().message(), model):
                 break
         if res.has_error():

@@ -90,7 +90,7 @@ def summarize(result: dict) -> dict:
     rows = {}
     for name, side in sides.items():
         secs = side.get("seconds") or []
-        if not secs:
+        if not secs or side.get("skipped"):
             rows[name] = {"skipped": side.get("skipped", "not run")}
             continue
         row = {"median_s": statistics.median(secs), "min_s": min(secs), "runs": len(secs),
@@ -105,6 +105,8 @@ def summarize(result: dict) -> dict:
                 g["gflops_per_s"] = flops / t / 1e9
                 g["of_ceiling"] = g["gflops_per_s"] / ceiling
             row["graphs"][graph] = g
+        if side.get("model_seconds"):
+            row["models"] = {m: statistics.median(v) for m, v in side["model_seconds"].items()}
         rows[name] = row
     official = rows.get("official", {}).get("median_s")
     for row in rows.values():
@@ -198,6 +200,10 @@ def format_table(summary: dict) -> str:
                 cells.append(f"{v['median_s']:.2f}")
         lines.append(f"{name:<13}{row['median_s']:>10.2f}{row['min_s']:>8.2f}{vs:>13}{rss:>13}   "
                      + "  ".join(cells))
+    for name, row in rows.items():
+        if row.get("models"):
+            lines.append(f"{name}: Triton compute per request (median s): "
+                         + ", ".join(f"{m} {v:.2f}" for m, v in sorted(row["models"].items(), key=lambda kv: -kv[1])))
     if summary["parity"]:
         lines += ["", "parity (max |a - b| / max |b| of the waveforms): "
                   + ", ".join(f"{k} {v:.1e}" for k, v in summary["parity"].items())]
@@ -235,8 +241,12 @@ class Worker:
                 return json.loads(line)
 
     def call(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"bench-peer: the {self.side} worker exited (rc {self.proc.wait()}: -9 is a kill, "
+                               "e.g. for memory); see its log") from None
         return self._read()
 
     def close(self) -> dict:
@@ -393,8 +403,9 @@ class ServedSide:
         after = self._compute_ns()
         graphs = {g: sum(after.get(m, 0) - before.get(m, 0) for m in models) / 1e9
                   for g, models in SERVED_GRAPHS.items()}
+        models = {m: (after.get(m, 0) - before.get(m, 0)) / 1e9 for m in after if after.get(m, 0) != before.get(m, 0)}
         np.save(self.out_dir / f"{self.name}.npy", wave)
-        return {"seconds": seconds, "graph_seconds": graphs, "samples": len(wave)}
+        return {"seconds": seconds, "graph_seconds": graphs, "model_seconds": models, "samples": len(wave)}
 
     def close(self) -> dict:
         self.sampler.stop()
@@ -475,22 +486,34 @@ def run_peer_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str |
             sides["served"] = {"skipped": "--no-served"}
         for name, r in runners.items():
             sides[name] = {"seconds": [], "graph_seconds": {}, "load_s": r.ready["load_s"]}
-        names = list(runners)
+        names, dead = list(runners), {}
         for i in range(rounds + 1):
             order = names[i % len(names):] + names[:i % len(names)]
             label = "warm-up" if i == 0 else f"round {i}"
             figures = []
             for name in order:
-                out = runners[name].call("run")
+                if name in dead:
+                    continue
+                try:
+                    out = runners[name].call("run")
+                except Exception as exc:  # a side that dies (e.g. killed for memory) leaves the others running
+                    dead[name] = f"failed in {label}: {exc}"
+                    sides[name]["skipped"] = dead[name]
+                    notes.append(f"{name}: {dead[name]}")
+                    continue
                 figures.append(f"{name} {out['seconds']:.2f} s")
                 if i:
                     sides[name]["seconds"].append(out["seconds"])
                     for g, s in out["graph_seconds"].items():
                         sides[name]["graph_seconds"].setdefault(g, []).append(s)
+                    for m, s in out.get("model_seconds", {}).items():
+                        sides[name].setdefault("model_seconds", {}).setdefault(m, []).append(s)
                 sides[name]["samples"] = out["samples"]
             print(f"  {label}: " + ", ".join(figures), flush=True)
     finally:
         for name, r in runners.items():
+            if name in dead:
+                continue
             try:
                 sides.setdefault(name, {}).update(r.close())
             except Exception as exc:  # a worker that died already: its figures so far stay

@@ -152,6 +152,7 @@ loadtest-tts: $(VENV)/.installed ## the TTS column: streaming TTS first chunk + 
 loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims, short (streaming TTS of one short text and streaming VC, concurrency 1/2, 1 and 2 requests, no perf_analyzer) -> build/loadtest/full-tts-short/report.md
 	$(PY) loadtest/run.py --config full --mode tts --tts-columns tts_stream,vc_stream --tts-text "Hi there." \
 		--tts-concurrency 1,2 --tts-requests 1 --warmup-requests 0 --perf-protocols "" --max-run-s 900 \
+		--startup-timeout-s 900 --server-arg=--backend-config=python,stub-timeout-seconds=600 \
 		--out-dir build/loadtest/full-tts-short $(LOADTEST_ARGS)
 
 .PHONY: loadtest-mixed

@@ -57,8 +57,11 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
     opts = Options(name="smoke-mixed", mode="mixed", model_dir=str(serving_assets["model_dir"]),
                    onnx_dir=str(serving_assets["onnx_dir"]), out_dir=str(out), mixed_high_users=1,
                    mixed_low_users=2, mixed_requests=2, mixed_policies=(True,), precision="fp32", max_run_s=400,
-                   integrated_tunables={"max_queue_delay_us": 5000})
+                   integrated_tunables={"max_queue_delay_us": 5000},
+                   # a loaded CI machine: give the Python backend's stubs time to answer
+                   server_args=("--backend-config=python,stub-timeout-seconds=300",))
     report = run(opts)
+    assert not [r["error"] for r in report["scenarios"] if "error" in r]
     # the policy was rendered: two priority levels, the TTS entry highest, the VC stages behind the task quota
     repo = out / "with" / "model_repository"
     flow = (repo / "flow" / "config.pbtxt").read_text()

@@ -286,7 +286,7 @@ def run_mixed(opts) -> dict[str, Any]:
         print(f"== mixed load, {label} the policy: starting tritonserver", flush=True)
         server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10,
                               restricted_apis=("shared-memory", "model-repository", "trace", "logging"),
-                              extra_args=POLICY_SERVER_ARGS if priorities else ())
+                              extra_args=(*(POLICY_SERVER_ARGS if priorities else ()), *opts.server_args))
         try:
             server.start(timeout=opts.startup_timeout_s)
         except Exception as exc:

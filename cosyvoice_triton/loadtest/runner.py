@@ -87,6 +87,9 @@ class Options:
     tts_requests: int = 8  # measured requests per TTS-column pipeline and concurrency: at least this, 1 per user
     perf_concurrency: tuple[int, ...] | None = None  # --mode tts: perf_analyzer's levels (None: tts_concurrency)
     tts_texts: tuple[str, ...] = ()  # --mode tts: what the TTS pipelines speak (empty: workload.TTS_TEXTS)
+    #: --mode tts / mixed: extra tritonserver flags, e.g. --backend-config=python,stub-timeout-seconds=300 (a
+    #: loaded machine: the Python backend's stubs must answer within that time or the server gives up on them)
+    server_args: tuple[str, ...] = ()
     # --mode mixed (:mod:`.mixed`): steady high-priority users, the low-priority flood, the high class's measured
     # requests per run, and the servers (False: without the policy, True: with it)
     mixed_high_users: int = 1
@@ -540,7 +543,8 @@ def run_tts(opts: Options) -> dict[str, Any]:
         return {"rendered": rendered, "runs": plan}
     print("== TTS column: starting tritonserver", flush=True)
     server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10,
-                          restricted_apis=("shared-memory", "model-repository", "trace", "logging"))
+                          restricted_apis=("shared-memory", "model-repository", "trace", "logging"),
+                          extra_args=opts.server_args)
     server.start(timeout=opts.startup_timeout_s)
     runs: list[RunSummary] = []
     perf: list[dict[str, Any]] = []
@@ -752,6 +756,8 @@ def parser() -> argparse.ArgumentParser:
                    "least 1 per user)")
     p.add_argument("--tts-text", dest="tts_texts", action="append", help="--mode tts: a text the TTS pipelines "
                    "speak in turn (repeatable; default: six English sentences of 7-15 words)")
+    p.add_argument("--server-arg", dest="server_args", action="append", help="--mode tts / mixed: a tritonserver "
+                   "flag (repeatable), e.g. --server-arg=--backend-config=python,stub-timeout-seconds=300")
     p.add_argument("--perf-concurrency", type=_csv(int), help="--mode tts: perf_analyzer's concurrency levels "
                    "(default: --tts-concurrency)")
     p.add_argument("--profile-graph", help="the graph to profile (default: the slowest of flow_estimator, "
@@ -764,8 +770,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if "integrated_tunables" in overrides:
         overrides["integrated_tunables"] = dict(overrides["integrated_tunables"])
-    if "tts_texts" in overrides:
-        overrides["tts_texts"] = tuple(overrides["tts_texts"])
+    for key in ("tts_texts", "server_args"):
+        if key in overrides:
+            overrides[key] = tuple(overrides[key])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
     if opts.mode in ("tts", "mixed") and "out_dir" not in overrides:

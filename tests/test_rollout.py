@@ -39,6 +39,15 @@ def test_split_gives_each_version_its_share_in_every_window(weights):
     for start in range(0, len(picks), total):
         window = picks[start:start + total]
         assert {v: window.count(v) for v in weights} == weights
+    import random
+
+    rng = random.Random(0)
+    for _ in range(5):  # from any point of the cycle: any n consecutive picks within 1 of n * share
+        split = Split(weights).start_anywhere(rng)
+        for n in (7, 37):
+            picks = [split.choose() for _ in range(n)]
+            for v, w in weights.items():
+                assert abs(picks.count(v) - n * w / total) < 1 + 1e-9, (n, v, picks)
     if weights == {1: 90, 2: 10}:  # interleaved: never more than 9 of v1 in a row... then one v2
         runs = [len(m.group(0)) for m in re.finditer(r"1+", "".join(map(str, picks)))]
         assert max(runs) <= 9
@@ -88,7 +97,8 @@ def versions_assets(serving_assets, tmp_path_factory):
 @pytest.fixture(scope="module")
 def versioned_repo(versions_assets):
     repo = versions_assets["root"] / "model_repository"
-    render_repository("local", repo, model_dir="unused", versions=versions_assets["specs"], max_queue_delay_us=20000)
+    render_repository("local", repo, model_dir="unused", versions=versions_assets["specs"], max_queue_delay_us=20000,
+                      instances={"cosyvoice_vc": 2})
     return repo
 
 
@@ -225,12 +235,12 @@ def _phase(ro: Rollout, load: Load, n: int) -> dict[int, int]:
 
 
 def _assert_share(counts: dict[int, int], percent: int) -> None:
-    """Smooth weighted round robin in each of the router's 4 instances: an instance's v2 picks are within 1 of its
-    picks * p, so over n requests v2 gets n * p within 4, plus 2 for the requests of the 2 users that crossed the
-    window's edges."""
+    """Smooth weighted round robin in each of the router's 2 instances (rendered so here): an instance's v2 picks
+    are within 1 of its picks * p, so over n requests v2 gets n * p within 2, plus 2 for the requests of the 2 users
+    that crossed the window's edges."""
     n = counts[1] + counts[2]
-    assert abs(counts[2] - n * percent / 100) <= 6, (counts, percent)
-    assert counts[2] >= 1, counts  # 20 requests at 10%: one instance has >= 5 of them, and its 5th pick is v2
+    assert abs(counts[2] - n * percent / 100) <= 4, (counts, percent)
+    assert counts[2] >= 1, counts  # 20 requests at 10%: one instance has >= 10 of them, so one v2 pick
 
 
 @pytest.mark.slow

@@ -242,7 +242,8 @@ def check_version(manifest: Mapping[str, Any], live: Mapping[str, Any] | None = 
 @dataclass
 class Split:
     """Shares of requests per version, picked by smooth weighted round robin: over any ``sum(weights)``
-    consecutive picks each version gets exactly its weight, interleaved (no bursts of one version)."""
+    consecutive picks each version gets exactly its weight, interleaved (no bursts of one version), and over any
+    ``n`` consecutive picks within 1 of ``n * share``."""
 
     weights: dict[int, int]
     _current: dict[int, int] = field(default_factory=dict, repr=False)
@@ -262,6 +263,15 @@ class Split:
                 raise ValueError(f"split {text!r}: expected VERSION:WEIGHT[,VERSION:WEIGHT...], got {part!r}")
             weights[int(v)] = int(w)
         return cls(weights)
+
+    def start_anywhere(self, rng=None) -> Split:
+        """Begin at a random point of the cycle (each router instance keeps its own), so that the instances'
+        picks together get each version's share even over fewer requests than one cycle."""
+        import random
+
+        for _ in range((rng or random).randrange(sum(self.weights.values()))):
+            self.choose()
+        return self
 
     def format(self) -> str:
         return ",".join(f"{v}:{w}" for v, w in sorted(self.weights.items()))

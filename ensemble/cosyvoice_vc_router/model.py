@@ -20,7 +20,8 @@ INPUTS = [t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)]
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], ROUTER_PARAMS, model=args["model_name"])
-        self.split, self.target, self.timeout = Split.parse(p["split"]), p["target"], p["bls_timeout_us"]
+        self.split = Split.parse(p["split"]).start_anywhere()  # instances begin at different points of the cycle
+        self.target, self.timeout = p["target"], p["bls_timeout_us"]
 
     def execute(self, requests):
         return [self.forward(r) for r in requests]

@@ -71,48 +71,55 @@ def in_process(model_dir: Path, requests: int) -> dict:
 
 
 def served(model_dir: Path, onnx_dir: Path, work: Path, requests: int, concurrency: int) -> dict:
+    """Both servers up at once; rounds of ``concurrency`` conversions alternate between them (on, off, off, on,
+    ...), so load from elsewhere on the machine falls on both alike."""
+    import contextlib
+
     from ..clients.client import VCClient
     from ..serving.repository import render_repository
     from ..serving.server import TritonServer
 
     prompt_bytes = PROMPT.read_bytes()
     sources = _sources(requests)
-    out = {}
-    for mode, entries in (("on", 256), ("off", 0)):
-        repo = work / f"repo-{mode}"
-        render_repository("local", repo, model_dir=model_dir, onnx_dir=onnx_dir, prompt_cache_entries=entries,
-                          speaker_dir=str(work / f"speakers-{mode}"), tts="off")
-        server = TritonServer(repo, work_dir=work / f"triton-{mode}", exit_timeout=5)
-        server.start(timeout=600)
-        try:
-            with VCClient(server.http_url, concurrency=concurrency, timeout=600) as client:
-                client.convert(sources[0], prompt_bytes, source_sr=audio.TOKENIZER_SR)  # warm-up; fills the cache
-                before = client.statistics("preprocess")
+    modes = {"on": 256, "off": 0}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for mode, entries in modes.items():
+            repo = work / f"repo-{mode}"
+            render_repository("local", repo, model_dir=model_dir, onnx_dir=onnx_dir, prompt_cache_entries=entries,
+                              speaker_dir=str(work / f"speakers-{mode}"), tts="off")
+            server = TritonServer(repo, work_dir=work / f"triton-{mode}", exit_timeout=5)
+            server.start(timeout=600)
+            stack.callback(server.stop)
+            clients[mode] = stack.enter_context(VCClient(server.http_url, concurrency=concurrency, timeout=600))
+            clients[mode].convert(sources[0], prompt_bytes, source_sr=audio.TOKENIZER_SR)  # warm-up; fills the cache
+        runs = {mode: {"latency": [], "wall": 0.0, "n": 0, "compute_ns": 0, "count": 0, "register": []}
+                for mode in modes}
+        rounds = [sources[i : i + concurrency] for i in range(0, len(sources), concurrency)]
+        for r, batch in enumerate(rounds):
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                client, run = clients[mode], runs[mode]
+                before = _model_stats(client.statistics("preprocess"))
                 t0 = time.perf_counter()
                 results = client.convert_many([{"source": s, "prompt": prompt_bytes, "source_sr": audio.TOKENIZER_SR}
-                                               for s in sources])
-                wall = time.perf_counter() - t0
-                after = client.statistics("preprocess")
-                failed = [r for r in results if not hasattr(r, "latency_s")]
+                                               for s in batch])
+                run["wall"] += time.perf_counter() - t0
+                after = _model_stats(client.statistics("preprocess"))
+                failed = [x for x in results if not hasattr(x, "latency_s")]
                 if failed:
                     raise RuntimeError(f"{len(failed)} conversions failed: {failed[0]}")
-                latencies = [r.latency_s for r in results]
-                register = []
-                for i in range(4):  # the first fills the cache (mode on)
-                    t1 = time.perf_counter()
-                    client.register_speaker(f"bench{i}", prompt_bytes)
-                    register.append(time.perf_counter() - t1)
-            stats = [_model_stats(s) for s in (before, after)]
-            n = stats[1]["count"] - stats[0]["count"]
-            out[mode] = {"requests": len(results), "concurrency": concurrency, "wall_s": round(wall, 2),
-                         "throughput_rps": round(len(results) / wall, 3),
-                         "latency_median_ms": _median_ms(latencies),
-                         "preprocess_compute_ms_per_request": round(
-                             (stats[1]["compute_ns"] - stats[0]["compute_ns"]) / max(n, 1) / 1e6, 2),
-                         "speaker_register_median_ms": _median_ms(register[1:]) if len(register) > 1 else None}
-        finally:
-            server.stop()
-    return out
+                run["latency"] += [x.latency_s for x in results]
+                run["n"] += len(results)
+                run["compute_ns"] += after["compute_ns"] - before["compute_ns"]
+                run["count"] += after["count"] - before["count"]
+                t1 = time.perf_counter()
+                client.register_speaker(f"bench{r}", prompt_bytes)  # the warm-up filled the cache (mode on)
+                run["register"].append(time.perf_counter() - t1)
+    return {mode: {"requests": run["n"], "concurrency": concurrency, "wall_s": round(run["wall"], 2),
+                   "throughput_rps": round(run["n"] / run["wall"], 3), "latency_median_ms": _median_ms(run["latency"]),
+                   "preprocess_compute_ms_per_request": round(run["compute_ns"] / max(run["count"], 1) / 1e6, 2),
+                   "speaker_register_median_ms": _median_ms(run["register"])}
+            for mode, run in runs.items()}
 
 
 def _model_stats(stats: dict) -> dict:
@@ -127,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", type=Path, default=Path("build/bench-prompt-cache/tiny"),
                     help="a CosyVoice2 folder (written as the tiny demo model if missing)")
     ap.add_argument("--requests", type=int, default=8, help="conversions per mode")
+    ap.add_argument("--no-in-process", action="store_true", help="only the served part")
     ap.add_argument("--served", action="store_true", help="also measure two live servers (cache on / off)")
     ap.add_argument("--concurrency", type=int, default=4, help="served: requests in flight")
     ap.add_argument("--json", type=Path, help="write the figures here")
@@ -135,7 +143,7 @@ def main(argv=None) -> int:
         from ..models.demo import write_demo_model
 
         write_demo_model(args.model_dir, size="tiny")
-    report = {"in_process": in_process(args.model_dir, args.requests)}
+    report = {} if args.no_in_process else {"in_process": in_process(args.model_dir, args.requests)}
     print(json.dumps(report, indent=1), flush=True)
     if args.served:
         from ..export.onnx_export import export_onnx

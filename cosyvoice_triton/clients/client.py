@@ -301,6 +301,29 @@ class _Events:
         return self.feed(b"\n\n")
 
 
+class _SSEChunks:
+    """The chunks of one ``generate_stream`` answer from its bytes as they arrive (``feed``, then ``close``),
+    counted into ``stats``; an error event raises :class:`VCError`."""
+
+    def __init__(self, model: str, stats: StreamStats, t0: float):
+        self.model, self.stats, self.t0 = model, stats, t0
+        self.events, self.index = _Events(), 0
+
+    def feed(self, data: bytes) -> Iterator[StreamChunk]:
+        return self._chunks(self.events.feed(data))
+
+    def close(self) -> Iterator[StreamChunk]:
+        return self._chunks(self.events.close())
+
+    def _chunks(self, events: list[dict]) -> Iterator[StreamChunk]:
+        for event in events:  # in order: the chunks before an error event are given out before it raises
+            chunk = _event_chunk(event, self.t0, self.index, self.model)
+            if chunk is not None:
+                self.index += 1
+                self.stats.add(chunk)
+                yield chunk
+
+
 def _event_chunk(event: Mapping[str, Any], t0: float, index: int, model: str) -> StreamChunk | None:
     """The chunk of one generate_stream event (None for an event without audio); an error event raises."""
     if "error" in event:
@@ -569,21 +592,11 @@ class VCClient:
         with response:
             if response.status_code != 200:
                 raise _http_refusal(model, response.status_code, response.content)
-            events, index = _Events(), 0
+            reader = _SSEChunks(model, stats, t0)
             try:
                 for data in response.iter_content(chunk_size=None):
-                    for event in events.feed(data):
-                        chunk = _event_chunk(event, t0, index, model)
-                        if chunk is not None:
-                            index += 1
-                            stats.add(chunk)
-                            yield chunk
-                for event in events.close():
-                    chunk = _event_chunk(event, t0, index, model)
-                    if chunk is not None:
-                        index += 1
-                        stats.add(chunk)
-                        yield chunk
+                    yield from reader.feed(data)
+                yield from reader.close()
             except requests.RequestException as exc:
                 raise VCError(f"{model}: the stream broke off: {exc}", "connection") from exc
 
@@ -808,20 +821,12 @@ class AsyncVCClient:
             async with self._session.post(_stream_url(self.url, model), json=body) as response:
                 if response.status != 200:
                     raise _http_refusal(model, response.status, await response.read())
-                events, index = _Events(), 0
+                reader = _SSEChunks(model, stats, t0)
                 async for data in response.content.iter_any():
-                    for event in events.feed(data):
-                        chunk = _event_chunk(event, t0, index, model)
-                        if chunk is not None:
-                            index += 1
-                            stats.add(chunk)
-                            yield chunk
-                for event in events.close():
-                    chunk = _event_chunk(event, t0, index, model)
-                    if chunk is not None:
-                        index += 1
-                        stats.add(chunk)
+                    for chunk in reader.feed(data):
                         yield chunk
+                for chunk in reader.close():
+                    yield chunk
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise VCError(f"{model}: {type(exc).__name__}: {exc}", "connection") from exc
 

@@ -60,6 +60,12 @@ def run(args: argparse.Namespace) -> dict:
     print(f"== workload: {workload.describe()}")
     phases = []
     with TritonServer(repo, model_control="explicit", load_models=startup_models(repo), exit_timeout=30) as server:
+        from ..clients.client import VCClient
+
+        with VCClient(server.http_url) as client:  # warm-up, one at a time (see the README: first requests at once
+            for i in range(2):                     # into a fresh server crashed it twice here, Signal 11)
+                item = workload.item(i)
+                client.convert(item.source, item.prompt, source_sr=item.source_sr, prompt_sr=item.prompt_sr)
         config = out / "locust_config.json"
         records = out / "locust_records.json"
         records.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import io
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,8 +43,8 @@ from ..errors import AudioError, CosyVoiceError, LLMError, SpeakerError, TextErr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AUDIO_IN", "AUDIO_OUT", "FAMILIES", "FIRST_CHUNK", "REASONS", "REJECTS", "RTF", "Family", "SpeechMetrics",
-           "audio_seconds", "reject_reason", "streaming"]
+__all__ = ["AUDIO_IN", "AUDIO_OUT", "FAMILIES", "FIRST_CHUNK", "METRIC_LOCK", "REASONS", "REJECTS", "RTF", "Family",
+           "SpeechMetrics", "audio_seconds", "reject_reason", "streaming"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ def _waveform_seconds(chunk: Any, rate: float) -> float:
     return 0.0 if wave is None else float(np.asarray(wave).size) / rate
 
 
+#: Every metric update of this process goes through this lock: the stub's metric calls travel over the Python
+#: backend's shared-memory channel to the server, and stream models update metrics from several threads at once
+#: (their request threads and the LM gauge reporter); the channel is not documented as thread-safe.
+METRIC_LOCK = threading.Lock()
+
+
 class _Series:
     """A Triton metric whose failures are logged (once) instead of failing the request being counted."""
 
@@ -135,7 +142,8 @@ class _Series:
 
     def _call(self, op: str, value: float) -> None:
         try:
-            getattr(self.metric, op)(value)
+            with METRIC_LOCK:
+                getattr(self.metric, op)(value)
         except Exception as exc:
             if not self.warned:
                 self.warned = True

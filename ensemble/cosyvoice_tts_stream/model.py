@@ -13,7 +13,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.prompt_cache import PromptCache
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.lm_engine import JobCancelled
-from cosyvoice_triton.serving.metrics import SpeechMetrics, streaming
+from cosyvoice_triton.serving.metrics import METRIC_LOCK, SpeechMetrics, streaming
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
 from cosyvoice_triton.serving.tts import TTSService, error_response, stage_callables
@@ -48,8 +48,9 @@ class TritonPythonModel:
 
     def _report(self):
         while not self.stop.wait(0.1):
-            for k, v in self.tts.snapshot().items():
-                self.metrics[k].set(float(v))
+            with METRIC_LOCK:
+                for k, v in self.tts.snapshot().items():
+                    self.metrics[k].set(float(v))
 
     def execute(self, requests):
         for request in requests:

@@ -246,7 +246,7 @@ def _assert_share(counts: dict[int, int], percent: int) -> None:
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="Triton 2.51's Python backend crashes now and then (Signal 11 / boost::"
                    "interprocess::lock_exception) when `stage` reloads flow / hift / the graphs, which the live "
-                   "version's requests are calling by BLS at that moment: 2 of 5 runs here; README 'Rollouts'")
+                   "version's requests are calling by BLS at that moment (README 'Rollouts')")
 @pytest.mark.timeout(2400)  # two stages load 8 models each; with the exports of the fixtures on a loaded 2-core machine
 def test_rollout_sequence_under_load(versioned_repo):
     repo = versioned_repo

@@ -1,8 +1,7 @@
 """Triton Python-backend router of ``cosyvoice_vc`` in a versioned repository (BLS): each request goes on, as it
 is, to the pipeline of one version (``cosyvoice_vc_v<N>``) picked by the split of the config's ``parameters``
-(:class:`cosyvoice_triton.serving.rollout.Split`), by a synchronous BLS call: requests run concurrently in the
-model's instances (an ``async_exec`` fan-out crashed this Triton 2.51 under load: Signal 11 in the Python
-backend's execute, as in triton-inference-server/server#6720). A request whose
+(:class:`cosyvoice_triton.serving.rollout.Split`), by one synchronous BLS call: requests run concurrently in the
+model's instances. A request whose
 version's pipeline is gone (being unloaded by a promote or rollback while this instance is being replaced) goes to
 another version of the split instead."""
 

@@ -37,6 +37,16 @@ def test_targets_use_first_chunk_for_streams_and_flag_failures():
 
 
 @pytest.mark.timeout(1800)  # a server start and 6 short Locust runs: minutes, many more on a shared loaded machine
+def test_rate_limit_only_on_graphs():
+    from cosyvoice_triton.serving.repository import RenderError, Tunables
+
+    assert Tunables(rate_limit={"flow_estimator": 1}).rate_limit == {"flow_estimator": 1}
+    with pytest.raises(RenderError, match="not a graph"):
+        Tunables(rate_limit={"flow": 1})  # a BLS stage holding the unit stalls Triton 2.51
+    with pytest.raises(RenderError, match="priority_levels"):
+        Tunables(priority_levels=1)
+
+
 def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
     if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
@@ -62,11 +72,10 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
                    server_args=("--backend-config=python,stub-timeout-seconds=300",))
     report = run(opts)
     assert not [r["error"] for r in report["scenarios"] if "error" in r]
-    # the policy was rendered: two priority levels, the TTS entry highest, the VC stages behind the task quota
+    # the policy was rendered: two priority levels, the TTS entry highest
     repo = out / "with" / "model_repository"
     flow = (repo / "flow" / "config.pbtxt").read_text()
     assert f"priority_levels: {POLICY['priority_levels']}" in flow and "default_priority_level: 2" in flow
-    assert 'rate_limiter { resources [ { name: "task_quota" count: 1 } ] }' in flow
     assert "default_priority_level: 1" in (repo / "cosyvoice_tts_stream" / "config.pbtxt").read_text()
     assert [(r["high"], r["low"]) for r in report["scenarios"]] == [("tts_stream", "integrated"),
                                                                     ("integrated", "tts_stream")]

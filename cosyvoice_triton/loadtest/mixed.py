@@ -8,8 +8,7 @@ the flood starts first and runs until the steady class has its measured requests
 and its users finish the request they are in, so every low-priority request that started is answered and counted.
 
 This is run on two servers in turn: ``without`` (the integrated repository as it is) and ``with`` the deployment
-policy (:data:`POLICY`: Triton's rate limiter on the VC-only stages, request priorities, priority queues); the
-requests of each class carry their priority (``priority`` of the inference request) only on the ``with`` server.
+policy (:data:`POLICY`: priority levels, the TTS entry models above the rest).
 
 Figures per class: latency percentiles (first chunk for streams) alone and mixed, the ratio of the mixed p95 to the
 alone p95 (target for the high class: <= 1.5), the longest wait of any low-priority request (its end-to-end
@@ -44,13 +43,12 @@ CHECK = {"tts_stream": ("cosyvoice_tts_stream", "hift_decoder"), "integrated": (
 #: Request priorities (Triton: 1 is the highest level).
 HIGH, LOW = 1, 2
 #: The deployment policy rendered for the ``with`` server (render tunables of
-#: :class:`cosyvoice_triton.serving.repository.Tunables`): two priority levels on every dynamically batched model,
-#: low-priority requests may wait longer before they are rejected (bounded), and the VC-only BLS stages ``flow`` and
-#: ``hift`` need one unit of the rate limiter's ``vc_compute`` resource per execution (one unit in all: the VC
-#: flood can run one of those stages at a time, leaving the other core to the TTS streams).
-POLICY: dict[str, Any] = {"priority_levels": 2, "rate_limit": {"flow": 1, "hift": 1}}
-#: tritonserver flags of the ``with`` server: the rate limiter counts executions against the resources.
-POLICY_SERVER_ARGS = ("--rate-limit=execution_count",)
+#: :class:`cosyvoice_triton.serving.repository.Tunables`): two priority levels on every dynamically batched model
+#: (the TTS entry models level 1, the rest 2). The rate limiter's quota on the VC-only BLS stages (``rate_limit=
+#: flow:1,hift:1`` with ``--rate-limit=execution_count``) stalled Triton 2.51 (README), so it is not part of it.
+POLICY: dict[str, Any] = {"priority_levels": 2}
+#: tritonserver flags of the ``with`` server.
+POLICY_SERVER_ARGS: tuple[str, ...] = ()
 
 
 def _start_locust(cfg: RunConfig, work: Path, max_run_s: float) -> tuple[subprocess.Popen, Path]:

@@ -168,9 +168,10 @@ class Tunables:
     #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
     priority_levels: int = 0
     task_priority: Mapping[str, int] = field(default_factory=dict)
-    #: Triton's rate limiter (serve with ``--rate-limit=execution_count``): model -> units of the resource
-    #: ``task_quota`` each of its instances needs per execution; the server has as many units as the largest need,
-    #: so models listed here execute one at a time (a task's quota). Only on models that call no listed model.
+    #: Triton's rate limiter (serve with ``--rate-limit=execution_count``): graph -> units of the resource
+    #: ``task_quota`` each of its instances needs per execution; the server has as many units as the largest need.
+    #: Graphs only: on a BLS stage (flow, hift) the limiter stalled Triton 2.51 (an execution holding the unit
+    #: waited for its callee, which the limiter no longer started: flow_estimator stopped; README).
     rate_limit: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -205,6 +206,9 @@ class Tunables:
             raise RenderError(f"tunable priority_levels must be 0 (off) or >= 2, got {self.priority_levels}")
         for tunable, limit in (("task_priority", self.priority_levels), ("rate_limit", 1 << 30)):
             for model, n in getattr(self, tunable).items():
+                if tunable == "rate_limit" and model not in GRAPHS:
+                    raise RenderError(f"tunable rate_limit: {model!r} is not a graph ({', '.join(GRAPHS)}): a "
+                                      "model that calls others must not hold the rate limiter's unit (it stalls)")
                 if model not in (*GRAPHS, *SERVED_NAMES):
                     raise RenderError(f"tunable {tunable}: unknown model {model!r}")
                 if not 1 <= int(n) <= limit:

@@ -212,7 +212,7 @@ class ExportMish(nn.Module):
     """Mish for the exported fp32 graphs: ``x * tanh(softplus(x)) = x * n(n+2) / (n(n+2) + 2)`` with
     ``n = exp(min(x, 20))`` (above 20 both are x in float32). One Exp and five element-wise ops that onnxruntime
     vectorises, where its Softplus kernel is not: on a [2, 256, 400] tensor, 1 thread, about 1 ms against 8-20
-    ms for Softplus -> Tanh -> Mul (``make bench-peer`` notes; the estimator has 28 of them per call). Equal to
+    ms for Softplus -> Tanh -> Mul (README, Benchmark; the estimator has 28 of them per call). Equal to
     ``nn.Mish`` within float32 rounding. Not for fp16 (exp(20) overflows): the fp16 path exports ``nn.Mish``."""
 
     def forward(self, x: Tensor) -> Tensor:

@@ -114,7 +114,7 @@ def test_tiny_run_library_and_official(tiny_model, tmp_path, capsys):
     assert len(sides["library"]["seconds"]) == 1 and sides["library"]["peak_rss_mb"] > 100
     assert sides["library"]["samples"] > 24000  # a 5 s source: several seconds of 24 kHz audio
     flops = result["flops"]
-    assert flops["flow_estimator"] > flops["flow_encoder"] > 0 and flops["hift"] > 0
+    assert all(flops[g] > 0 for g in peer.GRAPHS)  # counted by torch on the library's modules
     assert set(sides["library"]["graph_seconds"]) == set(peer.GRAPHS)
     assert sides["served"] == {"skipped": "--no-served"}
     saved = json.loads((tmp_path / "out" / "result.json").read_text())

@@ -90,6 +90,22 @@ def _config(column: str, users: int, requests: int, out: Path, urls: dict[str, s
                      chunk_model=chunk_model)
 
 
+def _wait_for_flood(metrics_url: str, model: str, proc: subprocess.Popen, *, timeout: float) -> None:
+    """Until the flood has finished a request (its public model's success counter moved): the steady class's
+    measured window then starts with the flood running."""
+    from .metrics import scrape
+
+    def count() -> float:
+        return sum(x.value for x in scrape(metrics_url)
+                   if x.name == "nv_inference_request_success" and x.labels.get("model") == model)
+
+    start, deadline = count(), time.monotonic() + timeout
+    while count() <= start:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the flood ({model}) finished no request (Locust exit code {proc.poll()})")
+        time.sleep(0.5)
+
+
 def _class_figures(s: RunSummary, result: RunResult) -> dict[str, Any]:
     ok = [r for r in result.records if r.ok]
     return {**s.to_json(), "longest_s": max((r.latency_s for r in ok), default=math.nan),
@@ -135,6 +151,7 @@ def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str,
                    alone=False)
     proc, log = _start_locust(lcfg, work, opts.max_run_s)
     try:
+        _wait_for_flood(urls["metrics"], lcfg.check_model, proc, timeout=opts.max_run_s)
         hcfg = _config(high, hu, n_high, work / f"{tag}_high_mixed.json", urls, str(workload_path), opts,
                        alone=False)
         hr = run_locust(hcfg, work, opts.max_run_s, tag=f"{tag}_high_mixed")

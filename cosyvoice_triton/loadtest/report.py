@@ -348,6 +348,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     """The markdown report from the JSON report (see :func:`cosyvoice_triton.loadtest.runner.run`)."""
     if report.get("mode") == "tts":
         return render_tts_markdown(report)
+    if report.get("mode") == "mixed":
+        from .mixed import mixed_markdown
+
+        return mixed_markdown(dict(report))
     out = [f"# Load test: plain separate calls vs integrated pipeline ({report.get('config_name', '')})", ""]
     setup = report.get("setup", {})
     if setup:

@@ -244,9 +244,9 @@ def _assert_share(counts: dict[int, int], percent: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="Triton 2.51's Python backend crashes now and then (Signal 11 / boost::"
-                   "interprocess::lock_exception) when `stage` reloads flow / hift / the graphs, which the live "
-                   "version's requests are calling by BLS at that moment (README 'Rollouts')")
+@pytest.mark.xfail(strict=False, reason="not yet reliable: a promote can still fail one request in flight in the "
+                   "dropped version (its pipeline reads as unloaded while flow still runs; README 'Rollouts'), and "
+                   "earlier runs crashed tritonserver during stage")
 @pytest.mark.timeout(2400)  # two stages load 8 models each; with the exports of the fixtures on a loaded 2-core machine
 def test_rollout_sequence_under_load(versioned_repo):
     repo = versioned_repo
@@ -294,9 +294,8 @@ def test_rollout_sequence_under_load(versioned_repo):
             st = ro.status()
             assert (st.live, st.candidate, st.split, st.ready[1]) == (2, 0, {2: 100.0}, False)
             assert st.loaded["flow_estimator"] == [2] and st.loaded["speech_tokenizer"] == [2]
-            before = ro.counts(2)[0]
-            load.wait(4)
-            assert ro.counts(2)[0] - before >= 4
+            figures["promoted"] = _phase(ro, load, 6)  # the promote reloaded v2's pipeline: as after the rollback
+            assert figures["promoted"][1] == 0 and figures["promoted"][2] >= 4, figures
         assert load.failures == [], load.failures
         print(f"\nrollout under load: {len(load.ok)} requests, 0 failed; per phase (v1, v2): "
               + ", ".join(f"{k}: {v[1]}/{v[2]}" for k, v in figures.items()) + f"; refused v3: {refused.value}")

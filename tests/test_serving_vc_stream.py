@@ -145,10 +145,14 @@ def test_errors_arrive_on_the_stream(grpc, speech, case):
     assert grpc.is_ready()
 
 
-def test_cancel_stops_the_work(triton_server, speech):
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cancel_stops_the_work(triton_server, speech, protocol):
+    """Closing the stream early (gRPC: cancel; HTTP generate_stream: the connection closes) stops the server's
+    work before its next chunk."""
     src, ssr, prm, psr = speech
     long_src = np.concatenate([src, src, src])  # 12 s: 300 tokens, 4 chunks
-    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:
+    url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
+    with VCClient(url, protocol=protocol, timeout=120) as c:
         before = _encoder_count(triton_server)
         full = list(c.convert_stream(long_src, prm, source_sr=ssr, prompt_sr=psr))
         per_stream = _encoder_count(triton_server) - before

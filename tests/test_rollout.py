@@ -71,6 +71,66 @@ def test_router_resends_only_what_never_ran():
     assert not pipeline_gone("preprocess: source_audio is silent", model)
 
 
+class _FakeTriton:
+    """Just the calls ``Rollout._drop`` makes: the dropped pipeline reads as unloaded at once, while ``flow`` of
+    the dropped version still runs one BLS request whose graph calls go on for ``busy_reads`` statistics reads."""
+
+    def __init__(self, version: int, busy_reads: int):
+        self.version, self.busy_reads, self.reads = version, busy_reads, 0
+        self.lost: list[str] = []  # models whose dropped version was unloaded while its work was still running
+
+    def unload_model(self, model, headers=None):
+        pass
+
+    def get_model_repository_index(self, headers=None):
+        return [{"name": pipeline_model(self.version), "version": "", "state": "UNAVAILABLE"}]
+
+    def get_inference_statistics(self, model, model_version="", headers=None):
+        self.reads += 1
+        n = min(self.reads, self.busy_reads)  # flow_estimator counts every denoising step; the rest stays still
+        count = n if model == "flow_estimator" and model_version == str(self.version) else 7
+        return {"model_stats": [{"name": model, "version": model_version, "inference_count": count,
+                                 "execution_count": count, "inference_stats": {"success": {"count": count},
+                                                                                "fail": {"count": 0}}}]}
+
+    def is_model_ready(self, model, headers=None):
+        return True
+
+    def load_model(self, model, headers=None, config=None):
+        if self.reads < self.busy_reads:
+            self.lost.append(model)
+
+
+def _fake_rollout(tmp_path, client, **kw):
+    for m in VERSIONED:
+        (tmp_path / m).mkdir()
+        policy = "version_policy { specific { versions: [ 1, 2 ] } }"
+        (tmp_path / m / "config.pbtxt").write_text(f'name: "{m}"\n{policy}\n')
+    ro = object.__new__(Rollout)
+    ro.client, ro.repository, ro.headers, ro.drain_timeout = client, tmp_path, {}, 30.0
+    for k, v in {"drain_settle": 0.3, **kw}.items():
+        setattr(ro, k, v)
+    return ro
+
+
+def test_drop_waits_for_the_stages_in_flight_work(tmp_path):
+    client = _FakeTriton(version=1, busy_reads=6)
+    ro = _fake_rollout(tmp_path, client)
+    ro._drop(1, keep=2)
+    assert client.lost == [] and client.reads >= client.busy_reads
+    for m in VERSIONED:
+        assert "versions: [ 2 ]" in (tmp_path / m / "config.pbtxt").read_text()
+
+
+def test_drop_gives_up_with_the_versions_kept_while_work_still_runs(tmp_path):
+    client = _FakeTriton(version=1, busy_reads=10**9)
+    ro = _fake_rollout(tmp_path, client, drain_timeout=1.0)
+    with pytest.raises(RolloutError, match="version 1's stages still run requests"):
+        ro._drop(1, keep=2)
+    assert client.lost == []
+    assert "versions: [ 1, 2 ]" in (tmp_path / "flow" / "config.pbtxt").read_text()
+
+
 # ---------------------------------------------------------------------------------------------------- assets
 
 

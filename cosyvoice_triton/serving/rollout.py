@@ -52,9 +52,9 @@ from .params import Param
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_FILES", "MANIFEST_NAME", "PARITY_DB", "ROUTER_MODEL", "ROUTER_PARAMS", "VERSIONED", "Rollout",
-           "RolloutError", "RolloutRefused", "Split", "VersionSpec", "check_version", "pipeline_gone", "pipeline_model",
-           "read_manifests", "startup_models", "version_manifest"]
+__all__ = ["CHECKPOINT_FILES", "DRAIN_SETTLE_S", "MANIFEST_NAME", "PARITY_DB", "ROUTER_MODEL", "ROUTER_PARAMS",
+           "VERSIONED", "Rollout", "RolloutError", "RolloutRefused", "Split", "VersionSpec", "check_version",
+           "pipeline_gone", "pipeline_model", "read_manifests", "startup_models", "version_manifest"]
 
 ROUTER_MODEL = VC_MODEL
 #: Models with one folder per version (the graphs and the BLS stages that call them).
@@ -65,6 +65,9 @@ CHECKPOINT_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v
 #: Parity smoke test: largest mean |log-mel difference| (dB) of the candidate's output against the live version's
 #: (the quality report's bar for a reduced-precision vocoder, :data:`cosyvoice_triton.export.quality.BAR`).
 PARITY_DB = 0.5
+#: Drain: a dropped version's stages must show no new work in Triton's statistics for this long (seconds) before
+#: they lose the version (longer than the gap between two graph calls of one BLS request on a loaded machine).
+DRAIN_SETTLE_S = 3.0
 ROUTER_PARAMS = (
     Param("split", str, None, "version:weight,... (e.g. 1:90,2:10): the share of requests of each version"),
     Param("live_version", int, None, "the version that serves when nothing is staged"),
@@ -324,7 +327,7 @@ class Rollout:
     """
 
     def __init__(self, url: str, repository: str | Path, *, admin_key: str | None = None,
-                 parity_db: float = PARITY_DB, timeout: float = 600.0):
+                 parity_db: float = PARITY_DB, timeout: float = 600.0, drain_settle: float = DRAIN_SETTLE_S):
         import tritonclient.http as httpclient
 
         from .server import ADMIN_KEY_ENV, admin_headers
@@ -341,6 +344,7 @@ class Rollout:
         self.headers = admin_headers("http", admin_key)
         self.parity_db = float(parity_db)
         self.drain_timeout = float(timeout)
+        self.drain_settle = float(drain_settle)
         self.client = httpclient.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)
         self.manifests = read_manifests(self.repository)
         if not self.manifests:
@@ -545,7 +549,42 @@ class Rollout:
             if time.monotonic() > deadline:
                 raise RolloutError(f"{model} still unloading after {self.drain_timeout:.0f} s: its versions are kept")
             time.sleep(0.2)
+        # the pipeline reads as unloaded while its BLS stage (flow N) may still run a request that calls the graphs'
+        # version N: wait until the version's stages stop counting work before they lose it
+        self._wait_stages_quiet(version, deadline)
         self._set_versions([keep], ("flow", "hift", *GRAPHS))
+
+    def stage_activity(self, version: int) -> tuple[int, ...]:
+        """Triton's work counters of ``version`` of every versioned model (inference, execution, success, fail
+        counts); they change while anything still runs in that version (a graph call of a BLS request, too)."""
+        sig: list[int] = []
+        for m in VERSIONED:
+            try:
+                stats = self.client.get_inference_statistics(m, model_version=str(int(version)),
+                                                             headers=self.headers)
+            except Exception as exc:  # that version is not loaded: nothing runs in it
+                log.debug("statistics of %s v%d: %s", m, version, exc)
+                sig.extend((-1, -1, -1, -1))
+                continue
+            for s in stats.get("model_stats", []):
+                inf = s.get("inference_stats", {})
+                sig.extend((int(s.get("inference_count", 0)), int(s.get("execution_count", 0)),
+                            int(inf.get("success", {}).get("count", 0)), int(inf.get("fail", {}).get("count", 0))))
+        return tuple(sig)
+
+    def _wait_stages_quiet(self, version: int, deadline: float) -> None:
+        """Return once :meth:`stage_activity` of ``version`` has not moved for ``drain_settle`` seconds; raise
+        :class:`RolloutError` (its versions kept) if it still moves at ``deadline``."""
+        last = self.stage_activity(version)
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < self.drain_settle:
+            if time.monotonic() > deadline:
+                raise RolloutError(f"version {version}'s stages still run requests after {self.drain_timeout:.0f} s "
+                                   f"of draining: its versions are kept")
+            time.sleep(min(0.25, self.drain_settle / 4 or 0.25))
+            now = self.stage_activity(version)
+            if now != last:
+                last, quiet_since = now, time.monotonic()
 
     def _state_of(self, model: str) -> str:
         for m in self.client.get_model_repository_index(headers=self.headers):

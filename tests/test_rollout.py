@@ -304,9 +304,6 @@ def _assert_share(counts: dict[int, int], percent: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="not yet reliable: a promote can still fail one request in flight in the "
-                   "dropped version (its pipeline reads as unloaded while flow still runs; README 'Rollouts'), and "
-                   "earlier runs crashed tritonserver during stage")
 @pytest.mark.timeout(2400)  # two stages load 8 models each; with the exports of the fixtures on a loaded 2-core machine
 def test_rollout_sequence_under_load(versioned_repo):
     repo = versioned_repo

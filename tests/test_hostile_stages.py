@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from conftest import FIXTURES, ROOT
-from pb_standin import Err, Response, Tensor
+from pb_standin import Err, MetricFamily, Response, Tensor
 
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.errors import AudioError
@@ -189,7 +189,7 @@ class _Request:
 
 def _stand_in_pb():
     return types.SimpleNamespace(
-        TritonError=Err, Tensor=Tensor, InferenceResponse=Response,
+        TritonError=Err, Tensor=Tensor, InferenceResponse=Response, MetricFamily=MetricFamily,
         get_input_tensor_by_name=lambda req, n: (None if req.tensors.get(n) is None else Tensor(n, req.tensors[n])))
 
 
@@ -201,12 +201,18 @@ def _load_adapter(name, monkeypatch):
     return module.TritonPythonModel()
 
 
+def _args(name: str, params: dict, repository) -> dict:
+    """What Triton hands a Python model's ``initialize()``."""
+    return {"model_config": json.dumps({"parameters": params}), "model_name": name, "model_version": "1",
+            "model_repository": str(repository / name), "model_instance_name": f"{name}_0_0"}
+
+
 def test_refused_requests_leave_nothing_behind_in_the_stub(serving_assets, monkeypatch):
     """Six refused 20 MB requests through ``preprocess``'s execute(): none of their inputs outlives its response,
     even with the garbage collector off (as it may as well be in an idle stub)."""
     model = _load_adapter("preprocess", monkeypatch)
     params = {"model_dir": {"string_value": str(serving_assets["model_dir"])}}
-    model.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "preprocess"})
+    model.initialize(_args("preprocess", params, serving_assets["root"]))
     src, sr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
 
     def request(samples):
@@ -239,7 +245,7 @@ def test_graph_adapter_frees_refused_inputs(serving_assets, monkeypatch):
     model = _load_adapter("graph", monkeypatch)
     params = {"graph": {"string_value": "flow_estimator"},
               "onnx_path": {"string_value": str(serving_assets["onnx_dir"] / "fp32" / "flow_estimator.onnx")}}
-    model.initialize({"model_config": json.dumps({"parameters": params}), "model_name": "flow_estimator"})
+    model.initialize(_args("flow_estimator", params, serving_assets["root"]))
     gc.collect()
     gc.disable()
     try:

@@ -24,6 +24,22 @@ def require_speech() -> None:
                     "espeak-ng command is installed")
 
 
+def require_live_loadtest() -> None:
+    """Skip the calling test where a live load test cannot run: Locust (checked without importing it: it
+    gevent-patches the whole process), matplotlib or tritonserver missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("locust") is None:
+        pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
+    pytest.importorskip("matplotlib")
+    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
+
+    try:
+        find_installation()
+    except TritonNotInstalled as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def reference_dir() -> Path:
     """``shared/reference`` (the full-size key lists live here)."""

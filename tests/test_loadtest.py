@@ -4,14 +4,13 @@ recorder and the sampler's figures on synthetic inputs; then one short live run 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, require_live_loadtest
 
 from cosyvoice_triton.loadtest.metrics import Snapshot, counter_total, parse_prometheus, stats_delta, success_delta
 from cosyvoice_triton.loadtest.perf import parse_csv
@@ -293,15 +292,7 @@ def test_plots_are_written(tmp_path):
 def test_live_short_run_counts_agree_with_triton(serving_assets, tmp_path):
     """Both columns, both protocols, a few requests each: Locust's counts equal the locustfile's records and
     Triton's success counters; the report, its JSON and the plot are written; the servers are stopped."""
-    if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
-        pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
-    pytest.importorskip("matplotlib")
-    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
-
-    try:
-        find_installation()
-    except TritonNotInstalled as exc:
-        pytest.skip(str(exc))
+    require_live_loadtest()
     from cosyvoice_triton.loadtest.runner import Options, run
 
     src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")

@@ -5,12 +5,11 @@ speed."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, require_live_loadtest
 
 from cosyvoice_triton.loadtest.mixed import POLICY, mixed_markdown, targets
 from cosyvoice_triton.loadtest.recording import RunResult
@@ -48,15 +47,7 @@ def test_rate_limit_only_on_graphs():
 
 
 def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
-    if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
-        pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
-    pytest.importorskip("matplotlib")
-    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
-
-    try:
-        find_installation()
-    except TritonNotInstalled as exc:
-        pytest.skip(str(exc))
+    require_live_loadtest()
     from cosyvoice_triton.loadtest.runner import Options, run
 
     src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")

@@ -5,14 +5,13 @@ counters, the first chunk comes before the last, and the RTF and audio length fo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, require_live_loadtest
 
 from cosyvoice_triton.loadtest.callers import Outcome, make_converter, outcome
 from cosyvoice_triton.loadtest.metrics import Sample, Snapshot
@@ -115,15 +114,7 @@ def test_live_tts_column_figures_come_from_the_responses(serving_assets, tmp_pat
     """Streaming TTS, offline TTS and streaming VC at concurrency 1 and 2 (1 and 2 measured requests), and
     perf_analyzer's streaming mode at concurrency 1: every figure is checked against the server's counters or the
     raw records."""
-    if importlib.util.find_spec("locust") is None:  # never import it here: it gevent-patches the whole process
-        pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
-    pytest.importorskip("matplotlib")
-    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
-
-    try:
-        find_installation()
-    except TritonNotInstalled as exc:
-        pytest.skip(str(exc))
+    require_live_loadtest()
     from cosyvoice_triton.loadtest.perf import find_perf_analyzer
     from cosyvoice_triton.loadtest.runner import Options, run
 

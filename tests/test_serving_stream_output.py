@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import soundfile as sf
-from conftest import FIXTURES, rel_err, served
+from conftest import rel_err, served, speech_pair
 
 from cosyvoice_triton.clients.client import StreamStats, TTSClient, VCClient
 from cosyvoice_triton.serving.postprocess import Postprocessor, integrated_loudness
@@ -31,9 +30,7 @@ BAR = 1e-3
 
 @pytest.fixture(scope="module")
 def speech():
-    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
-    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
-    return src[: int(4.0 * ssr)], ssr, prm[: int(1.5 * psr)], psr
+    return speech_pair(4.0, 1.5)
 
 
 @pytest.fixture(scope="module")

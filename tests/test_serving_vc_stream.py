@@ -13,8 +13,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-import soundfile as sf
-from conftest import FIXTURES, rel_err
+from conftest import rel_err, speech_pair
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.serving.vc_stream import StreamCancelled, VCStreamer
@@ -25,9 +24,7 @@ SEED = 3
 
 @pytest.fixture(scope="module")
 def speech():
-    src, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
-    prm, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
-    return src[: int(4.0 * ssr)], ssr, prm[: int(1.5 * psr)], psr
+    return speech_pair(4.0, 1.5)
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,18 @@ def test_speed_without_parity_is_not_a_win():
     assert lib["met"] is False and "parity with the official output 2.0e-01" in lib["reason"]
 
 
+def test_in_process_target_takes_the_faster_library_side_with_its_own_parity():
+    fig = _figures()
+    fig["sides"]["library_onnx"] = {"seconds": [4.0, 4.0, 5.0], "graph_seconds": {"flow_estimator": [2.0] * 3}}
+    fig["parity"]["library_onnx_vs_official"] = 5e-4
+    lib = peer.summarize(fig)["targets"]["library_vs_official"]
+    assert lib["value"] == pytest.approx(11 / 4) and lib["met"] is True and lib["reason"] == "met"
+    fig["parity"]["library_onnx_vs_official"] = 0.3  # faster but a different output: not a win
+    lib = peer.summarize(fig)["targets"]["library_vs_official"]
+    assert lib["met"] is False and "side library_onnx" in lib["reason"] and "3.0e-01" in lib["reason"]
+    assert "library_onnx" in peer.format_table(peer.summarize(fig))
+
+
 def test_no_official_side_leaves_the_speed_targets_unmeasured():
     fig = _figures(parity={})
     fig["sides"]["official"] = {"skipped": "no checkout given"}
@@ -109,8 +121,11 @@ def test_tiny_run_library_and_official(tiny_model, tmp_path, capsys):
     build/official-deps: `make bench-peer` installs them)."""
     official = _official_checkout()
     result = peer.run_peer_bench(tiny_model, official=official, rounds=1, threads=1, served=False,
-                                 out_dir=tmp_path / "out")
+                                 onnx_dir=tmp_path / "onnx", out_dir=tmp_path / "out")
     sides = result["sides"]
+    onnx_side = sides["library_onnx"]  # the in-process onnxruntime path on the graphs exported for this model
+    assert len(onnx_side["seconds"]) == 1 and set(onnx_side["graph_seconds"]) == set(peer.GRAPHS)
+    assert result["parity"]["library_onnx_vs_library"] <= peer.PARITY_BAR
     assert len(sides["library"]["seconds"]) == 1 and sides["library"]["peak_rss_mb"] > 100
     assert sides["library"]["samples"] > 24000  # a 5 s source: several seconds of 24 kHz audio
     flops = result["flops"]

@@ -20,8 +20,11 @@ tokens (the shipped graph is not ours); otherwise it is ``group``.
 memory; its input passed the checks) is served once more on the graph's fallback: the fp32 graph of the same
 export (``<onnx_dir>/fp32/<graph>.onnx`` next to ``<onnx_dir>/<precision>/<graph>.onnx``) when the primary is a
 reduced precision, else, for a primary on CUDA, the same graph on the CPU; built on first use. Each such request is
-counted in :data:`FALLBACK_COUNTS` by graph and outcome (``served`` / ``failed``), which the metrics export reads
-(:func:`fallback_counts`).
+counted in :data:`FALLBACK_COUNTS` by graph and outcome (``served`` / ``failed``) and handed to the runner's
+``on_fallback(outcome)`` when set: the served graph model (``model_repository/graph/model.py``) exports it as the
+counter ``cosyvoice_fallbacks_total`` (:class:`~.metrics.FallbackMetrics`). In a versioned repository (``render.py
+--version``) a version's graph is ``<graph>/<N>/model.onnx``; the render puts the fp32 file of a reduced-precision
+version beside it as ``fallback.onnx``, which the graph model passes as ``fallback``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -167,11 +170,14 @@ class GraphRunner:
         policy: ``"pad"``, ``"group"`` or ``"auto"`` (default: :data:`BATCH_POLICY`).
         fallback: the ONNX file a request is served once more on when its call fails for a reason that is not its
             input's; ``"auto"`` (default): see the module docstring; None: no fallback.
+        on_fallback: called with ``"served"`` or ``"failed"`` for every request sent to the fallback (the metrics
+            export); its own failure is logged, never the request's.
     """
 
     def __init__(self, name: str, *, onnx_path: str | Path | None = None, runtime: str = "onnxruntime",
                  model_dir: str | Path | None = None, device: str = "cpu", intra_op_threads: int = 1,
-                 policy: str | None = None, fallback: str | Path | None = "auto"):
+                 policy: str | None = None, fallback: str | Path | None = "auto",
+                 on_fallback: Callable[[str], None] | None = None):
         if name not in GRAPHS:
             raise ValueError(f"unknown graph {name!r} (one of {', '.join(GRAPHS)})")
         if runtime not in RUNTIMES:
@@ -196,6 +202,7 @@ class GraphRunner:
         self.policy = self._probe() if policy == "auto" else policy
         self.fallback_path = self._fallback_path(onnx_path, fallback) if runtime == "onnxruntime" else None
         self._fallback: GraphRunner | None = None
+        self.on_fallback = on_fallback
         self._threads = intra_op_threads
         log.info("%s: %s on %s, %s batching%s", name, runtime, device, self.policy,
                  f"; fallback {self.fallback_path}" if self.fallback_path else "")
@@ -321,14 +328,22 @@ class GraphRunner:
                                              intra_op_threads=self._threads, policy=self.policy, fallback=None)
             out = self._fallback._run_chunk([feeds[i]], [sizes[i]])[0]
         except Exception as again:
-            _count_fallback(self.name, "failed")
+            self._counted("failed")
             log.error("%s: fallback %s failed too: %s: %s", self.name, self.fallback_path, type(again).__name__,
                       again)
             return ItemResult(error=exc)
-        _count_fallback(self.name, "served")
+        self._counted("served")
         log.warning("%s: served on the fallback %s after %s: %s", self.name, self.fallback_path,
                     type(exc).__name__, exc)
         return ItemResult(out)
+
+    def _counted(self, outcome: str) -> None:
+        _count_fallback(self.name, outcome)
+        if self.on_fallback is not None:
+            try:
+                self.on_fallback(outcome)
+            except Exception as exc:
+                log.warning("%s: on_fallback(%r) failed: %s: %s", self.name, outcome, type(exc).__name__, exc)
 
     def _run_chunk(self, feeds: list[dict[str, np.ndarray]], sizes: list[dict[str, int]]
                    ) -> list[dict[str, np.ndarray]]:

@@ -14,6 +14,8 @@ family                                    kind       what (labels beyond model, 
 ``cosyvoice_real_time_factor``            histogram  per request: wall time / seconds of audio answered
 ``cosyvoice_first_chunk_seconds``         histogram  streamed requests: start to the first audio chunk
 ``cosyvoice_rejects_total``               counter    requests answered with an error (``reason``: :data:`REASONS`)
+``cosyvoice_fallbacks_total``             counter    graph requests served once more on the fallback graph after
+                                                     an engine error (``graph``; ``outcome``: served / failed)
 ========================================  =========  ============================================================
 
 Which model records what (the pipeline's numbers, not each graph's): ``preprocess`` the audio in and
@@ -24,7 +26,10 @@ and ``cosyvoice_tts`` record everything of their requests (``cosyvoice_tts`` ser
 ``cosyvoice_tts_stream``, so its requests are counted under both); ``speakers`` its rejects. The inner stages
 (``flow``, ``hift``, the graphs) record nothing: a failure there is counted by the stream model that called them
 (as ``internal``), and for ``cosyvoice_vc`` only by Triton's ``nv_inference_request_failure``. The LM engine's own
-gauges stay in ``cosyvoice_llm{what}`` (``ensemble/cosyvoice_tts_stream/model.py``).
+gauges stay in ``cosyvoice_llm{what}`` (``ensemble/cosyvoice_tts_stream/model.py``). The one exception is
+``cosyvoice_fallbacks_total``: the graph models of the local flavor (``model_repository/graph/model.py``,
+:class:`FallbackMetrics`) count the requests their :class:`~.graphs.GraphRunner` sent to its fallback (a request
+served there succeeded, so no other metric sees it).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ from ..errors import AudioError, CosyVoiceError, LLMError, SpeakerError, TextErr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AUDIO_IN", "AUDIO_OUT", "FAMILIES", "FIRST_CHUNK", "METRIC_LOCK", "REASONS", "REJECTS", "RTF", "Family",
-           "SpeechMetrics", "audio_seconds", "reject_reason", "streaming"]
+__all__ = ["AUDIO_IN", "AUDIO_OUT", "FALLBACKS", "FALLBACK_OUTCOMES", "FAMILIES", "FIRST_CHUNK", "METRIC_LOCK",
+           "REASONS", "REJECTS", "RTF", "FallbackMetrics", "Family", "SpeechMetrics", "audio_seconds", "reject_reason",
+           "streaming"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,13 @@ REJECTS = Family("cosyvoice_rejects_total", "counter",
                  "requests answered with an error, by reason (bad_*: the client's input; busy: queue full or "
                  "waited too long; cancelled: the client went away; internal: the server's fault)",
                  ("model", "version", "reason"))
-FAMILIES: tuple[Family, ...] = (AUDIO_IN, AUDIO_OUT, RTF, FIRST_CHUNK, REJECTS)
+FALLBACKS = Family("cosyvoice_fallbacks_total", "counter",
+                   "graph requests whose call failed for a reason not their input's (engine error, out of memory) "
+                   "and were run once more on the fallback graph (outcome: served or failed)",
+                   ("model", "version", "graph", "outcome"))
+FAMILIES: tuple[Family, ...] = (AUDIO_IN, AUDIO_OUT, RTF, FIRST_CHUNK, REJECTS, FALLBACKS)
+#: Outcomes of a fallback (a series each, created at zero).
+FALLBACK_OUTCOMES = ("served", "failed")
 
 #: Every reject reason (a series each, created at zero so that rates and alerts see them from the start).
 REASONS = ("bad_audio", "bad_text", "bad_speaker", "bad_request", "busy", "cancelled", "internal")
@@ -238,6 +250,21 @@ class SpeechMetrics:
             self.rejected(exc)
             raise
         self.served(tensors, out_seconds=out, elapsed_s=self.clock() - start)
+
+
+class FallbackMetrics:
+    """``cosyvoice_fallbacks_total`` of one graph model version: a series per outcome, created at zero; pass
+    :meth:`record` as the runner's ``on_fallback``."""
+
+    def __init__(self, pb, model: str, version: str | int, graph: str):
+        self.family = pb.MetricFamily(name=FALLBACKS.name, description=FALLBACKS.description,
+                                      kind=pb.MetricFamily.COUNTER)
+        labels = {"model": model, "version": str(version), "graph": graph}
+        self.series = {o: _Series(self.family.Metric(labels={**labels, "outcome": o}), FALLBACKS.name)
+                       for o in FALLBACK_OUTCOMES}
+
+    def record(self, outcome: str) -> None:
+        self.series[outcome].increment(1.0)
 
 
 def streaming(tensors: Mapping[str, Any]) -> bool:

@@ -1138,3 +1138,6 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     for model in VERSIONED:
         _version_policy(out / model / "config.pbtxt", [live])
     return files
+            fp32 = onnx_dir / "fp32" / f"{name}.onnx"
+            if flavor == "local" and precision != "fp32" and fp32.is_file():  # graphs.py's fallback, by version
+                files.append(_place(fp32, folder / "fallback.onnx", allow_missing))

@@ -99,7 +99,13 @@ def build() -> dashboard.Dashboard:
          .with_panel(series("TTS LM engine", "short", "cosyvoice_tts_stream's in-flight LM batch: rows decoding "
                             "and requests waiting for a row.",
                             query('sum by (model, what) (cosyvoice_llm{what=~"active|waiting"})',
-                                  "{{model}} {{what}}"))))
+                                  "{{model}} {{what}}")))
+         .with_panel(series("Graph fallbacks", "reqps", "Graph requests whose call failed for a reason not their "
+                            "input's (engine error, out of memory) and ran once more on the fallback graph (the "
+                            "export's fp32 graph, or the CPU): served, or failed there too. Local flavor only.",
+                            query("sum by (model, version, outcome) "
+                                  f"(rate(cosyvoice_fallbacks_total{{{MODEL}}}[{RATE}]))",
+                                  "{{model}} v{{version}} {{outcome}}"))))
 
     d = (d.with_row(dashboard.Row("Triton"))
          .with_panel(series("Requests", "reqps", "Triton's successful and failed requests per second.",

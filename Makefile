@@ -160,7 +160,7 @@ loadtest-mixed: $(VENV)/.installed ## two tasks on one server: steady high-prior
 	$(PY) loadtest/run.py --config tiny --mode mixed $(LOADTEST_ARGS)
 
 .PHONY: rollout-demo
-rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback (tiny, CPU) -> build/loadtest/rollout/report.md
+rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
 	$(PY) -m cosyvoice_triton.loadtest.rollout $(ROLLOUT_ARGS)
 
 .PHONY: prometheus dashboard

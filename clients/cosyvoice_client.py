@@ -8,6 +8,9 @@
     python clients/cosyvoice_client.py tts --text "Hello there." --speaker alice --stream -o hi.wav
     python clients/cosyvoice_client.py speaker add alice --prompt voice.wav [--prompt-text "..."]
     python clients/cosyvoice_client.py speaker list | speaker delete alice
+    python clients/cosyvoice_client.py tokens --audio a.wav [-o tokens.npy]        # 25 Hz speech tokens
+    python clients/cosyvoice_client.py embedding --audio voice.wav [-o emb.npy]    # 192-dim CAM++ embedding
+    python clients/cosyvoice_client.py tts --text "Hi." --prompt voice.wav --priority 1 -o hi.wav
 
 ``--stream`` asks the streaming model (``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``) over a gRPC stream, or
 with ``--protocol http`` over HTTP ``generate_stream`` (server-sent events), and writes each chunk as it arrives:
@@ -15,7 +18,9 @@ to a 16-bit wav, or with ``-o -`` as raw 16-bit little-endian mono PCM on stdout
 rate, printed); the first-chunk latency is printed (on stderr with ``-o -``). Several VC sources are converted
 concurrently (``--concurrency``) over one connection; each result is written as ``<out_dir>/<source stem>.wav``.
 A request the server refuses prints the server's message; the exit code is 1 when any request failed, 2 for bad
-arguments or an unreachable server.
+arguments or an unreachable server. ``tokens`` / ``embedding`` print the values on one line (``-o -``, the default) or
+write them to a ``.npy`` (or text) file. ``--priority N`` (every command) sends the request at priority level N (1 is
+the highest; checked against the model's configured levels when the admin key is known; not over HTTP streams).
 """
 
 import argparse
@@ -24,11 +29,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cosyvoice_triton.clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, StreamStats, VCClient, VCError
+from cosyvoice_triton.clients.client import (
+    SPEAKERS_MODEL,
+    VC_STREAM_MODEL,
+    PriorityError,
+    StreamStats,
+    VCClient,
+    VCError,
+)
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
+from cosyvoice_triton.shapes import (
+    SPEAKER_EMBEDDING_MODEL,
+    SPEECH_TOKENS_MODEL,
+    TTS_MODEL,
+    TTS_STREAM_MODEL,
+    VC_MODEL,
+)
 
-COMMANDS = ("vc", "tts", "speaker")
+COMMANDS = ("vc", "tts", "speaker", "tokens", "embedding")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -36,6 +54,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocol", choices=("http", "grpc"), default=None,
                    help="default: http, or grpc with --stream (streams go over either)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    p.add_argument("--priority", type=int, default=None, metavar="N",
+                   help="request priority level (1 highest; default: the model's own level)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("id", nargs="?", help="speaker id: 1-64 of A-Z a-z 0-9 _ . - (not starting with .)")
     s.add_argument("--prompt", help="speech of the speaker (add)")
     s.add_argument("--prompt-text", help="its transcript (add)")
+
+    for name, what in (("tokens", "25 Hz CosyVoice speech tokens of a recording (at most 30 s)"),
+                       ("embedding", "192-dim CAM++ speaker embedding of a recording")):
+        e = sub.add_parser(name, help=what)
+        _common(e)
+        e.add_argument("--audio", required=True, help="speech file (wav/flac/ogg)")
+        e.add_argument("-o", "--output", default="-", help="- (print, the default), a .npy file, or a text file")
     return p
 
 
@@ -124,13 +151,13 @@ def _vc(client: VCClient, args) -> int:
             raise CosyVoiceError("--stream converts one source into one file (or - for stdout)")
         stats = StreamStats()
         _stream_to(client.convert_stream(args.source[0], args.prompt, speaker_id=args.speaker, seed=args.seed,
-                                         stats=stats), args.output, stats, args.source[0])
+                                         stats=stats, priority=args.priority), args.output, stats, args.source[0])
         return 0
     if args.speaker:
         raise CosyVoiceError("--speaker needs --stream (cosyvoice_vc takes the prompt audio)")
     out = Path(args.output)
     targets = [out / f"{Path(s).stem}.wav" for s in args.source] if several else [out]
-    results = client.convert_many([(s, args.prompt) for s in args.source], seed=args.seed)
+    results = client.convert_many([(s, args.prompt) for s in args.source], seed=args.seed, priority=args.priority)
     failed = 0
     for src, target, res in zip(args.source, targets, results, strict=True):
         if isinstance(res, VCError):
@@ -145,7 +172,7 @@ def _vc(client: VCClient, args) -> int:
 def _tts(client: VCClient, args) -> int:
     text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
     kw = {"prompt": args.prompt, "prompt_text": args.prompt_text, "instruct": args.instruct,
-          "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed}
+          "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed, "priority": args.priority}
     if args.stream:
         stats = StreamStats()
         _stream_to(client.tts_stream(text, stats=stats, **kw), args.output, stats, "tts")
@@ -168,7 +195,7 @@ def _speaker(client: VCClient, args) -> int:
     if args.action == "add":
         if not args.prompt:
             raise CosyVoiceError("speaker add needs --prompt")
-        prompt = client.register_speaker(args.id, args.prompt, prompt_text=args.prompt_text)
+        prompt = client.register_speaker(args.id, args.prompt, prompt_text=args.prompt_text, priority=args.priority)
         print(f"registered {args.id!r}: {len(prompt.prompt_tokens)} prompt tokens, "
               f"{len(prompt.prompt_text_tokens)} transcript tokens")
     elif args.action == "list":
@@ -177,6 +204,25 @@ def _speaker(client: VCClient, args) -> int:
     else:
         client.delete_speaker(args.id)
         print(f"deleted {args.id!r}")
+    return 0
+
+
+def _values(client: VCClient, args) -> int:
+    import numpy as np
+
+    call = client.speech_tokens if args.command == "tokens" else client.speaker_embedding
+    values = call(args.audio, priority=args.priority)
+    text = " ".join(str(int(v)) if args.command == "tokens" else f"{float(v):.7g}" for v in values)
+    if args.output == "-":
+        print(text)
+        return 0
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".npy":
+        np.save(out, values)
+    else:
+        out.write_text(text + "\n")
+    print(f"{args.audio} -> {out}: {len(values)} {'tokens' if args.command == 'tokens' else 'values'}")
     return 0
 
 
@@ -189,7 +235,8 @@ def main(argv=None) -> int:
     try:
         stream = getattr(args, "stream", False)
         model = {"vc": VC_STREAM_MODEL if stream else VC_MODEL, "tts": TTS_STREAM_MODEL if stream else TTS_MODEL,
-                 "speaker": SPEAKERS_MODEL}[args.command]
+                 "speaker": SPEAKERS_MODEL, "tokens": SPEECH_TOKENS_MODEL,
+                 "embedding": SPEAKER_EMBEDDING_MODEL}[args.command]
         client = VCClient(args.url, protocol=protocol, model=model, timeout=args.timeout,
                           concurrency=getattr(args, "concurrency", 4))
     except Exception as exc:
@@ -201,7 +248,12 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
         try:
-            return {"vc": _vc, "tts": _tts, "speaker": _speaker}[args.command](client, args)
+            client.validate_priority(client.model, args.priority)  # a bad --priority: before anything is sent
+            return {"vc": _vc, "tts": _tts, "speaker": _speaker, "tokens": _values,
+                    "embedding": _values}[args.command](client, args)
+        except PriorityError as exc:
+            print(f"error: --priority: {exc.message}", file=sys.stderr)
+            return 2
         except VCError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

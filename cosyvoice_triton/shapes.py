@@ -214,6 +214,19 @@ VC_UTTERANCE_INPUTS: Mapping[str, tuple[str, str, str]] = MappingProxyType({
     "prompt": ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"),
 })
 
+#: The stand-alone speech services (ensembles of the ``cosyvoice_vc`` stages, one utterance per request).
+#: ``speech_tokens``: audio -> 25 Hz CosyVoice speech tokens (``preprocess`` -> ``speech_tokenizer``); the audio is
+#: sent as ``cosyvoice_vc``'s source (``source_audio`` + ``source_sample_rate``, or ``source_audio_bytes``), at most
+#: 30 s (the tokenizer's limit). ``speaker_embedding``: audio -> the 192-dim CAM++ embedding (``preprocess`` ->
+#: ``speaker_encoder``); the audio is sent as ``cosyvoice_vc``'s prompt (``prompt_audio`` ... ``prompt_audio_bytes``).
+#: All inputs are optional in the configs for the same reason as :data:`VC_UTTERANCE_INPUTS`.
+SPEECH_TOKENS_MODEL = "speech_tokens"
+SPEECH_TOKENS_INPUTS: tuple[TensorSpec, ...] = (VC_INPUTS[0], VC_INPUTS[1], VC_OPTIONAL_INPUTS[1])
+SPEECH_TOKENS_OUTPUTS: tuple[TensorSpec, ...] = (_t("speech_tokens", "int32", _B, "tokens"),)
+SPEAKER_EMBEDDING_MODEL = "speaker_embedding"
+SPEAKER_EMBEDDING_INPUTS: tuple[TensorSpec, ...] = (VC_INPUTS[2], VC_INPUTS[3], VC_OPTIONAL_INPUTS[2])
+SPEAKER_EMBEDDING_OUTPUTS: tuple[TensorSpec, ...] = (_t("speaker_embedding", "float32", _B, 192),)
+
 
 #: The text-to-speech models (``ensemble/cosyvoice_tts``: whole answers, batched, HTTP and gRPC;
 #: ``ensemble/cosyvoice_tts_stream``: decoupled, one response per audio chunk over a gRPC stream). One request is

@@ -23,12 +23,26 @@ Streams (``convert_stream``, ``tts_stream``) run over a gRPC stream (``tritoncli
 ``aiohttp``, as tritonclient has no HTTP streaming call): the same chunks either way. Over HTTP the inputs travel
 as JSON fields, so encoded files (``encoded=True``) are decoded here first, and closing a stream early closes its
 connection.
+
+The stand-alone speech services: ``speech_tokens(audio)`` (the ``speech_tokens`` model: int32 [T], 25 Hz) and
+``speaker_embedding(audio)`` (the ``speaker_embedding`` model: float32 [192], CAM++).
+
+Priorities: every call takes ``priority`` (``None``: the model's default level; 1 is the highest level), passed to
+Triton as the request's priority. Triton 2.51 does not refuse a priority beyond a model's ``priority_levels`` (nor
+one sent to a model without levels): it serves the request at the model's default level. So the client checks the
+priority against the levels the model's config declares (an ensemble: its steps'), once per model, when it can
+read the config (a restricted API: it needs the admin key, ``admin_key=`` or ``$COSYVOICE_TRITON_ADMIN_KEY``;
+``check_priority=False`` turns the check off), and raises :class:`PriorityError` before sending; without the key
+the priority goes as it is. HTTP ``generate_stream`` cannot carry a priority in Triton 2.51 (a ``priority`` field
+there becomes a plain request parameter), so an HTTP stream with a priority raises :class:`PriorityError`: use
+gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import re
@@ -43,19 +57,21 @@ import numpy as np
 
 from ..errors import AudioError
 from ..frontend import audio
-from ..shapes import TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
+from ..shapes import SPEAKER_EMBEDDING_MODEL, SPEECH_TOKENS_MODEL, TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy, is_retryable
+
+log = logging.getLogger(__name__)
 
 VC_STREAM_MODEL = "cosyvoice_vc_stream"
 SPEAKERS_MODEL = "speakers"
 
-__all__ = ["AsyncTTSClient", "AsyncVCClient", "JsonFields", "StreamChunk", "StreamStats", "TTSClient", "VCClient",
-           "VCError", "VCResult", "build_inputs", "build_speaker_inputs", "build_tts_inputs", "connect",
-           "inference_statistics", "load_input"]
+__all__ = ["AsyncTTSClient", "AsyncVCClient", "JsonFields", "PriorityError", "StreamChunk", "StreamStats", "TTSClient",
+           "VCClient", "VCError", "VCResult", "build_inputs", "build_speaker_inputs", "build_tts_inputs",
+           "config_priority_levels", "connect", "inference_statistics", "load_input"]
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
-_ENSEMBLE_PREFIX = f"in ensemble '{VC_MODEL}', "
+_ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")  # Triton's prefix of a step's error (any ensemble)
 
 
 class VCError(RuntimeError):
@@ -76,9 +92,84 @@ class VCError(RuntimeError):
         if isinstance(exc, VCError):
             return exc
         msg = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
-        msg = re.sub(r"^\[request id: [^\]]*\] ", "", msg or str(exc)).removeprefix(_ENSEMBLE_PREFIX)
+        msg = _ENSEMBLE_PREFIX.sub("", re.sub(r"^\[request id: [^\]]*\] ", "", msg or str(exc)))
         status = exc.status() if callable(getattr(exc, "status", None)) else None
         return cls(msg, None if status is None else str(status))
+
+
+class PriorityError(VCError, ValueError):
+    """A request priority the client refuses before sending (status ``"priority"``): not a whole number >= 1,
+    beyond the levels the model's config declares (Triton 2.51 would serve it at the model's default level without
+    a word), or on an HTTP stream (Triton 2.51's ``generate_stream`` cannot carry one)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "priority")
+
+
+def _priority_value(priority) -> int:
+    """``priority`` as the number tritonclient sends (0: none, the model's default level)."""
+    if priority is None:
+        return 0
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise PriorityError(f"priority must be a whole number >= 1 (1 is the highest level) or None, got "
+                            f"{priority!r}")
+    if int(priority) < 1:
+        raise PriorityError(f"priority must be >= 1 (1 is the highest level; None: the model's default level), got "
+                            f"{int(priority)}")
+    return int(priority)
+
+
+def config_priority_levels(config: Mapping[str, Any], step_levels=None) -> int:
+    """The priority levels a model config (Triton's JSON form) declares: its ``dynamic_batching.priority_levels``
+    (0: none); an ensemble, which has no scheduler of its own and passes the request's priority on to its steps: the
+    fewest levels among its steps that have any (``step_levels(model_name)`` gives a step's)."""
+    batching = config.get("dynamic_batching")
+    if batching is not None:
+        return int(batching.get("priority_levels", 0) or 0)
+    steps = (config.get("ensemble_scheduling") or {}).get("step") or []
+    if not steps or step_levels is None:
+        return 0
+    levels = [int(step_levels(step["model_name"])) for step in steps]
+    return min((n for n in levels if n > 0), default=0)
+
+
+def _check_levels(model: str, priority: int, levels: int | None) -> None:
+    if not priority or levels is None:
+        return
+    if levels == 0:
+        raise PriorityError(f"priority {priority}: model {model!r} declares no priority levels (rendered without "
+                            "priority_levels), so Triton would ignore it; send no priority, or render the repository "
+                            "with --set priority_levels=N")
+    if priority > levels:
+        raise PriorityError(f"priority {priority} is beyond the {levels} priority levels of model {model!r} (1 is the "
+                            f"highest, {levels} the lowest); Triton 2.51 would serve it at the model's default level")
+
+
+def _no_stream_priority(model: str, priority) -> None:
+    if priority is not None:
+        raise PriorityError(f"{model}: HTTP generate_stream cannot carry a request priority in Triton 2.51 (a "
+                            "'priority' field reaches the model as a plain request parameter, not as the request's "
+                            "priority); stream over gRPC (protocol='grpc') to give one")
+
+
+def _admin_key(key: str | None) -> str | None:
+    """The admin key that opens the config API: the one given, else ``$COSYVOICE_TRITON_ADMIN_KEY`` (never drawn)."""
+    from ..serving.server import ADMIN_KEY_ENV
+
+    return key or os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def _config_of(answer) -> dict:
+    """A ``get_model_config`` answer (HTTP: the config; gRPC ``as_json``: ``{"config": ...}``) -> the config."""
+    return dict(answer.get("config", answer)) if isinstance(answer, Mapping) else {}
+
+
+def _output(response, name: str, dtype) -> np.ndarray:
+    """Output ``name`` of a batch-1 answer, without the batch axis."""
+    arr = response.as_numpy(name)
+    if arr is None:
+        raise VCError(f"the server's answer has no {name} output")
+    return np.asarray(arr, dtype).reshape(-1)
 
 
 @dataclass
@@ -436,17 +527,20 @@ def _tts_inputs(module, text, prompt, prompt_sr, prompt_text, instruct, speaker_
 
 class VCClient:
     """Synchronous client; one connection (pool) reused for every call. Not for use from several threads
-    at once: ``convert_many`` runs requests concurrently itself."""
+    at once: ``convert_many`` runs requests concurrently itself. ``admin_key`` (default
+    ``$COSYVOICE_TRITON_ADMIN_KEY``) lets it read model configs to check request priorities (``check_priority``)."""
 
     def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
                  timeout: float = 300.0, concurrency: int = 8, verbose: bool = False,
-                 retry: RetryPolicy = DEFAULT_RETRY):
+                 retry: RetryPolicy = DEFAULT_RETRY, admin_key: str | None = None, check_priority: bool = True):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
         self.protocol, self.model, self.timeout = protocol, model, float(timeout)
         self.url = url or DEFAULT_URLS[protocol]
         self.concurrency = max(1, int(concurrency))
         self.retry, self.retries = retry, 0
+        self.admin_key, self.check_priority = admin_key, bool(check_priority)
+        self._levels: dict[str, int | None] = {}  # model -> priority levels of its config (None: unreadable)
         self._module, self._client = connect(self.url, protocol, timeout=self.timeout, concurrency=self.concurrency,
                                              verbose=verbose)
         self._session = None  # requests.Session of the HTTP streams, made on the first one
@@ -462,6 +556,37 @@ class VCClient:
     def statistics(self, model: str = "") -> dict:
         """Triton's per-model statistics (all models when ``model`` is empty), as a dict."""
         return inference_statistics(self._client, self.protocol, model)
+
+    def _model_config(self, model: str) -> dict:
+        from ..serving.server import admin_headers
+
+        headers = admin_headers(self.protocol, _admin_key(self.admin_key))
+        if self.protocol == "http":
+            return _config_of(self._client.get_model_config(model, headers=headers))
+        return _config_of(self._client.get_model_config(model, headers=headers, as_json=True))
+
+    def priority_levels(self, model: str | None = None) -> int | None:
+        """The priority levels ``model`` (default: this client's) declares (:func:`config_priority_levels`), read
+        once from its config; ``None`` when the config cannot be read (no admin key, refused)."""
+        model = model or self.model
+        if model not in self._levels:
+            levels = None
+            if _admin_key(self.admin_key):
+                try:
+                    levels = config_priority_levels(self._model_config(model),
+                                                    lambda step: self.priority_levels(step) or 0)
+                except Exception as exc:  # not checkable: the priority goes as it is
+                    log.info("priority levels of %s unknown (%s: %s)", model, type(exc).__name__, exc)
+            self._levels[model] = levels
+        return self._levels[model]
+
+    def validate_priority(self, model: str, priority) -> int:
+        """The priority to send for ``model`` (0: none); :class:`PriorityError` for one that is not a whole number
+        >= 1 or that the model's config does not allow (checked when the config can be read)."""
+        value = _priority_value(priority)
+        if value and self.check_priority:
+            _check_levels(model, value, self.priority_levels(model))
+        return value
 
     def close(self) -> None:
         self._client.close()
@@ -487,23 +612,24 @@ class VCClient:
         return build_inputs(self._module, src, s_sr, prm, p_sr, seed)
 
     def infer_raw(self, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
-                  model: str | None = None) -> VCResult:
+                  model: str | None = None, priority: int | None = None) -> VCResult:
         """Send prepared ``tritonclient`` inputs (for tests of malformed requests); raises :class:`VCError`."""
         t0 = time.perf_counter()
-        res = self._infer(model or self.model, inputs, parameters)
+        res = self._infer(model or self.model, inputs, parameters, priority=priority)
         return _result(res, time.perf_counter() - t0)
 
     def _counted(self, exc: BaseException | None) -> None:
         self.retries += 1
 
     def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None, *,
-               retry: bool = True):
+               retry: bool = True, priority: int | None = None):
+        level = self.validate_priority(model, priority)
         try:
             for attempt in (self.retry if retry else NO_RETRY).retrying(self._counted):
                 with attempt:
                     if self.protocol == "http":
-                        return self._client.infer(model, list(inputs), parameters=parameters)
-                    return self._client.infer(model, list(inputs), parameters=parameters,
+                        return self._client.infer(model, list(inputs), parameters=parameters, priority=level)
+                    return self._client.infer(model, list(inputs), parameters=parameters, priority=level,
                                               client_timeout=self.timeout)
         except Exception as exc:
             raise VCError.from_exception(exc) from exc
@@ -511,13 +637,15 @@ class VCClient:
 
     def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                 seed: int | None = None, parameters: Mapping[str, Any] | None = None,
-                encoded: bool = False) -> VCResult:
+                encoded: bool = False, priority: int | None = None) -> VCResult:
         """Convert ``source`` into the voice of ``prompt``: paths, encoded bytes, or samples with ``*_sr``.
-        ``encoded=True`` sends files as they are (the server decodes them) instead of decoding them here."""
+        ``encoded=True`` sends files as they are (the server decodes them) instead of decoding them here.
+        ``priority``: the request's priority level (1 highest; None: the model's default)."""
         return self.infer_raw(self._inputs(source, prompt, source_sr, prompt_sr, seed, encoded),
-                              parameters=parameters)
+                              parameters=parameters, priority=priority)
 
-    def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None) -> list[VCResult | VCError]:
+    def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None,
+                     priority: int | None = None) -> list[VCResult | VCError]:
         """Many conversions in flight at once (up to ``concurrency``); results in order, a failed one as its
         :class:`VCError`. Each pair: ``(source, prompt)`` or a dict of :meth:`convert`'s arguments."""
         jobs = [_pair_args(p) for p in pairs]
@@ -527,15 +655,16 @@ class VCClient:
             pending: dict[int, tuple[Any, float]] = {}
             inputs_of: dict[int, list] = {}
             for i in window:
-                job = {"seed": seed, **jobs[i]}
+                job = {"seed": seed, "priority": priority, **jobs[i]}
                 try:
+                    level = self.validate_priority(self.model, job["priority"])
                     inputs = self._inputs(job["source"], job["prompt"], job.get("source_sr"), job.get("prompt_sr"),
                                           job.get("seed"), job.get("encoded", False))
                 except Exception as exc:
-                    out[i] = VCError(str(exc), "client")
+                    out[i] = exc if isinstance(exc, VCError) else VCError(str(exc), "client")
                     continue
                 inputs_of[i] = inputs
-                pending[i] = (self._submit(inputs, job.get("parameters")), time.perf_counter())
+                pending[i] = (self._submit(inputs, job.get("parameters"), level), time.perf_counter())
             for i, (handle, t0) in pending.items():
                 try:
                     res = handle.get_result() if self.protocol == "http" else handle.result()
@@ -547,34 +676,38 @@ class VCClient:
                     if is_retryable(exc) and self.retry.attempts > 1:  # tried once: the rest of the policy, alone
                         self._counted(exc)
                         try:
-                            out[i] = self.infer_raw(inputs_of[i], parameters=jobs[i].get("parameters"))
+                            out[i] = self.infer_raw(inputs_of[i], parameters=jobs[i].get("parameters"),
+                                                    priority=jobs[i].get("priority", priority))
                         except VCError as again:
                             out[i] = again
         return out  # type: ignore[return-value]
 
-    def _submit(self, inputs, parameters):
+    def _submit(self, inputs, parameters, priority: int = 0):
         if self.protocol == "http":
-            return self._client.async_infer(self.model, inputs, parameters=parameters)
+            return self._client.async_infer(self.model, inputs, parameters=parameters, priority=priority)
         fut: Future = Future()
 
         def done(result, error):
             fut.set_result(error if error is not None else result)
 
-        self._client.async_infer(self.model, inputs, done, parameters=parameters, client_timeout=self.timeout)
+        self._client.async_infer(self.model, inputs, done, parameters=parameters, priority=priority,
+                                 client_timeout=self.timeout)
         return fut
 
     # ------------------------------------------------------------------------------- streaming
 
     def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
-                   stats: StreamStats | None = None) -> Iterator[StreamChunk]:
+                   stats: StreamStats | None = None, priority: int | None = None) -> Iterator[StreamChunk]:
         """Chunks of a decoupled model as they arrive: over a gRPC stream, or over HTTP ``generate_stream``
         (``inputs`` built with :attr:`_stream_module`: :class:`JsonFields`). Closing the generator early (``break``)
         cancels the request (gRPC) or closes the connection (HTTP). An error raises :class:`VCError` with the
         server's message: before the first chunk with its status (HTTP 400, ``StatusCode.INVALID_ARGUMENT``...),
-        mid-stream on HTTP with status ``"stream"`` (an SSE error event carries no code)."""
+        mid-stream on HTTP with status ``"stream"`` (an SSE error event carries no code). ``priority``: gRPC only
+        (:class:`PriorityError` over HTTP, raised here, before anything is sent)."""
         if self.protocol == "http":
+            _no_stream_priority(model, priority)
             return self._http_stream(model, inputs, parameters, stats)
-        return self._grpc_stream(model, inputs, parameters, stats)
+        return self._grpc_stream(model, inputs, parameters, stats, self.validate_priority(model, priority))
 
     def _http_stream(self, model, inputs, parameters, stats) -> Iterator[StreamChunk]:
         import requests
@@ -600,13 +733,13 @@ class VCClient:
             except requests.RequestException as exc:
                 raise VCError(f"{model}: the stream broke off: {exc}", "connection") from exc
 
-    def _grpc_stream(self, model, inputs, parameters, stats) -> Iterator[StreamChunk]:
+    def _grpc_stream(self, model, inputs, parameters, stats, priority: int = 0) -> Iterator[StreamChunk]:
         responses: queue.Queue = queue.Queue()
         self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
         done, stats = False, stats if stats is not None else StreamStats()
         t0 = time.perf_counter()
         try:
-            self._client.async_stream_infer(model, list(inputs), parameters=parameters,
+            self._client.async_stream_infer(model, list(inputs), parameters=parameters, priority=priority,
                                             enable_empty_final_response=True)
             index = 0
             while True:
@@ -632,44 +765,68 @@ class VCClient:
     def convert_stream(self, source, prompt=None, *, speaker_id: str | None = None, source_sr: int | None = None,
                        prompt_sr: int | None = None, seed: int | None = None,
                        parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> Iterator[StreamChunk]:
+                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL,
+                       priority: int | None = None) -> Iterator[StreamChunk]:
         """Streaming voice conversion (gRPC or HTTP): chunks on the official schedule as the server sends them.
-        The voice: ``prompt`` audio or a registered ``speaker_id``. ``stats`` gets the first-chunk latency."""
+        The voice: ``prompt`` audio or a registered ``speaker_id``. ``stats`` gets the first-chunk latency.
+        ``priority``: gRPC only (see :meth:`stream_raw`)."""
         return self.stream_raw(model, _vc_inputs(self._stream_module, source, prompt, source_sr, prompt_sr, seed,
                                                  speaker_id, encoded and self.protocol == "grpc"),
-                               parameters=parameters, stats=stats)
+                               parameters=parameters, stats=stats, priority=priority)
 
     # -------------------------------------------------------------------------- text to speech
 
     def tts(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
             instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
             seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-            model: str = TTS_MODEL) -> VCResult:
+            model: str = TTS_MODEL, priority: int | None = None) -> VCResult:
         """Text to speech, the whole answer (HTTP or gRPC). The voice: ``prompt`` (path, bytes, or samples with
         ``prompt_sr``) with an optional ``prompt_text``, or a registered ``speaker_id``."""
         inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
                              encoded)
-        return self.infer_raw(inputs, parameters=parameters, model=model)
+        return self.infer_raw(inputs, parameters=parameters, model=model, priority=priority)
 
     def tts_stream(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
                    instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
                    seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> Iterator[StreamChunk]:
+                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL,
+                   priority: int | None = None) -> Iterator[StreamChunk]:
         """Streaming text to speech (gRPC or HTTP): chunks as they arrive (see :meth:`tts` and
         :meth:`stream_raw`)."""
         inputs = _tts_inputs(self._stream_module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode,
                              seed, encoded and self.protocol == "grpc")
-        return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
+        return self.stream_raw(model, inputs, parameters=parameters, stats=stats, priority=priority)
+
+    # ------------------------------------------------------------------- speech tokens, speaker embedding
+
+    def speech_tokens(self, audio_, *, sample_rate: int | None = None, encoded: bool = False,
+                      parameters: Mapping[str, Any] | None = None, priority: int | None = None,
+                      model: str = SPEECH_TOKENS_MODEL) -> np.ndarray:
+        """The 25 Hz CosyVoice speech tokens (int32 [T]) of ``audio_`` (a path, encoded bytes, or samples with
+        ``sample_rate``; at most 30 s: the tokenizer's limit), from the ``speech_tokens`` model."""
+        data, sr = _payload(audio_, sample_rate, "audio", encoded)
+        res = self._infer(model, _audio_inputs(self._module, "source", data, sr), parameters, priority=priority)
+        return _output(res, "speech_tokens", np.int32)
+
+    def speaker_embedding(self, audio_, *, sample_rate: int | None = None, encoded: bool = False,
+                          parameters: Mapping[str, Any] | None = None, priority: int | None = None,
+                          model: str = SPEAKER_EMBEDDING_MODEL) -> np.ndarray:
+        """The 192-dim CAM++ speaker embedding (float32 [192]) of ``audio_`` (as :meth:`speech_tokens`), from the
+        ``speaker_embedding`` model (the audio gets a VC prompt's treatment)."""
+        data, sr = _payload(audio_, sample_rate, "audio", encoded)
+        res = self._infer(model, _audio_inputs(self._module, "prompt", data, sr), parameters, priority=priority)
+        return _output(res, "speaker_embedding", np.float32)
 
     # ------------------------------------------------------------------------------- speakers
 
     def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
-                         prompt_text: str | None = None, encoded: bool = False):
+                         prompt_text: str | None = None, encoded: bool = False, priority: int | None = None):
         """Register (or replace) ``speaker_id`` from prompt audio (and its transcript); returns its
         :class:`~cosyvoice_triton.speakers.SpeakerPrompt` as the server computed it."""
         audio_, sr = _payload(prompt, prompt_sr, "prompt", encoded)
         res = self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "register", speaker_id, prompt=audio_,
-                                                               prompt_sr=sr, prompt_text=prompt_text))
+                                                               prompt_sr=sr, prompt_text=prompt_text),
+                          priority=priority)
         return _speaker_prompt(res)
 
     def get_speaker(self, speaker_id: str):
@@ -683,16 +840,20 @@ class VCClient:
 
 
 class AsyncVCClient:
-    """asyncio client (``tritonclient.http.aio`` / ``tritonclient.grpc.aio``); one session reused."""
+    """asyncio client (``tritonclient.http.aio`` / ``tritonclient.grpc.aio``); one session reused. Priorities as
+    :class:`VCClient`."""
 
     def __init__(self, url: str | None = None, *, protocol: str = "http", model: str = VC_MODEL,
-                 timeout: float = 300.0, concurrency: int = 8, retry: RetryPolicy = DEFAULT_RETRY):
+                 timeout: float = 300.0, concurrency: int = 8, retry: RetryPolicy = DEFAULT_RETRY,
+                 admin_key: str | None = None, check_priority: bool = True):
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
         self.protocol, self.model, self.timeout = protocol, model, float(timeout)
         self.url = url or DEFAULT_URLS[protocol]
         self.concurrency = max(1, int(concurrency))
         self.retry, self.retries = retry, 0
+        self.admin_key, self.check_priority = admin_key, bool(check_priority)
+        self._levels: dict[str, int | None] = {}
         if protocol == "http":
             import tritonclient.http as module
             import tritonclient.http.aio as aio
@@ -729,23 +890,55 @@ class AsyncVCClient:
             return await self._client.get_inference_statistics(model, headers=admin_headers("http"))
         return await self._client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
+    async def _model_config(self, model: str) -> dict:
+        from ..serving.server import admin_headers
+
+        headers = admin_headers(self.protocol, _admin_key(self.admin_key))
+        if self.protocol == "http":
+            return _config_of(await self._client.get_model_config(model, headers=headers))
+        return _config_of(await self._client.get_model_config(model, headers=headers, as_json=True))
+
+    async def priority_levels(self, model: str | None = None) -> int | None:
+        """See :meth:`VCClient.priority_levels`."""
+        model = model or self.model
+        if model not in self._levels:
+            levels = None
+            if _admin_key(self.admin_key):
+                try:
+                    config = await self._model_config(model)
+                    steps = [st["model_name"] for st in (config.get("ensemble_scheduling") or {}).get("step") or []]
+                    known = {m: (await self.priority_levels(m)) or 0 for m in dict.fromkeys(steps)}
+                    levels = config_priority_levels(config, known.__getitem__)
+                except Exception as exc:
+                    log.info("priority levels of %s unknown (%s: %s)", model, type(exc).__name__, exc)
+            self._levels[model] = levels
+        return self._levels[model]
+
+    async def validate_priority(self, model: str, priority) -> int:
+        """See :meth:`VCClient.validate_priority`."""
+        value = _priority_value(priority)
+        if value and self.check_priority:
+            _check_levels(model, value, await self.priority_levels(model))
+        return value
+
     async def convert(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                       seed: int | None = None, parameters: Mapping[str, Any] | None = None,
-                      encoded: bool = False) -> VCResult:
+                      encoded: bool = False, priority: int | None = None) -> VCResult:
         src, s_sr = _payload(source, source_sr, "source", encoded)
         prm, p_sr = _payload(prompt, prompt_sr, "prompt", encoded)
         inputs = build_inputs(self._module, src, s_sr, prm, p_sr, seed)
         t0 = time.perf_counter()
-        res = await self._infer(self.model, inputs, parameters)
+        res = await self._infer(self.model, inputs, parameters, priority=priority)
         return _result(res, time.perf_counter() - t0)
 
-    async def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None) -> list[VCResult | VCError]:
+    async def convert_many(self, pairs: Iterable[Pair], *, seed: int | None = None,
+                           priority: int | None = None) -> list[VCResult | VCError]:
         sem = asyncio.Semaphore(self.concurrency)
 
         async def one(job):
             async with sem:
                 try:
-                    return await self.convert(**{"seed": seed, **job})
+                    return await self.convert(**{"seed": seed, "priority": priority, **job})
                 except VCError as exc:
                     return exc
                 except Exception as exc:
@@ -757,24 +950,27 @@ class AsyncVCClient:
         self.retries += 1
 
     async def _infer(self, model: str, inputs: Sequence, parameters: Mapping[str, Any] | None = None, *,
-                     retry: bool = True):
+                     retry: bool = True, priority: int | None = None):
+        level = await self.validate_priority(model, priority)
         try:
             async for attempt in (self.retry if retry else NO_RETRY).async_retrying(self._counted):
                 with attempt:
                     if self.protocol == "http":
-                        return await self._client.infer(model, list(inputs), parameters=parameters)
-                    return await self._client.infer(model, list(inputs), parameters=parameters,
+                        return await self._client.infer(model, list(inputs), parameters=parameters, priority=level)
+                    return await self._client.infer(model, list(inputs), parameters=parameters, priority=level,
                                                     client_timeout=self.timeout)
         except Exception as exc:
             raise VCError.from_exception(exc) from exc
         raise AssertionError("unreachable: tenacity raises the last error")
 
     async def stream_raw(self, model: str, inputs: Sequence, *, parameters: Mapping[str, Any] | None = None,
-                         stats: StreamStats | None = None) -> AsyncIterator[StreamChunk]:
+                         stats: StreamStats | None = None, priority: int | None = None) -> AsyncIterator[StreamChunk]:
         """Chunks of a decoupled model as they arrive (``tritonclient.grpc.aio`` stream, or HTTP
         ``generate_stream`` with ``aiohttp``); closing the generator early cancels the call (gRPC: the request on
-        the server too) or closes the connection (HTTP). Errors as :meth:`VCClient.stream_raw`."""
+        the server too) or closes the connection (HTTP). Errors and ``priority`` as :meth:`VCClient.stream_raw`
+        (checked when the iteration starts)."""
         if self.protocol == "http":
+            _no_stream_priority(model, priority)
             inner = self._http_stream(model, inputs, parameters, stats)
             try:
                 async for chunk in inner:
@@ -782,7 +978,8 @@ class AsyncVCClient:
             finally:  # closed early: close its connection now, not when the generator is collected
                 await inner.aclose()
             return
-        request = {"model_name": model, "inputs": list(inputs), "parameters": parameters}
+        request = {"model_name": model, "inputs": list(inputs), "parameters": parameters,
+                   "priority": await self.validate_priority(model, priority)}
 
         async def requests():
             yield request
@@ -833,35 +1030,60 @@ class AsyncVCClient:
     def convert_stream(self, source, prompt=None, *, speaker_id: str | None = None, source_sr: int | None = None,
                        prompt_sr: int | None = None, seed: int | None = None,
                        parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
+                       stats: StreamStats | None = None, model: str = VC_STREAM_MODEL,
+                       priority: int | None = None) -> AsyncIterator[StreamChunk]:
         """``async for chunk in client.convert_stream(...)``: see :meth:`VCClient.convert_stream`."""
+        if self.protocol == "http":
+            _no_stream_priority(model, priority)
         return self.stream_raw(model, _vc_inputs(self._stream_module, source, prompt, source_sr, prompt_sr, seed,
                                                  speaker_id, encoded and self.protocol == "grpc"),
-                               parameters=parameters, stats=stats)
+                               parameters=parameters, stats=stats, priority=priority)
 
     async def tts(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
                   instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
                   seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-                  model: str = TTS_MODEL) -> VCResult:
+                  model: str = TTS_MODEL, priority: int | None = None) -> VCResult:
         inputs = _tts_inputs(self._module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode, seed,
                              encoded)
         t0 = time.perf_counter()
-        res = await self._infer(model, inputs, parameters)
+        res = await self._infer(model, inputs, parameters, priority=priority)
         return _result(res, time.perf_counter() - t0)
 
     def tts_stream(self, text: str, *, prompt=None, prompt_sr: int | None = None, prompt_text: str | None = None,
                    instruct: str | None = None, speaker_id: str | None = None, mode: str | None = None,
                    seed: int | None = None, parameters: Mapping[str, Any] | None = None, encoded: bool = False,
-                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL) -> AsyncIterator[StreamChunk]:
+                   stats: StreamStats | None = None, model: str = TTS_STREAM_MODEL,
+                   priority: int | None = None) -> AsyncIterator[StreamChunk]:
+        if self.protocol == "http":
+            _no_stream_priority(model, priority)
         inputs = _tts_inputs(self._stream_module, text, prompt, prompt_sr, prompt_text, instruct, speaker_id, mode,
                              seed, encoded and self.protocol == "grpc")
-        return self.stream_raw(model, inputs, parameters=parameters, stats=stats)
+        return self.stream_raw(model, inputs, parameters=parameters, stats=stats, priority=priority)
+
+    async def speech_tokens(self, audio_, *, sample_rate: int | None = None, encoded: bool = False,
+                            parameters: Mapping[str, Any] | None = None, priority: int | None = None,
+                            model: str = SPEECH_TOKENS_MODEL) -> np.ndarray:
+        """See :meth:`VCClient.speech_tokens`."""
+        data, sr = _payload(audio_, sample_rate, "audio", encoded)
+        res = await self._infer(model, _audio_inputs(self._module, "source", data, sr), parameters,
+                                priority=priority)
+        return _output(res, "speech_tokens", np.int32)
+
+    async def speaker_embedding(self, audio_, *, sample_rate: int | None = None, encoded: bool = False,
+                                parameters: Mapping[str, Any] | None = None, priority: int | None = None,
+                                model: str = SPEAKER_EMBEDDING_MODEL) -> np.ndarray:
+        """See :meth:`VCClient.speaker_embedding`."""
+        data, sr = _payload(audio_, sample_rate, "audio", encoded)
+        res = await self._infer(model, _audio_inputs(self._module, "prompt", data, sr), parameters,
+                                priority=priority)
+        return _output(res, "speaker_embedding", np.float32)
 
     async def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
-                               prompt_text: str | None = None, encoded: bool = False):
+                               prompt_text: str | None = None, encoded: bool = False, priority: int | None = None):
         audio_, sr = _payload(prompt, prompt_sr, "prompt", encoded)
         return _speaker_prompt(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(
-            self._module, "register", speaker_id, prompt=audio_, prompt_sr=sr, prompt_text=prompt_text)))
+            self._module, "register", speaker_id, prompt=audio_, prompt_sr=sr, prompt_text=prompt_text),
+            priority=priority))
 
     async def get_speaker(self, speaker_id: str):
         return _speaker_prompt(await self._infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "get",

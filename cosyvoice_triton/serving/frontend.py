@@ -9,11 +9,15 @@ prompt recording seen before (same samples, rate and options) gets its features 
 VAD, denoising and the three feature extractions are skipped. Bad audio raises
 :class:`~cosyvoice_triton.errors.AudioError` whose message starts with the tensor's name (``source_audio``,
 ``prompt_sample_rate``...), which the server answers with HTTP 400 / gRPC INVALID_ARGUMENT.
+
+A request that asks for the outputs of one utterance only (:func:`utterances_for`: the ``speech_tokens`` ensemble
+asks for the source's Whisper log-mel, ``speaker_embedding`` for the prompt's fbank) needs and gets only that one:
+the other is neither required nor computed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,28 +29,51 @@ from ..prompt_cache import PromptCache, prompt_key
 from ..shapes import VC_UTTERANCE_INPUTS
 from .batching import ItemResult, run_per_item
 
-__all__ = ["FrontendFeatures", "Preprocessor"]
+__all__ = ["UTTERANCES", "UTTERANCE_OUTPUTS", "FrontendFeatures", "Preprocessor", "utterances_for"]
+
+#: The ``preprocess`` outputs that each utterance gives.
+UTTERANCE_OUTPUTS: Mapping[str, tuple[str, ...]] = {
+    "source": ("source_whisper_mel", "source_whisper_mel_len"),
+    "prompt": ("prompt_whisper_mel", "prompt_whisper_mel_len", "prompt_fbank", "prompt_mel"),
+}
+UTTERANCES = tuple(UTTERANCE_OUTPUTS)
+
+
+def utterances_for(outputs: Iterable[str] | None) -> tuple[str, ...]:
+    """The utterances (``source``, ``prompt``) a request needs for the ``preprocess`` outputs it asks for (an
+    ensemble step asks for the outputs its ``output_map`` names); ``None`` or none of them: both."""
+    if outputs is None:
+        return UTTERANCES
+    asked = set(outputs)
+    need = tuple(u for u, names in UTTERANCE_OUTPUTS.items() if asked & set(names))
+    return need or UTTERANCES
 
 
 @dataclass
 class FrontendFeatures:
-    """One request's features, without batch axis (the adapter adds it)."""
+    """One request's features, without batch axis (the adapter adds it); an utterance the request did not ask
+    for has ``None``."""
 
-    source_whisper_mel: np.ndarray  # [128, Ts] float32
-    prompt_whisper_mel: np.ndarray  # [128, Tp] float32
-    prompt_fbank: np.ndarray  # [Tf, 80] float32, mean over time subtracted
-    prompt_mel: np.ndarray  # [Tm, 80] float32 (24 kHz CosyVoice mel)
+    source_whisper_mel: np.ndarray | None = None  # [128, Ts] float32
+    prompt_whisper_mel: np.ndarray | None = None  # [128, Tp] float32
+    prompt_fbank: np.ndarray | None = None  # [Tf, 80] float32, mean over time subtracted
+    prompt_mel: np.ndarray | None = None  # [Tm, 80] float32 (24 kHz CosyVoice mel)
 
     def tensors(self) -> dict[str, np.ndarray]:
-        """The ``preprocess`` outputs of :data:`~cosyvoice_triton.shapes.STAGES`, with batch axis 1."""
-        return {
-            "source_whisper_mel": self.source_whisper_mel[None],
-            "source_whisper_mel_len": np.array([[self.source_whisper_mel.shape[1]]], np.int32),
-            "prompt_whisper_mel": self.prompt_whisper_mel[None],
-            "prompt_whisper_mel_len": np.array([[self.prompt_whisper_mel.shape[1]]], np.int32),
-            "prompt_fbank": self.prompt_fbank[None],
-            "prompt_mel": self.prompt_mel[None],
-        }
+        """The ``preprocess`` outputs of :data:`~cosyvoice_triton.shapes.STAGES` that were computed, with batch
+        axis 1."""
+        out = {}
+        if self.source_whisper_mel is not None:
+            out["source_whisper_mel"] = self.source_whisper_mel[None]
+            out["source_whisper_mel_len"] = np.array([[self.source_whisper_mel.shape[1]]], np.int32)
+        if self.prompt_whisper_mel is not None:
+            out.update({
+                "prompt_whisper_mel": self.prompt_whisper_mel[None],
+                "prompt_whisper_mel_len": np.array([[self.prompt_whisper_mel.shape[1]]], np.int32),
+                "prompt_fbank": self.prompt_fbank[None],
+                "prompt_mel": self.prompt_mel[None],
+            })
+        return out
 
 
 def _scalar_rate(x, name: str):
@@ -136,15 +163,25 @@ class Preprocessor:
         return audio.validate_audio(_samples(samples, a), sample_rate=sr, name=a, **limits), sr
 
     def one(self, source_audio=None, source_sample_rate=None, prompt_audio=None, prompt_sample_rate=None, *,
-            source_audio_bytes=None, prompt_audio_bytes=None) -> FrontendFeatures:
+            source_audio_bytes=None, prompt_audio_bytes=None, need: Iterable[str] = UTTERANCES) -> FrontendFeatures:
         """Features of one request from its tensors (``[1, N]`` float audio with ``[1, 1]`` rates, or ``[1, 1]``
-        encoded files)."""
+        encoded files); ``need``: the utterances to validate and compute (:func:`utterances_for`), the other is
+        ignored."""
+        need = set(need)
+        unknown = need - set(UTTERANCES)
+        if unknown or not need:
+            raise ValueError(f"need: some of {UTTERANCES}, got {sorted(need)}")
         limits = {"min_seconds": self.min_seconds, "max_seconds": self.max_seconds}
-        src, src_sr = self._utterance("source", source_audio, source_sample_rate, source_audio_bytes)
-        prompt, p_sr = self._utterance("prompt", prompt_audio, prompt_sample_rate, prompt_audio_bytes)
-        if self.vad is not None:  # optional clean-up (off by default), then the length limits again
+        src = None
+        if "source" in need:
+            src, src_sr = self._utterance("source", source_audio, source_sample_rate, source_audio_bytes)
+        if "prompt" in need:
+            prompt, p_sr = self._utterance("prompt", prompt_audio, prompt_sample_rate, prompt_audio_bytes)
+        if src is not None and self.vad is not None:  # optional clean-up (off by default), then the limits again
             src = audio.validate_audio(self.vad.trim(src, src_sr, name="source_audio"), sample_rate=src_sr,
                                        name="source_audio (speech found by VAD)", **limits)
+        if "prompt" not in need:
+            return FrontendFeatures(source_whisper_mel=self.source_features(src, src_sr))
         key = None
         if self.prompt_cache is not None:
             key = prompt_key(prompt, p_sr, kind="prompt_front_end", options=self.options)
@@ -154,7 +191,8 @@ class Preprocessor:
                              self.prompt_features(self._clean_prompt(prompt, p_sr), p_sr), strict=True))
             if key is not None:
                 entry = self.prompt_cache.put(key, entry)
-        return FrontendFeatures(source_whisper_mel=self.source_features(src, src_sr), **entry)
+        return FrontendFeatures(source_whisper_mel=None if src is None else self.source_features(src, src_sr),
+                                **entry)
 
     def _clean_prompt(self, prompt: np.ndarray, sr: int) -> np.ndarray:
         """The optional clean-up of a validated prompt (VAD trim, denoising), then the length limits again."""
@@ -195,7 +233,13 @@ class Preprocessor:
         return (np.ascontiguousarray(whisper[0, :, : int(n[0])]), np.ascontiguousarray(fbank, dtype=np.float32),
                 np.ascontiguousarray(mel, dtype=np.float32))
 
-    def batch(self, requests: Sequence[Mapping[str, np.ndarray | None]]) -> list[ItemResult[FrontendFeatures]]:
-        """Each request: its input tensors by name (absent ones None). A bad request fails alone."""
+    def batch(self, requests: Sequence[Mapping[str, np.ndarray | None]],
+              needs: Sequence[Iterable[str]] | None = None) -> list[ItemResult[FrontendFeatures]]:
+        """Each request: its input tensors by name (absent ones None); ``needs``: per request, the utterances it
+        needs (:func:`utterances_for` of the outputs it asks for; default both). A bad request fails alone."""
         names = [n for group in VC_UTTERANCE_INPUTS.values() for n in group]
-        return run_per_item(requests, lambda req: self.one(**{n: req.get(n) for n in names}))
+        needs = list(needs) if needs is not None else [UTTERANCES] * len(requests)
+        if len(needs) != len(requests):
+            raise ValueError(f"batch: {len(requests)} requests but {len(needs)} needs")
+        items = [(req, need) for req, need in zip(requests, needs, strict=True)]
+        return run_per_item(items, lambda item: self.one(**{n: item[0].get(n) for n in names}, need=item[1]))

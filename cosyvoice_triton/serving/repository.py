@@ -56,6 +56,12 @@ from ..export.trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
 from ..export.trt import PRECISIONS as TRT_PRECISIONS
 from ..shapes import (
     GRAPHS,
+    SPEAKER_EMBEDDING_INPUTS,
+    SPEAKER_EMBEDDING_MODEL,
+    SPEAKER_EMBEDDING_OUTPUTS,
+    SPEECH_TOKENS_INPUTS,
+    SPEECH_TOKENS_MODEL,
+    SPEECH_TOKENS_OUTPUTS,
     STAGES,
     TRTLLM_INPUTS,
     TRTLLM_OUTPUTS,
@@ -693,6 +699,14 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)), kind="ensemble", values=_vc_values,
                 doc="voice conversion: preprocess -> speech_tokenizer x2, speaker_encoder -> flow -> hift -> "
                     "postprocess"),
+    ServedModel(SPEECH_TOKENS_MODEL, f"ensemble/{SPEECH_TOKENS_MODEL}", SPEECH_TOKENS_INPUTS, SPEECH_TOKENS_OUTPUTS,
+                frozenset(t.name for t in SPEECH_TOKENS_INPUTS), kind="ensemble",
+                doc="audio (as cosyvoice_vc's source) -> 25 Hz speech tokens: preprocess (source only) -> "
+                    "speech_tokenizer"),
+    ServedModel(SPEAKER_EMBEDDING_MODEL, f"ensemble/{SPEAKER_EMBEDDING_MODEL}", SPEAKER_EMBEDDING_INPUTS,
+                SPEAKER_EMBEDDING_OUTPUTS, frozenset(t.name for t in SPEAKER_EMBEDDING_INPUTS), kind="ensemble",
+                doc="audio (as cosyvoice_vc's prompt) -> 192-dim CAM++ embedding: preprocess (prompt fbank only) -> "
+                    "speaker_encoder"),
     ServedModel("speakers", "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), parameters=lambda ctx: {
                     "model_dir": str(ctx.model_dir), "speaker_dir": ctx.tunables.speaker_dir,
@@ -1021,9 +1035,11 @@ def _model_sample_rate(model_dir: Path) -> int:
 
 
 # ------------------------------------------------------------------------------------------- versions
-#: Models left out of a versioned render: they call the graphs by BLS without a version, so they would reach the
-#: newest loaded version (a staged candidate) whatever the router's split says.
-NOT_VERSIONED = (VC_STREAM_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm")
+#: Models left out of a versioned render: they call the graphs without a version (by BLS, or as ensemble steps of
+#: ``model_version: -1``), so they would reach the newest loaded version (a staged candidate) whatever the router's
+#: split says.
+NOT_VERSIONED = (VC_STREAM_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm", SPEECH_TOKENS_MODEL,
+                 SPEAKER_EMBEDDING_MODEL)
 
 
 def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any]
@@ -1138,6 +1154,3 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     for model in VERSIONED:
         _version_policy(out / model / "config.pbtxt", [live])
     return files
-            fp32 = onnx_dir / "fp32" / f"{name}.onnx"
-            if flavor == "local" and precision != "fp32" and fp32.is_file():  # graphs.py's fallback, by version
-                files.append(_place(fp32, folder / "fallback.onnx", allow_missing))

@@ -3,7 +3,8 @@
 The library never imports ``triton_python_backend_utils`` (it exists only inside a Python-backend stub); the
 adapters hand it over, so this module is tested with a stand-in (``tests/test_triton_io.py``).
 
-* :func:`read_inputs`: a request's input tensors as numpy (``None`` for an absent optional input).
+* :func:`read_inputs`: a request's input tensors as numpy (``None`` for an absent optional input);
+  :func:`requested_outputs`: the outputs it asks for.
 * :func:`responses`: one :class:`~.batching.ItemResult` per request to one ``InferenceResponse`` each; an
   error becomes ``TritonError(message, INVALID_ARG)`` when it is the client's (a
   :class:`~cosyvoice_triton.errors.CosyVoiceError`: HTTP 400 / gRPC INVALID_ARGUMENT), ``INTERNAL`` otherwise.
@@ -27,8 +28,8 @@ from .batching import ItemResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlsError", "BlsGraph", "error_response", "from_request", "read_inputs", "request_parameters", "responses",
-           "to_request"]
+__all__ = ["BlsError", "BlsGraph", "error_response", "from_request", "read_inputs", "request_parameters",
+           "requested_outputs", "responses", "to_request"]
 
 
 class BlsError(RuntimeError):
@@ -50,6 +51,16 @@ def read_inputs(pb, request, names: Iterable[str]) -> dict[str, np.ndarray | Non
         t = pb.get_input_tensor_by_name(request, name)
         out[name] = None if t is None else t.as_numpy()
     return out
+
+
+def requested_outputs(request) -> list[str] | None:
+    """The output names the request asks for (Triton lists every output when the client named none; an ensemble
+    step asks for the outputs of its ``output_map``); ``None`` where the stub cannot say."""
+    try:
+        names = request.requested_output_names()
+    except Exception:  # a stand-in or an older stub without requested_output_names()
+        return None
+    return None if names is None else [str(n) for n in names]
 
 
 def request_parameters(request) -> dict[str, Any]:

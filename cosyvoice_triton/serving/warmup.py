@@ -11,7 +11,8 @@ Two mechanisms, because Triton's own one does not reach everything:
   warm-up fails the load.
 * :func:`warm_up` (this module), once everything is loaded: for every loaded model whose inputs make it a public
   pipeline, one request over the protocol it serves (``cosyvoice_vc`` and its versions: a 1 s conversion;
-  ``cosyvoice_tts``: a short sentence; the decoupled streams: one gRPC stream to its end; ``speakers``: a list).
+  ``cosyvoice_tts``: a short sentence; the decoupled streams: one gRPC stream to its end; ``speakers``: a list;
+  ``speech_tokens`` / ``speaker_embedding``: the tokens / embedding of the same 1 s sample).
   These reach every member: the graphs, the BLS stages, the LM. The supervisor runs it after each (re)start and
   after each model reload; a failure is logged, never fatal (the model serves cold).
 
@@ -56,8 +57,10 @@ def _models(server) -> list[dict]:
 
 def plan(models: list[dict]) -> list[tuple[str, str]]:
     """``(model, how)`` for the public pipelines among ``models``: how is ``vc``, ``vc_stream``, ``tts``,
-    ``tts_stream`` or ``speakers``: audio or text in and a waveform out (not a stage such as ``preprocess``, which
-    takes the audio but answers features); the stages and graphs are reached through them (or warmed by Triton)."""
+    ``tts_stream``, ``speakers``, ``speech_tokens`` or ``speaker_embedding``: audio or text in and a waveform, the
+    speech tokens or the speaker embedding out (not a stage such as ``preprocess``, which takes the audio but answers
+    features, nor the graphs ``speech_tokenizer`` / ``speaker_encoder``, which take features); the stages and graphs
+    are reached through them (or warmed by Triton)."""
     out = []
     for m in models:
         inputs, outputs = m["inputs"], m.get("outputs", set())
@@ -67,6 +70,10 @@ def plan(models: list[dict]) -> list[tuple[str, str]]:
             how = "tts_stream" if m["decoupled"] else "tts"
         elif {"source_audio", "prompt_audio"} <= inputs and "waveform" in outputs:
             how = "vc_stream" if m["decoupled"] else "vc"
+        elif "source_audio" in inputs and outputs == {"speech_tokens"}:
+            how = "speech_tokens"
+        elif "prompt_audio" in inputs and outputs == {"speaker_embedding"}:
+            how = "speaker_embedding"
         else:
             continue
         out.append((m["name"], how))
@@ -111,6 +118,10 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
                 elif how == "tts_stream":
                     for _ in grpc.tts_stream(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name):
                         pass
+                elif how == "speech_tokens":
+                    http.speech_tokens(audio, sample_rate=sr, model=name)
+                elif how == "speaker_embedding":
+                    http.speaker_embedding(audio, sample_rate=sr, model=name)
                 else:
                     grpc.list_speakers()
                 results[name] = round(time.perf_counter() - t0, 3)

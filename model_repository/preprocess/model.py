@@ -5,7 +5,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.prompt_cache import PromptCache
 from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.frontend import Preprocessor
+from cosyvoice_triton.serving.frontend import Preprocessor, utterances_for
 from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters
@@ -26,6 +26,8 @@ class TritonPythonModel:
 
     def execute(self, requests):
         tensors = [triton_io.read_inputs(pb_utils, r, INPUTS) for r in requests]
-        results = self.pre.batch(tensors)
+        # speech_tokens / speaker_embedding ask for one utterance's outputs only: that one alone is needed
+        needs = [utterances_for(triton_io.requested_outputs(r)) for r in requests]
+        results = self.pre.batch(tensors, needs)
         self.metrics.results(tensors, results)
         return triton_io.responses(pb_utils, results, lambda features: features.tensors())

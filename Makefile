@@ -159,6 +159,11 @@ loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims,
 loadtest-mixed: $(VENV)/.installed ## two tasks on one server: steady high-priority TTS streams under a low-priority VC flood and the reverse, without and with the sharing policy (tiny) -> build/loadtest/tiny-mixed/report.md
 	$(PY) loadtest/run.py --config tiny --mode mixed $(LOADTEST_ARGS)
 
+.PHONY: loadtest-prompt-cache
+loadtest-prompt-cache: $(VENV)/.installed ## repeated speakers: 4 prompts drawn at random, the integrated pipeline with the prompt caches on vs off in one run (tiny) -> build/loadtest/tiny-prompt-cache/report.md
+	$(PY) loadtest/run.py --config tiny --mode prompt-cache --speakers 4 --requests 32 --users 4 \
+		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(LOADTEST_ARGS)
+
 .PHONY: rollout-demo
 rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
 	$(PY) -m cosyvoice_triton.loadtest.rollout $(ROLLOUT_ARGS)

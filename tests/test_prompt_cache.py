@@ -227,3 +227,93 @@ def test_preprocess_hit_is_identical_and_options_make_other_entries(demo_dir, mo
     uncached = Preprocessor(cfg.mel).one(*args)
     for name, value in uncached.tensors().items():
         np.testing.assert_array_equal(a.tensors()[name], value)
+
+
+def test_vc_stream_prompt_hit_skips_features_and_graphs(demo_dir, monkeypatch):
+    from cosyvoice_triton.serving.flow import FlowSolver
+    from cosyvoice_triton.serving.vc_stream import VCStreamer
+
+    model = CosyVoice2.from_pretrained(demo_dir, prompt_cache=False)
+    graphs = {**_graphs(model), **{g: _Counting(lambda t: None) for g in
+                                   ("flow_encoder", "flow_estimator", "hift_source", "hift_decoder")}}
+    solver = FlowSolver(model.config.flow.cfm, token_mel_ratio=model.config.token_mel_ratio)
+    pre = Preprocessor(model.config.mel, sample_rate=model.config.sample_rate, prompt_cache=PromptCache(),
+                       model_id=str(demo_dir))
+    features = _Counting(pre.prompt_features)
+    monkeypatch.setattr(pre, "prompt_features", features)
+    streamer = VCStreamer(pre, solver, graphs)
+    src, ssr = sf.read(SOURCE, dtype="float32")
+    prm, psr = sf.read(PROMPT, dtype="float32")
+
+    def request(source):
+        return {"source_audio": source[None], "source_sample_rate": np.array([[ssr]], np.int32),
+                "prompt_audio": prm[None], "prompt_sample_rate": np.array([[psr]], np.int32)}
+
+    first, tokens, _ = streamer.prepare(request(src))
+    second, _, _ = streamer.prepare(request(src[: len(src) // 2]))
+    assert features.calls == 1 and graphs["speaker_encoder"].calls == 1
+    assert graphs["speech_tokenizer"].calls == 3  # the prompt once, each source
+    uncached = VCStreamer(Preprocessor(model.config.mel, sample_rate=model.config.sample_rate), solver, graphs)
+    plain, plain_tokens, _ = uncached.prepare(request(src))
+    np.testing.assert_array_equal(plain_tokens, tokens)
+    for name in ("prompt_tokens", "prompt_mel", "embedding"):
+        np.testing.assert_array_equal(getattr(second, name), getattr(first, name))
+        np.testing.assert_array_equal(getattr(plain, name), getattr(first, name))
+
+
+# ------------------------------------------------------------------------------ Triton's response cache (render)
+
+def test_response_cache_rendered_on_the_prompt_graphs_and_passed_to_the_server(demo_dir, tmp_path):
+    from cosyvoice_triton.serving.repository import RESPONSE_CACHE_GRAPHS, render_repository
+    from cosyvoice_triton.serving.server import TritonInstallation, response_cache_flags
+
+    root = tmp_path / "triton"  # never run: the flags only need its root
+    inst = TritonInstallation(root=root, binary=root / "bin" / "tritonserver", backends=root / "backends",
+                              stub=root / "backends" / "python" / "stub", libs=None, bundled=False)
+    on = render_repository("local", tmp_path / "on", model_dir=demo_dir, allow_missing=True, tts="off",
+                           response_cache_mb=16).out_dir
+    for g in ("speech_tokenizer", "speaker_encoder", "flow_encoder", "flow_estimator", "hift_source", "hift_decoder"):
+        text = (on / g / "config.pbtxt").read_text()
+        assert ("response_cache { enable: true }" in text) == (g in RESPONSE_CACHE_GRAPHS)
+    assert response_cache_flags(on, inst) == [f"--cache-config=local,size={16 << 20}",
+                                              f"--cache-directory={tmp_path / 'triton' / 'caches'}"]
+    off = render_repository("local", tmp_path / "off", model_dir=demo_dir, allow_missing=True, tts="off",
+                            response_cache_mb=0).out_dir
+    plain = render_repository("local", tmp_path / "plain", model_dir=demo_dir, allow_missing=True, tts="off",
+                              profile="plain").out_dir
+    for repo in (off, plain):  # the plain baseline deploys no cache
+        assert all("response_cache" not in (repo / g / "config.pbtxt").read_text() for g in RESPONSE_CACHE_GRAPHS)
+        assert response_cache_flags(repo, inst) == []
+    assert response_cache_flags(tmp_path, inst) == []  # not a rendered repository
+
+
+def test_repeated_speaker_load_test_plan_and_figures():
+    from cosyvoice_triton.loadtest.repeated import counts, plan_requests, render_markdown, summarize
+
+    rng = np.random.default_rng(1)
+    sources = [rng.standard_normal(8000).astype(np.float32) for _ in range(3)]
+    plan = plan_requests(12, 4, sources, [16000] * 3, seed=0)
+    assert len({r.source.tobytes() for r in plan}) == 12  # no source repeats: only prompts can hit
+    assert [r.prompt for r in plan] == [r.prompt for r in plan_requests(12, 4, sources, [16000] * 3, seed=0)]
+    assert {r.prompt for r in plan} <= set(range(4))
+
+    def stats(hits: int, misses: int, inferences: int) -> dict:
+        st = {"success": {"count": 12, "ns": 0}, "cache_hit": {"count": hits, "ns": 0},
+              "cache_miss": {"count": misses, "ns": 0}, "compute_input": {"ns": 1_000_000},
+              "compute_infer": {"ns": 2_000_000}, "compute_output": {"ns": 0}}
+        return {"model_stats": [{"name": "speaker_encoder", "version": "1", "inference_count": inferences,
+                                 "execution_count": inferences, "inference_stats": st},
+                                {"name": "flow", "version": "1", "inference_count": 1, "inference_stats": st}]}
+
+    wave = np.ones(10, np.float32)
+    records = [{"index": r.index, "latency_s": 1.0 + r.index, "ok": True, "waveform": wave} for r in plan]
+    on, off = counts(stats(9, 3, 3)), counts(stats(0, 0, 12))
+    assert set(on) == {"speaker_encoder"} and on["speaker_encoder"]["compute_ns"] == 3_000_000
+    changed = [dict(r, waveform=wave * 2) if r["index"] == 5 else r for r in records]
+    report = summarize({"on": {"records": records, "wall_s": 6.0, "stats": on},
+                        "off": {"records": changed, "wall_s": 12.0, "stats": off}}, plan, 4)
+    assert report["modes"]["on"]["prompt_hit_rate"] == 9 / 12 and report["modes"]["off"]["prompt_hit_rate"] == 0
+    assert report["modes"]["on"]["speaker_encoder_inferences_per_request"] == 3 / 12
+    assert report["modes"]["on"]["throughput_rps"] == 2.0 and report["modes"]["on"]["p50_ms"] == 6500.0
+    assert report["identical"] == {"compared": 12, "differ": 1, "max_rel_err": 0.5}
+    assert "1 differ (max rel err 5.00e-01)" in render_markdown(report)

@@ -96,6 +96,8 @@ class Options:
     mixed_low_users: int = 6
     mixed_requests: int = 8
     mixed_policies: tuple[bool, ...] = (False, True)
+    #: --mode prompt-cache (:mod:`.repeated`): distinct prompt recordings the requests draw from
+    speakers: int = 4
 
     @property
     def warmup(self) -> int:
@@ -407,8 +409,12 @@ def run(opts: Options) -> dict[str, Any]:
         from .mixed import run_mixed
 
         return run_mixed(opts)
+    if opts.mode == "prompt-cache":
+        from .repeated import run_prompt_cache
+
+        return run_prompt_cache(opts)
     if opts.mode != "vc":
-        raise ValueError(f"mode must be vc, tts or mixed, got {opts.mode!r}")
+        raise ValueError(f"mode must be vc, tts, mixed or prompt-cache, got {opts.mode!r}")
     out_dir = Path(opts.out_dir)
     if opts.profile_only:
         return profile_only(opts)
@@ -740,10 +746,13 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the profile of the integrated column's slowest graph after the columns")
     p.add_argument("--profile-only", action="store_true", default=None,
                    help="only profile, from an existing <out-dir>/report.json (rewrites report.md / report.json)")
-    p.add_argument("--mode", choices=("vc", "tts", "mixed"), help="vc: plain vs integrated voice conversion "
-                   "(default); tts: the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, streaming "
-                   "VC; mixed: a steady high-priority class under a low-priority flood (and the reverse), without "
-                   "and with the sharing policy")
+    p.add_argument("--mode", choices=("vc", "tts", "mixed", "prompt-cache"), help="vc: plain vs integrated voice "
+                   "conversion (default); tts: the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, "
+                   "streaming VC; mixed: a steady high-priority class under a low-priority flood (and the reverse), "
+                   "without and with the sharing policy; prompt-cache: repeated speakers, the integrated pipeline with "
+                   "the prompt caches on vs off (--speakers, --requests per mode, --users)")
+    p.add_argument("--speakers", type=int, help="--mode prompt-cache: distinct prompt recordings the requests draw "
+                   "from (default 4)")
     p.add_argument("--mixed-high-users", type=int, help="--mode mixed: users of the steady high-priority class")
     p.add_argument("--mixed-low-users", type=int, help="--mode mixed: users of the low-priority flood")
     p.add_argument("--mixed-requests", type=int, help="--mode mixed: measured requests of each run")
@@ -775,7 +784,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
             overrides[key] = tuple(overrides[key])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
-    if opts.mode in ("tts", "mixed") and "out_dir" not in overrides:
+    if opts.mode in ("tts", "mixed", "prompt-cache") and "out_dir" not in overrides:
         opts.out_dir = f"{base.out_dir}-{opts.mode}"
     return opts
 

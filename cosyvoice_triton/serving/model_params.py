@@ -116,5 +116,6 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_waiting", int, 4, "streams waiting for a worker; beyond, refused at once (UNAVAILABLE)"),
         *_OUTPUT,
         _BLS_TIMEOUT,
+        *_PROMPT_CACHE,
     ),
 })

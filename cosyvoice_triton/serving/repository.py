@@ -147,6 +147,10 @@ class Tunables:
     denoise_prompt: bool = False  # preprocess: spectral-gating noise reduction of the prompt
     prompt_cache_entries: int = 256  # preprocess, speakers: prompts kept by content hash (0: no prompt cache)
     prompt_cache_mb: float = 64.0  # preprocess, speakers: most MiB the prompt cache keeps
+    #: Triton's response cache on the prompt-side graphs (:data:`RESPONSE_CACHE_GRAPHS`): MiB of the server's local
+    #: cache (``--cache-config local,size=...``, which :class:`~.server.TritonServer` passes from the marker); a
+    #: repeated prompt's tokenizer and CAM++ requests are answered from it without running the graphs (0: off)
+    response_cache_mb: float = 64.0
     default_seed: int = 0
     output_sample_rate: int = 0
     loudness_lufs: float = 0.0
@@ -187,6 +191,8 @@ class Tunables:
                 raise RenderError(f"tunable {name} must be >= 0, got {getattr(self, name)}")
         if self.max_queue_size < 1:
             raise RenderError("tunable max_queue_size must be >= 1")
+        if self.response_cache_mb < 0:
+            raise RenderError(f"tunable response_cache_mb must be >= 0 (0: off), got {self.response_cache_mb}")
         if self.runtime not in MODEL_PARAMS["graph"][1].choices:
             raise RenderError(f"tunable runtime must be one of {MODEL_PARAMS['graph'][1].choices}, got "
                               f"{self.runtime!r}")
@@ -226,7 +232,8 @@ class Tunables:
 #: ``local``, precision ``fp32``; the shipped ``speech_tokenizer`` / ``speaker_encoder`` ONNX files stay on
 #: onnxruntime). Its client runs the stages one request at a time:
 #: :class:`cosyvoice_triton.clients.plain.PlainPipeline`.
-PLAIN_TUNABLES: Mapping[str, Any] = MappingProxyType({"dynamic_batching": False, "runtime": "torch"})
+PLAIN_TUNABLES: Mapping[str, Any] = MappingProxyType({"dynamic_batching": False, "runtime": "torch",
+                                                      "response_cache_mb": 0.0})
 #: Named tunable sets of :func:`render_repository` (``profile=``) and ``render.py --profile``.
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"plain": PLAIN_TUNABLES})
 _PROFILE_NOTES = {
@@ -315,6 +322,16 @@ def _instance_count(tun: Tunables, name: str, count: int) -> str:
     need = tun.rate_limit.get(name)
     return str(count) if not need else (f'{count} rate_limiter {{ resources [ {{ name: "task_quota" count: {need} }} ] '
                                         "}")
+
+
+#: The graphs that get ``response_cache { enable: true }`` when ``response_cache_mb`` > 0: the prompt side of
+#: ``cosyvoice_vc`` (a repeated prompt's features are byte-identical, so its requests hit). The tokenizer's source
+#: requests go through the cache too (misses; small entries: the tokens).
+RESPONSE_CACHE_GRAPHS = ("speech_tokenizer", "speaker_encoder")
+
+
+def _response_cache_block(tun: Tunables, name: str) -> str:
+    return "response_cache { enable: true }" if tun.response_cache_mb > 0 and name in RESPONSE_CACHE_GRAPHS else ""
 
 
 def _dynamic_batching_block(tun: Tunables, name: str = "") -> str:
@@ -721,7 +738,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "default_seed": ctx.tunables.default_seed, "min_seconds": ctx.tunables.min_seconds,
                     "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
                     "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting,
-                    **_output_params(ctx)},
+                    **_output_params(ctx), **_prompt_cache_params(ctx)},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
     ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",
@@ -911,7 +928,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             **common(name), "name": name, "graph": name, "graph_doc": spec.doc, "flavor": flavor,
             "runtime_note": runtime_note, "backend": backend, "max_batch_size": spec.max_batch_size,
             "inputs": _io_block("input", spec.inputs, ragged=ragged), "outputs": _io_block("output", spec.outputs),
-            "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup},
+            "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup,
+            "response_cache": _response_cache_block(tun, name)},
               templates / "graph" / "config.pbtxt.in")
         if versions:
             files += _graph_versions(out / name, name, flavor, versions, engine_dir, quality_report, tun,

@@ -60,6 +60,7 @@ __all__ = [
     "find_installation",
     "free_ports",
     "prepare_backends",
+    "response_cache_flags",
 ]
 
 #: What provides the server binary (install with ``pip install --no-deps``: its Python API is not used).
@@ -199,6 +200,23 @@ def server_flags(installation: TritonInstallation) -> str:
     return _HELP[key]
 
 
+def response_cache_flags(model_repository: str | Path, installation: TritonInstallation) -> list[str]:
+    """``--cache-config local,size=N`` (and the wheel's cache folder) when the rendered repository's marker asks for
+    Triton's response cache (tunable ``response_cache_mb`` > 0: the prompt-side graphs have ``response_cache``
+    enabled; without the flag Triton loads them and caches nothing); ``[]`` otherwise or for a repository that was
+    not rendered by cosyvoice_triton."""
+    import json
+
+    try:
+        marker = json.loads((Path(model_repository) / "cosyvoice_repository.json").read_text())
+        size = int(float(marker.get("tunables", {}).get("response_cache_mb", 0)) * (1 << 20))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    if size <= 0:
+        return []
+    return [f"--cache-config=local,size={size}", f"--cache-directory={installation.root / 'caches'}"]
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports that are free on ``host`` right now (bound to port 0 and released)."""
     socks, ports = [], []
@@ -327,6 +345,8 @@ class TritonServer:
             apis = ",".join(self.restricted_apis)
             cmd += [f"--http-restricted-api={apis}:{ADMIN_HEADER}={self.admin_key}",
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
+        if not any(a.startswith("--cache-config") for a in self.extra_args):
+            cmd += response_cache_flags(self.model_repository, inst)
         return cmd + self.extra_args
 
     @property

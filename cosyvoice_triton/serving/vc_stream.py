@@ -13,7 +13,10 @@ speech tokens as an iterable, so streaming TTS can feed it the LM's tokens as th
 :class:`VCStreamer` is the voice-conversion front of it: the request's tensors (the ``cosyvoice_vc`` inputs, or
 ``speaker_id`` instead of the prompt), the :class:`~.frontend.Preprocessor` features, the ``speech_tokenizer`` and
 ``speaker_encoder`` graphs, then the chunks, post-processed as a stream (:meth:`.postprocess.Postprocessor.stream`:
-the configured output rate, resampled continuously across chunks).
+the configured output rate, resampled continuously across chunks). With the
+:class:`~cosyvoice_triton.prompt_cache.PromptCache` of its :class:`~.frontend.Preprocessor`, a prompt recording seen
+before (same samples, rate and options) takes its tokens, mel and embedding from the cache: no prompt features and
+no tokenizer / CAM++ call for it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from ..errors import CosyVoiceError
 from ..models.hift import draw_nsf_noise
+from ..prompt_cache import PromptCache, prompt_key
 from ..shapes import (
     GRAPHS,
     MAX_LOOKAHEAD,
@@ -194,10 +198,26 @@ class VCStreamer:
             prompt = StreamPrompt.from_speaker(self.speakers(bytes_scalar(t["speaker_id"], "speaker_id")))
             return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
         wave, sr = self.pre.utterance("prompt", t["prompt_audio"], t["prompt_sample_rate"], t["prompt_audio_bytes"])
-        whisper, fbank, mel = self.pre.prompt_features(wave, sr)
-        embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
-        prompt = StreamPrompt(self._tokens(whisper), mel, np.asarray(embedding, np.float32).reshape(-1))
-        return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
+        return self.prompt(wave, sr), self._tokens(self.pre.source_features(src, src_sr)), seed
+
+    def prompt(self, wave: np.ndarray, sample_rate: int) -> StreamPrompt:
+        """The flow's prompt of a validated recording: its features, the ``speech_tokenizer`` and
+        ``speaker_encoder`` graphs; from ``pre.prompt_cache`` when the recording was seen before."""
+
+        def compute() -> dict[str, np.ndarray]:
+            whisper, fbank, mel = self.pre.prompt_features(wave, sample_rate)
+            embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
+            return {"prompt_tokens": self._tokens(whisper), "prompt_mel": mel,
+                    "embedding": np.asarray(embedding, np.float32).reshape(-1)}
+
+        cache = self.pre.prompt_cache
+        if cache is None:
+            entry = compute()
+        else:
+            key = prompt_key(wave, sample_rate, kind="vc_stream_prompt", options=self.pre.options)
+            entry = cache.get_or_compute(key, compute)
+        return StreamPrompt(np.array(entry["prompt_tokens"]), np.array(entry["prompt_mel"]),
+                            np.array(entry["embedding"]))
 
     def stream(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None, *,
                cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
@@ -238,9 +258,13 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
 
     from ..config import ModelConfig
 
-    config = ModelConfig.from_yaml(Path(params["model_dir"]) / "cosyvoice2.yaml")
+    model_dir = Path(params["model_dir"])
+    config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
     pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=params["min_seconds"],
-                       max_seconds=params["max_seconds"])
+                       max_seconds=params["max_seconds"],
+                       prompt_cache=PromptCache.from_params(params.get("prompt_cache_entries", 0),
+                                                            params.get("prompt_cache_mb", 0)),
+                       model_id=f"{model_dir.resolve()}|speech_tokenizer|speaker_encoder")
     solver = FlowSolver(config.flow.cfm, token_mel_ratio=config.token_mel_ratio,
                         n_timesteps=params["n_timesteps"] or None)
     graphs = {g: graph_fn(g, g) for g in GRAPHS}

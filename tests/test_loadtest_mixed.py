@@ -1,7 +1,7 @@
 """The mixed load (``loadtest/run.py --mode mixed``): a steady high-priority class under a low-priority flood, and
-the reverse, on a real ``tritonserver`` (tiny model) rendered with the sharing policy (priority levels, the rate
-limiter's task quota on the VC stages). Small size: the figures are checked for where they come from, never for
-speed."""
+the reverse, on a real ``tritonserver`` (tiny model) rendered with the sharing policy (priority levels, the TTS task's
+own copies of the shared stages, the rate limiter's quota on the low task's leaf models). Small size: the figures are
+checked for where they come from, never for speed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, require_live_loadtest
 
-from cosyvoice_triton.loadtest.mixed import POLICY, mixed_markdown, targets
+from cosyvoice_triton.loadtest.mixed import POLICY, mixed_markdown, policy, targets
 from cosyvoice_triton.loadtest.recording import RunResult
 from cosyvoice_triton.loadtest.workload import Workload
 
@@ -35,17 +35,57 @@ def test_targets_use_first_chunk_for_streams_and_flag_failures():
     assert "| met (x1.40) | NO | 12.5 |" in md
 
 
-@pytest.mark.timeout(1800)  # a server start and 6 short Locust runs: minutes, many more on a shared loaded machine
-def test_rate_limit_only_on_graphs():
+def test_rate_limit_only_on_leaf_models():
     from cosyvoice_triton.serving.repository import RenderError, Tunables
 
     assert Tunables(rate_limit={"flow_estimator": 1}).rate_limit == {"flow_estimator": 1}
+    assert Tunables(rate_limit={"preprocess": 1}).rate_limit == {"preprocess": 1}  # calls nothing
     with pytest.raises(RenderError, match="not a graph"):
         Tunables(rate_limit={"flow": 1})  # a BLS stage holding the unit stalls Triton 2.51
     with pytest.raises(RenderError, match="priority_levels"):
         Tunables(priority_levels=1)
+    with pytest.raises(RenderError, match="task_isolation"):
+        Tunables(task_quota=1)  # without the copies the quota would bind both tasks
+    with pytest.raises(RenderError, match="task_isolation"):
+        Tunables(rate_limit={"flow_estimator_tts": 1})  # a copy that is not rendered
 
 
+def _instance_group(repo, model):
+    lines = (repo / model / "config.pbtxt").read_text().splitlines()
+    return next((x for x in lines if x.startswith("instance_group")), "")  # an ensemble has none
+
+
+@pytest.mark.parametrize("high", ["tts_stream", "integrated"])
+def test_policy_renders_the_tts_copies_and_the_low_task_quota(tmp_path, high):
+    from cosyvoice_triton.serving.repository import LEAF_MODELS, TASK_COPIES, render_repository
+    from cosyvoice_triton.shapes import GRAPHS
+
+    repo = tmp_path / "repo"
+    report = render_repository("local", repo, model_dir=tmp_path / "none", onnx_dir=tmp_path / "none",
+                               allow_missing=True, tts="on", **policy(high))
+    assert set(TASK_COPIES) <= set(report.models)
+    tts_stream = (repo / "cosyvoice_tts_stream" / "config.pbtxt").read_text()
+    assert 'key: "stage_suffix" value: { string_value: "_tts" }' in tts_stream
+    flow_tts = (repo / "flow_tts" / "config.pbtxt").read_text()
+    assert '"flow_encoder_tts"' in flow_tts and '"flow_estimator_tts"' in flow_tts and 'name: "flow_tts"' in flow_tts
+    assert '"hift_decoder_tts"' in (repo / "hift_tts" / "config.pbtxt").read_text()
+    assert (repo / "flow_estimator_tts" / "1" / "model.py").is_file()
+    tts_high = high.startswith("tts")
+    low_leaves = ([*GRAPHS, "preprocess", "postprocess"] if tts_high else [f"{g}_tts" for g in GRAPHS])
+    low_python = [*low_leaves, *(("flow", "hift") if tts_high else ("flow_tts", "hift_tts", "cosyvoice_tts_stream",
+                                                                     "cosyvoice_tts"))]
+    for model in report.models:
+        limited = "rate_limiter" in _instance_group(repo, model)
+        assert limited == (model in low_leaves), model
+        assert not limited or model in LEAF_MODELS  # a model that calls others never holds the unit
+        niced = 'key: "nice" value: { string_value: "10" }' in (repo / model / "config.pbtxt").read_text()
+        assert niced == (model in low_python), model
+    high_model = "cosyvoice_tts_stream" if tts_high else "flow"
+    assert "default_priority_level: 1" in (repo / high_model / "config.pbtxt").read_text()
+    assert "default_priority_level: 2" in (repo / ("flow" if tts_high else "flow_tts") / "config.pbtxt").read_text()
+
+
+@pytest.mark.timeout(2400)  # 3 server starts and 9 short Locust runs: minutes, many more on a shared loaded machine
 def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
     require_live_loadtest()
     from cosyvoice_triton.loadtest.runner import Options, run
@@ -63,11 +103,14 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
                    server_args=("--backend-config=python,stub-timeout-seconds=300",))
     report = run(opts)
     assert not [r["error"] for r in report["scenarios"] if "error" in r]
-    # the policy was rendered: two priority levels, the TTS entry highest
-    repo = out / "with" / "model_repository"
+    # the policy was rendered: two priority levels, the TTS entry highest, the TTS copies, VC's quota
+    repo = out / "with" / "tts_stream" / "model_repository"
     flow = (repo / "flow" / "config.pbtxt").read_text()
     assert f"priority_levels: {POLICY['priority_levels']}" in flow and "default_priority_level: 2" in flow
     assert "default_priority_level: 1" in (repo / "cosyvoice_tts_stream" / "config.pbtxt").read_text()
+    assert "rate_limiter" in _instance_group(repo, "flow_estimator")
+    assert "rate_limiter" not in _instance_group(repo, "flow_estimator_tts")
+    assert report["policy"] == {"tts_stream": policy("tts_stream"), "integrated": policy("integrated")}
     assert [(r["high"], r["low"]) for r in report["scenarios"]] == [("tts_stream", "integrated"),
                                                                     ("integrated", "tts_stream")]
     for res in report["scenarios"]:
@@ -77,13 +120,14 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
             # each class's requests are its public model's requests in Triton's counters
             assert c["check"]["passed"] and c["check"]["triton_delta"] == c["requests"], (key, c["check"])
             assert c["answered"] == c["started"] > 0 and 0 < c["longest_s"] < math.inf
-        for key in ("high_alone", "low_alone"):  # alone, each streamed chunk is one hift_decoder call
-            if res[key]["column"] == "tts_stream":
+        for key in ("high_alone", "low_alone"):  # alone, each streamed chunk is one call of TTS's hift_decoder_tts
+            if res[key]["column"] == "tts_stream":  # (so the copies answer, and TTS calls them, not VC's graphs)
                 assert res[key]["chunk_check"]["passed"], res[key]["chunk_check"]
+                assert res[key]["chunk_check"]["model"] == "hift_decoder_tts", res[key]["chunk_check"]
         # the flood really ran while the steady class was measured
         tag = f"{res['high']}_over_{res['low']}"
-        high = RunResult.load(out / "with" / f"{tag}_high_mixed.json")
-        low = RunResult.load(out / "with" / f"{tag}_low_mixed.json")
+        high = RunResult.load(out / "with" / res["high"] / f"{tag}_high_mixed.json")
+        low = RunResult.load(out / "with" / res["high"] / f"{tag}_low_mixed.json")
         h0, h1 = high.window
         assert min(r.start for r in low.records) <= h0
         assert max(r.start + r.latency_s for r in low.records) >= h1

@@ -7,13 +7,16 @@ user against a flood of TTS streams). Each class is one Locust subprocess of the
 the flood starts first and runs until the steady class has its measured requests; it is then stopped with SIGTERM,
 and its users finish the request they are in, so every low-priority request that started is answered and counted.
 
-This is run on two servers in turn: ``without`` (the integrated repository as it is) and ``with`` the deployment
-policy (:data:`POLICY`: priority levels, the TTS entry models above the rest).
+This is run on servers in turn: ``without`` (the integrated repository as it is; both scenarios) and, per scenario,
+``with`` the deployment policy for that scenario's high class (:func:`policy`: priority levels, the TTS task's own
+copies of the shared stages, the rate limiter's quota of one leaf execution at a time on the low class, the low
+class's processes at a higher niceness).
 
 Figures per class: latency percentiles (first chunk for streams) alone and mixed, the ratio of the mixed p95 to the
 alone p95 (target for the high class: <= 1.5), the longest wait of any low-priority request (its end-to-end
-latency: bounded = no starvation), every low request answered; machine: audio seconds produced per second by both
-classes together, mean CPU (``nv_cpu_utilization``) and the server processes' CPU.
+latency: bounded = no starvation), every low request answered; machine: requests completed and audio seconds produced
+per second by both classes together, mean CPU (``nv_cpu_utilization``, the whole machine) and the server
+processes' CPU (psutil, fraction of all cores).
 """
 
 from __future__ import annotations
@@ -42,13 +45,25 @@ CHECK = {"tts_stream": ("cosyvoice_tts_stream", "hift_decoder"), "integrated": (
          "vc_stream": ("cosyvoice_vc_stream", "hift_decoder"), "tts": ("cosyvoice_tts", "")}
 #: Request priorities (Triton: 1 is the highest level).
 HIGH, LOW = 1, 2
-#: The deployment policy rendered for the ``with`` server (render tunables of
-#: :class:`cosyvoice_triton.serving.repository.Tunables`): two priority levels on every dynamically batched model
-#: (the TTS entry models level 1, the rest 2). The rate limiter's quota on the VC-only BLS stages (``rate_limit=
-#: flow:1,hift:1`` with ``--rate-limit=execution_count``) stalled Triton 2.51 (README), so it is not part of it.
-POLICY: dict[str, Any] = {"priority_levels": 2}
-#: tritonserver flags of the ``with`` server.
-POLICY_SERVER_ARGS: tuple[str, ...] = ()
+
+
+def policy(high: str) -> dict[str, Any]:
+    """The deployment policy of a ``with`` server whose high class is column ``high`` (render tunables of
+    :class:`cosyvoice_triton.serving.repository.Tunables`): two priority levels (the high task's models level 1),
+    the TTS task's own copies of the graphs, flow and hift (``task_isolation``: BLS calls carry no priority in
+    Triton 2.51, so a shared stage would serve both tasks in arrival order), and the low task's leaf models (its
+    graphs; for VC also preprocess / postprocess) under the rate limiter with one unit of ``task_quota``: the low
+    task runs one leaf execution at a time (onnxruntime: 1 thread), the other core is the high task's; and the low
+    task's processes at niceness 10 (``task_nice``), so the kernel prefers the high task's when both want a core
+    (the LM loop of TTS and the time outside ``execute`` are not the rate limiter's)."""
+    return {"priority_levels": 2, "high_task": "tts" if high.startswith("tts") else "vc", "task_isolation": True,
+            "task_quota": 1, "task_nice": 10}
+
+
+#: The policy with TTS as the high class (the first scenario's).
+POLICY: dict[str, Any] = policy("tts_stream")
+#: tritonserver flags of the ``with`` servers (the quota of 1 unit needs no --rate-limit-resource).
+POLICY_SERVER_ARGS: tuple[str, ...] = ("--rate-limit=execution_count",)
 
 
 def _start_locust(cfg: RunConfig, work: Path, max_run_s: float) -> tuple[subprocess.Popen, Path]:
@@ -79,8 +94,10 @@ def _finish(proc: subprocess.Popen, cfg: RunConfig, log: Path, timeout: float) -
 
 
 def _config(column: str, users: int, requests: int, out: Path, urls: dict[str, str], workload: str,
-            opts, warmup: int | None = None, alone: bool = True) -> RunConfig:
+            opts, warmup: int | None = None, alone: bool = True, isolated: bool = False) -> RunConfig:
     model, chunk_model = CHECK[column]
+    if isolated and column.startswith("tts") and chunk_model:  # TTS calls its own copy (task_isolation)
+        chunk_model += "_tts"
     if not alone:  # the other class calls hift_decoder too: chunks are checked only when a class runs alone
         chunk_model = ""
     return RunConfig(column=column, protocol="grpc", url=urls["grpc"], http_url=urls["http"],
@@ -113,12 +130,13 @@ def _class_figures(s: RunSummary, result: RunResult) -> dict[str, Any]:
 
 
 def run_scenarios(opts, server, sampler, work: Path, workload_path: Path, *, priorities: bool,
-                  out: list[dict] | None = None, done: Callable[[], None] = lambda: None) -> list[dict]:
-    """Every scenario on one running server: high alone, low alone, both at once. A scenario that fails (the
+                  out: list[dict] | None = None, done: Callable[[], None] = lambda: None,
+                  scenarios=SCENARIOS) -> list[dict]:
+    """The scenarios on one running server: high alone, low alone, both at once. A scenario that fails (the
     server died, a run wrote nothing) is kept as ``{"error": ...}`` and the next one is tried; ``done()`` is called
     after each scenario has been appended to ``out``."""
     out = [] if out is None else out
-    for name, high, low in SCENARIOS:
+    for name, high, low in scenarios:
         try:
             res = _scenario(opts, server, sampler, work, workload_path, name, high, low, priorities)
         except Exception as exc:  # reported: the scenarios that ran stand
@@ -141,7 +159,8 @@ def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str,
     print(f"== {name} ({'with' if priorities else 'without'} priorities)", flush=True)
     res: dict[str, Any] = {"scenario": name, "high": high, "low": low, "priorities": priorities}
     for key, column, users, n in (("high_alone", high, hu, n_high), ("low_alone", low, lu, n_low)):
-        cfg = _config(column, users, n, work / f"{tag}_{key}.json", urls, str(workload_path), opts)
+        cfg = _config(column, users, n, work / f"{tag}_{key}.json", urls, str(workload_path), opts,
+                      isolated=priorities)
         r = run_locust(cfg, work, opts.max_run_s, tag=f"{tag}_{key}")
         t0, t1 = r.window
         res[key] = _class_figures(summarize_run(r, server=server_figures(sampler, t0, t1)), r)
@@ -164,8 +183,11 @@ def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str,
     res["high_mixed"] = _class_figures(summarize_run(hr, server=server_figures(sampler, *hr.window)), hr)
     res["low_mixed"] = _class_figures(summarize_run(lr, server=server_figures(sampler, *lr.window)), lr)
     audio = sum(r.audio_s for x in (hr, lr) for r in x.records if r.ok)
-    res["machine"] = {**machine, "window_s": t1 - t0, "audio_s_per_s": audio / (t1 - t0) if t1 > t0 else math.nan,
-                      "requests_per_s": sum(len(x.records) for x in (hr, lr)) / (t1 - t0) if t1 > t0 else math.nan}
+    done_n = sum(r.ok for x in (hr, lr) for r in x.records)
+    span = t1 - t0 if t1 > t0 else math.nan
+    res["machine"] = {**machine, "window_s": t1 - t0, "audio_s_per_s": audio / span,
+                      "requests_per_s": sum(len(x.records) for x in (hr, lr)) / span,
+                      "completed_per_s": done_n / span, "load_avg": os.getloadavg()}
     return res
 
 
@@ -204,15 +226,18 @@ def mixed_markdown(report: dict[str, Any]) -> str:
                        f"{res[cls]} | {a['users']} | {pair(a)} | {pair(m)} | {_fmt(ratio, 2)} | "
                        f"{m['answered']} ({m['failures']}) | {_fmt(_num(m['longest_s']), 1)} |")
     out += ["", "## Machine during the mixed runs", "",
-            "| scenario | priorities | window s | audio s / s (both classes) | requests / s | "
-            "CPU (nv_cpu_utilization) | server processes' CPU | high p95 within 1.5x | every low answered | "
-            "longest low wait s |",
-            "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
+            "| scenario | priorities | window s | audio s / s (both classes) | completed requests / s | "
+            "CPU, whole machine (nv_cpu_utilization) | server processes' CPU (of all cores) | load average (1 min) | "
+            "high p95 within 1.5x | every low answered | longest low wait s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
     for res in _ok(report):
         m, t = res["machine"], targets(res)
+        done = m.get("completed_per_s", m["requests_per_s"])
+        load = m.get("load_avg")
         out.append(f"| {res['scenario']} | {'on' if res['priorities'] else 'off'} | {_fmt(m['window_s'])} | "
-                   f"{_fmt(_num(m['audio_s_per_s']), 2)} | {_fmt(_num(m['requests_per_s']), 3)} | "
+                   f"{_fmt(_num(m['audio_s_per_s']), 2)} | {_fmt(_num(done), 3)} | "
                    f"{_fmt(_num(m['cpu_triton']) * 100, 0, '%')} | {_fmt(_num(m['cpu_server']) * 100, 0, '%')} | "
+                   f"{_fmt(_num(load[0]), 1) if load else '-'} | "
                    f"{'met' if t['high_met'] else 'missed'} (x{_fmt(t['high_p95_ratio'], 2)}) | "
                    f"{'yes' if t['low_all_answered'] else 'NO'} | {_fmt(_num(t['low_longest_s']), 1)} |")
     out.append("")
@@ -233,13 +258,28 @@ def _num(v: Any) -> float:
 
 
 def plot_mixed(report: dict[str, Any], path: Path) -> Path:
-    """Per scenario: each class's p95 (first chunk for streams) alone and mixed, with and without priorities."""
+    """Per scenario: each class's p95 (first chunk for streams) alone and mixed, with and without the policy; below,
+    the machine during the mixed run: audio s / s, completed requests / s, server CPU and the longest low wait."""
     from .plots import _pyplot, _save
 
     plt = _pyplot()
     scen = _ok(report)
     names = list(dict.fromkeys(r["scenario"] for r in scen))
-    fig, axes = plt.subplots(1, max(1, len(names)), figsize=(6 * max(1, len(names)), 4.2), squeeze=False)
+    fig, axes = plt.subplots(2, max(1, len(names)), figsize=(6 * max(1, len(names)), 8.4), squeeze=False)
+    for ax, name in zip(axes[1], names, strict=False):
+        rows = [r for r in scen if r["scenario"] == name]
+        keys = (("audio_s_per_s", "audio s / s"), ("completed_per_s", "completed req / s"),
+                ("cpu_server", "server CPU (of all cores)"), ("longest", "longest low wait (s / 10)"))
+        for k, r in enumerate(rows):
+            m = r["machine"]
+            vals = [_num(m.get("audio_s_per_s")), _num(m.get("completed_per_s", m.get("requests_per_s"))),
+                    _num(m.get("cpu_server")), _num(r["low_mixed"]["longest_s"]) / 10]
+            ax.bar([i + 0.4 * k for i in range(len(keys))], vals, width=0.4, color="C2" if r["priorities"] else "C3",
+                   label=f"policy {'on' if r['priorities'] else 'off'}")
+        ax.set_xticks([i + 0.2 for i in range(len(keys))], [label for _, label in keys], fontsize=7)
+        ax.set_title(f"{name}: machine during the mixed run", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
     for ax, name in zip(axes[0], names, strict=False):
         rows = [r for r in scen if r["scenario"] == name]
         labels, vals, colors = [], [], []
@@ -288,11 +328,17 @@ def run_mixed(opts) -> dict[str, Any]:
     workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
     scenarios: list[dict[str, Any]] = []
     rendered = {}
-    for priorities in opts.mixed_policies:
-        label = "with" if priorities else "without"
-        work = out_dir / label
+    # one server without the policy for every scenario; with it, one per scenario (the policy names the high class)
+    servers = [(p, sc) for p in opts.mixed_policies for sc in ((SCENARIOS,) if not p else ((x,) for x in SCENARIOS))]
+    policies: dict[str, dict[str, Any]] = {}
+    for priorities, these in servers:
+        label = f"with-{these[0][1]}" if priorities else "without"
+        work = out_dir / "without" if not priorities else out_dir / "with" / these[0][1]
         work.mkdir(parents=True, exist_ok=True)
-        tunables = {"tts": "on", **opts.integrated_tunables, **(POLICY if priorities else {})}
+        chosen = policy(these[0][1]) if priorities else {}
+        if priorities:
+            policies[these[0][1]] = chosen
+        tunables = {"tts": "on", **opts.integrated_tunables, **chosen}
         saved, opts.integrated_tunables = opts.integrated_tunables, tunables
         try:
             repo, rendered[label] = render("integrated", opts, work / "model_repository")
@@ -307,7 +353,7 @@ def run_mixed(opts) -> dict[str, Any]:
         except Exception as exc:
             scenarios += [{"scenario": n, "high": h, "low": lo, "priorities": priorities,
                            "error": f"server did not start: {type(exc).__name__}: {str(exc)[-400:]}"}
-                          for n, h, lo in SCENARIOS]
+                          for n, h, lo in these]
             continue
         with server:
             sampler = ServerSampler(server.process.pid, server.metrics_url).start()
@@ -318,11 +364,11 @@ def run_mixed(opts) -> dict[str, Any]:
                     warm_up(column, "grpc", server.grpc_url, server.http_url, server.metrics_url, workload,
                             opts.model_dir, n=0)
                 run_scenarios(opts, server, sampler, work, wl_path, priorities=priorities, out=scenarios,
-                              done=functools.partial(_partial, out_dir, scenarios))
+                              done=functools.partial(_partial, out_dir, scenarios), scenarios=these)
             finally:
                 sampler.stop()
     report = {"mode": "mixed", "config_name": opts.name, "setup": setup, "options": asdict(opts),
-              "rendered": rendered, "scenarios": scenarios, "policy": POLICY,
+              "rendered": rendered, "scenarios": scenarios, "policy": policies,
               "policy_server_args": list(POLICY_SERVER_ARGS), "notes": list(dict.fromkeys(opts.notes))}
     report["plots"] = [str(plot_mixed(report, out_dir / "mixed.png"))]
     setup.update({"config": opts.name, "model": opts.model_dir, "workload": workload.describe(),

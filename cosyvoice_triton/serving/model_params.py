@@ -17,6 +17,8 @@ __all__ = ["MODEL_PARAMS"]
 _THREADS = Param("intra_op_threads", int, 1, "onnxruntime intra-op threads of this instance (0: all cores)")
 _TORCH_THREADS = Param("torch_threads", int, 1, "torch intra-op threads of this instance")
 _BLS_TIMEOUT = Param("bls_timeout_us", int, 0, "timeout of each BLS call in microseconds (0: none)")
+_NICE = Param("nice", int, 0, "CPU niceness of this instance's process, 0-19 (tunable task_nice on the models of the "
+              "low-priority task: the kernel then prefers the other task's processes; 0: unchanged)")
 _PROMPT_CACHE = (
     Param("prompt_cache_entries", int, 256, "prompts kept by content hash (cosyvoice_triton.prompt_cache; 0: off)"),
     Param("prompt_cache_mb", float, 64.0, "most MiB of arrays the prompt cache keeps (0: off)"),
@@ -39,6 +41,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("device", str, "cpu", "cpu or cuda[:N]"),
         _THREADS,
         _TORCH_THREADS,
+        _NICE,
     ),
     "preprocess": (
         Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: mel settings, sample rate)"),
@@ -47,6 +50,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("vad_trim", bool, False, "trim non-speech at both ends of source and prompt (needs silero-vad)"),
         Param("denoise_prompt", bool, False, "stationary spectral-gating noise reduction of the prompt"),
         *_PROMPT_CACHE,
+        _NICE,
     ),
     "flow": (
         Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: CFM settings)"),
@@ -57,6 +61,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
               "repository: cosyvoice_triton.serving.rollout), else their latest"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
+        _NICE,
     ),
     "hift": (
         Param("source_model", str, "hift_source", "the Triton model of the hift_source graph"),
@@ -66,12 +71,14 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("default_seed", int, 0, "seed of the NSF noise when a request gives none"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
+        _NICE,
     ),
     "postprocess": (
         Param("model_sample_rate", int, 24000, "rate of the vocoder's waveform"),
         *_OUTPUT,
         Param("output_format", str, "", "'' (no bytes), wav or flac: 16-bit file bytes in audio_bytes",
               ("", "wav", "flac")),
+        _NICE,
     ),
     "cosyvoice_tts_stream": (
         Param("model_dir", str, None, "the CosyVoice2 folder (llm.pt, CosyVoice-BlankEN/, cosyvoice2.yaml)"),
@@ -84,15 +91,19 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
         *_PROMPT_CACHE,
         Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
+        Param("stage_suffix", str, "", "appended to the names of the graphs and of flow / hift it calls ('_tts': "
+              "the TTS task's own copies, tunable task_isolation)"),
         *_OUTPUT,
         _BLS_TIMEOUT,
         _TORCH_THREADS,
+        _NICE,
     ),
     "cosyvoice_tts": (
         Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model each request is sent to"),
         Param("model_sample_rate", int, 24000, "rate of the stream model's waveform before post-processing"),
         *_OUTPUT,
         _BLS_TIMEOUT,
+        _NICE,
     ),
     "speakers": (
         Param("model_dir", str, None, "the CosyVoice2 folder (mel settings; CosyVoice-BlankEN/ for transcripts)"),

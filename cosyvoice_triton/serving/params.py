@@ -7,12 +7,14 @@ so a typo in a config fails the model's load with a message instead of being ign
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Param", "ParameterError", "config_parameters", "read_parameters"]
+__all__ = ["Param", "ParameterError", "config_parameters", "read_parameters", "set_niceness"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -79,3 +81,16 @@ def read_parameters(model_config: Mapping[str, Any] | str, params: Iterable[Para
         else:
             out[p.name] = p.default
     return out
+
+
+def set_niceness(nice: int) -> None:
+    """Raise the CPU niceness of every thread of this process to ``nice`` (0-19; 0: leave it). Linux keeps a
+    niceness per thread and a new thread inherits its creator's, so this is called first in ``initialize()``,
+    before the model starts its threads (onnxruntime, torch, the LM loop)."""
+    if nice <= 0:
+        return
+    nice = min(19, int(nice))
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))

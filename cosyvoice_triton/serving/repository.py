@@ -178,11 +178,32 @@ class Tunables:
     #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
     priority_levels: int = 0
     task_priority: Mapping[str, int] = field(default_factory=dict)
-    #: Triton's rate limiter (serve with ``--rate-limit=execution_count``): graph -> units of the resource
-    #: ``task_quota`` each of its instances needs per execution; the server has as many units as the largest need.
-    #: Graphs only: on a BLS stage (flow, hift) the limiter stalled Triton 2.51 (an execution holding the unit
-    #: waited for its callee, which the limiter no longer started: flow_estimator stopped; README).
+    #: Triton's rate limiter (serve with ``--rate-limit=execution_count``): model -> units of the resource
+    #: ``task_quota`` each of its instances needs per execution; the server has as many units as the largest need
+    #: (or ``--rate-limit-resource=task_quota:N``). Leaf models only (:data:`LEAF_MODELS`: the graphs, their TTS
+    #: copies, preprocess, postprocess): on a BLS stage (flow, hift) the limiter stalled Triton 2.51 (an execution
+    #: holding the unit waited for its callee, which the limiter no longer started: flow_estimator stopped; README).
     rate_limit: Mapping[str, int] = field(default_factory=dict)
+    #: The TTS task's own copies of the stages it shares with VC: ``<graph>_tts`` of the six graphs and
+    #: ``flow_tts`` / ``hift_tts`` (:data:`TASK_COPIES`), which ``cosyvoice_tts_stream`` calls instead of the
+    #: originals, so a TTS call never queues behind VC work at a stage (BLS calls carry no priority in Triton 2.51).
+    #: Off by default: a copy is one more Python stub process and one more copy of the weights per instance.
+    task_isolation: bool = False
+    #: The task whose models get priority level 1 by default when ``priority_levels`` is on: ``tts`` (the TTS entry
+    #: models and the TTS copies) or ``vc`` (every other model)
+    high_task: str = "tts"
+    #: Per-task quota: > 0 puts every leaf model of the task that is NOT ``high_task`` (its graphs, or the TTS copies;
+    #: VC also preprocess / postprocess) under the rate limiter, each instance needing 1 unit of ``task_quota``, so
+    #: that task runs at most this many leaf executions at once (serve with ``--rate-limit=execution_count`` and, for
+    #: a quota above 1, ``--rate-limit-resource=task_quota:N``); the high task's models are not rate limited.
+    #: Needs ``task_isolation`` (without copies the leaf models are shared and the quota would bind both tasks).
+    task_quota: int = 0
+    #: > 0: the CPU niceness (1-19) of the processes of the task that is not ``high_task``: its Python models
+    #: (graphs of flavor local, preprocess, flow, hift, postprocess; TTS: cosyvoice_tts_stream with its LM loop,
+    #: cosyvoice_tts, the copies) call ``os.setpriority`` in ``initialize()``, so when both tasks want the CPU the
+    #: kernel runs the high task first (the rate limiter does not see the LM loop or time outside ``execute``).
+    #: Needs ``task_isolation`` (a shared stage would be slowed for both tasks).
+    task_nice: int = 0
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -210,18 +231,30 @@ class Tunables:
         if self.output_format not in ("", "wav", "flac"):
             raise RenderError(f"tunable output_format must be '', wav or flac, got {self.output_format!r}")
         for model, n in self.instances.items():
-            if model not in (*GRAPHS, *SERVED_NAMES):
+            if model not in (*GRAPHS, *SERVED_NAMES, *TASK_COPIES):
                 raise RenderError(f"tunable instances: unknown model {model!r}")
             if int(n) < 1:
                 raise RenderError(f"tunable instances[{model!r}] must be >= 1, got {n}")
         if self.priority_levels == 1 or self.priority_levels < 0:
             raise RenderError(f"tunable priority_levels must be 0 (off) or >= 2, got {self.priority_levels}")
+        if self.high_task not in ("tts", "vc"):
+            raise RenderError(f"tunable high_task must be tts or vc, got {self.high_task!r}")
+        if self.task_quota < 0 or (self.task_quota and not self.task_isolation):
+            raise RenderError(f"tunable task_quota must be >= 0 and needs task_isolation=true (got task_quota="
+                              f"{self.task_quota}, task_isolation={self.task_isolation}): without the TTS copies the "
+                              "leaf models are shared and a quota on them would bind both tasks")
+        if not 0 <= self.task_nice <= 19 or (self.task_nice and not self.task_isolation):
+            raise RenderError(f"tunable task_nice must be in 0..19 and needs task_isolation=true, got task_nice="
+                              f"{self.task_nice}, task_isolation={self.task_isolation}")
         for tunable, limit in (("task_priority", self.priority_levels), ("rate_limit", 1 << 30)):
             for model, n in getattr(self, tunable).items():
-                if tunable == "rate_limit" and model not in GRAPHS:
-                    raise RenderError(f"tunable rate_limit: {model!r} is not a graph ({', '.join(GRAPHS)}): a "
-                                      "model that calls others must not hold the rate limiter's unit (it stalls)")
-                if model not in (*GRAPHS, *SERVED_NAMES):
+                if tunable == "rate_limit" and model not in LEAF_MODELS:
+                    raise RenderError(f"tunable rate_limit: {model!r} is not a graph or another leaf model "
+                                      f"({', '.join(LEAF_MODELS)}): a model that calls others must not hold the rate "
+                                      "limiter's unit (it stalls)")
+                if model in TASK_COPIES and not self.task_isolation:
+                    raise RenderError(f"tunable {tunable}: {model!r} is rendered only with task_isolation=true")
+                if model not in (*GRAPHS, *SERVED_NAMES, *TASK_COPIES):
                     raise RenderError(f"tunable {tunable}: unknown model {model!r}")
                 if not 1 <= int(n) <= limit:
                     raise RenderError(f"tunable {tunable}[{model!r}] must be in 1..{limit}, got {n}")
@@ -306,22 +339,65 @@ def _warmup_block(samples: Mapping[str, np.ndarray], batch: int) -> str:
             + "\n".join(inputs) + "\n  }\n]")
 
 
-#: The default priority level of the TTS entry models when ``priority_levels`` is on (the rest: the lowest level).
+#: The TTS entry models: priority level 1 by default when ``priority_levels`` is on and ``high_task`` is tts (the
+#: rest: the lowest level).
 HIGH_PRIORITY_MODELS = (TTS_STREAM_MODEL, TTS_MODEL)
+#: ``task_isolation``: the stages TTS shares with VC, copied for TTS under ``<name>`` + :data:`TASK_SUFFIX`.
+TASK_SUFFIX = "_tts"
+ISOLATED_STAGES = ("flow", "hift")
+TASK_COPIES = tuple(f"{m}{TASK_SUFFIX}" for m in (*GRAPHS, *ISOLATED_STAGES))
+#: Models that call no other model: the only ones the rate limiter may hold (no hold-and-wait).
+LEAF_MODELS = (*GRAPHS, *(f"{g}{TASK_SUFFIX}" for g in GRAPHS), "preprocess", "postprocess")
+
+
+def _tts_task(name: str) -> bool:
+    return name in HIGH_PRIORITY_MODELS or name in TASK_COPIES
 
 
 def _priority_lines(tun: Tunables, name: str) -> str:
     if not tun.priority_levels:
         return ""
-    default = tun.task_priority.get(name, 1 if name in HIGH_PRIORITY_MODELS else tun.priority_levels)
+    high = _tts_task(name) == (tun.high_task == "tts")
+    default = tun.task_priority.get(name, 1 if high else tun.priority_levels)
     return f"  priority_levels: {tun.priority_levels}\n  default_priority_level: {default}\n"
+
+
+#: ``task_quota``: the rate limiter's priority (a weight) of the low task's instances.
+LOW_TASK_RATE_PRIORITY = 1000
+#: The Python models that read the ``nice`` parameter (and the graphs of flavor local).
+NICE_MODELS = ("preprocess", "flow", "hift", "postprocess", TTS_STREAM_MODEL, TTS_MODEL)
+
+
+def _low_task(tun: Tunables, name: str) -> bool:
+    return _tts_task(name) == (tun.high_task == "vc")
+
+
+def _nice(tun: Tunables, name: str) -> dict[str, int]:
+    """The ``nice`` parameter of ``name`` (``task_nice`` on the low task's Python models), or nothing."""
+    base = name.removesuffix(TASK_SUFFIX) if name in TASK_COPIES else name
+    python = base in NICE_MODELS or base in GRAPHS
+    return {"nice": tun.task_nice} if tun.task_nice and python and _low_task(tun, name) else {}
+
+
+def _quota_need(tun: Tunables, name: str) -> int:
+    """Units of ``task_quota`` an instance of ``name`` needs: ``rate_limit``'s, else 1 for a leaf model of the task
+    that is not ``high_task`` when ``task_quota`` is on."""
+    if name in tun.rate_limit:
+        return int(tun.rate_limit[name])
+    return 1 if tun.task_quota and name in LEAF_MODELS and _low_task(tun, name) else 0
 
 
 def _instance_count(tun: Tunables, name: str, count: int) -> str:
     """The instance group's count, with the rate limiter's resource need of ``name`` when it has one."""
-    need = tun.rate_limit.get(name)
-    return str(count) if not need else (f'{count} rate_limiter {{ resources [ {{ name: "task_quota" count: {need} }} ] '
-                                        "}")
+    need = _quota_need(tun, name)
+    if not need:
+        return str(count)
+    # Triton 2.51 keeps the instances waiting for the limiter in ONE queue ordered by executions x priority and
+    # starts only its head: an unlimited (high task) instance behind a low instance waiting for its unit waits too
+    # (measured: flow_estimator_tts queued 262 ms per call under a VC flood). The low task's weight keeps it behind.
+    weight = f" priority: {LOW_TASK_RATE_PRIORITY}" if tun.task_quota and name not in tun.rate_limit else ""
+    return f'{count} rate_limiter {{ resources [ {{ name: "task_quota" count: {need} }} ]{weight} }}'
+
 
 
 #: The graphs that get ``response_cache { enable: true }`` when ``response_cache_mb`` > 0: the prompt side of
@@ -662,7 +738,8 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
             "max_waiting_requests": tun.max_waiting_requests, "wait_timeout_s": tun.tts_wait_timeout_s,
             "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
-            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx)}
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx),
+            "stage_suffix": TASK_SUFFIX if tun.task_isolation else ""}
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
@@ -847,7 +924,9 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             + (f", profile {profile}" if profile else "") + "): do not edit, edit the template and render again")
 
     def common(name: str) -> dict[str, Any]:
-        default = next((m.instances for m in SERVED_MODELS if m.name == name), 1)
+        original = name.removesuffix(TASK_SUFFIX) if name in TASK_COPIES else name  # a copy: as many by default
+        default = next((m.instances for m in SERVED_MODELS if m.name == original), 1)
+        default = tun.instances.get(original, default)
         return {"dynamic_batching": _dynamic_batching_block(tun, name),
                 "instance_count": _instance_count(tun, name, int(tun.instances.get(name, default)))}
 
@@ -875,6 +954,23 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         shutil.copy2(src, dst)
         files.append(dst)
 
+    has_tts = _has_tts(model_dir, tun)
+    isolate = tun.task_isolation
+    if isolate and (versions or not has_tts):
+        raise RenderError("task_isolation copies the stages TTS shares with VC: it needs the TTS models (tts=on or a "
+                          "folder with llm.pt) and no versions (a versioned render has no TTS models)")
+
+    def copy_for_tts(name: str, template: str, values: Mapping[str, Any], params: Mapping[str, Any],
+                     src: Path | None = None) -> None:
+        """The TTS task's copy of model ``name`` (``task_isolation``): its folder, config renamed, ``params`` with
+        the copy's own ``nice``."""
+        copy = f"{name}{TASK_SUFFIX}"
+        shutil.copytree(out / name, out / copy)
+        files.extend(p for p in (out / copy).rglob("*") if p.is_file() and p.name != "config.pbtxt")
+        own = {k: v for k, v in params.items() if k != "nice"} | (_nice(tun, copy) if params else {})
+        write(copy, template, {**values, **common(copy), "name": copy, "parameters": _parameters_block(own)}, src)
+        models[copy] = f"{models[name]}, the TTS task's copy (task_isolation)"
+
     # --- the six graphs
     graph_precisions: dict[str, str] = {}
     served_graphs: dict[int, dict[str, tuple[Path, str]]] = {v.number: {} for v in versions}
@@ -895,7 +991,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
                 served = "fp32 (torch)"
             params = {"graph": name, "runtime": runtime, "onnx_path": str(onnx_path) if runtime == "onnxruntime"
                       else "", "model_dir": str(model_dir) if runtime == "torch" else "", "device": tun.device,
-                      "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads}
+                      "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads,
+                      **_nice(tun, name)}
             if versions:
                 params["onnx_path"] = "model.onnx"  # in each version's folder
             python_code(name, templates / "graph")
@@ -924,20 +1021,22 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             samples, batch = graph_warmup_samples(name)
             files += _write_warmup(out / name, samples)
             warmup = _warmup_block(samples, batch)
-        write(name, "model_repository/graph/config.pbtxt.in", {
+        values = {
             **common(name), "name": name, "graph": name, "graph_doc": spec.doc, "flavor": flavor,
             "runtime_note": runtime_note, "backend": backend, "max_batch_size": spec.max_batch_size,
             "inputs": _io_block("input", spec.inputs, ragged=ragged), "outputs": _io_block("output", spec.outputs),
             "instance_kind": kind, "parameters": _parameters_block(params), "warmup": warmup,
-            "response_cache": _response_cache_block(tun, name)},
-              templates / "graph" / "config.pbtxt.in")
+            "response_cache": _response_cache_block(tun, name)}
+        template = templates / "graph" / "config.pbtxt.in"
+        write(name, "model_repository/graph/config.pbtxt.in", values, template)
+        if isolate:
+            copy_for_tts(name, "model_repository/graph/config.pbtxt.in", values, params, template)
         if versions:
             files += _graph_versions(out / name, name, flavor, versions, engine_dir, quality_report, tun,
                                      allow_missing, served_graphs)
 
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
-    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=_has_tts(model_dir, tun),
-                        engine_dir=engine_dir)
+    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=has_tts, engine_dir=engine_dir)
     for entry in SERVED_MODELS:
         if not entry.enabled(ctx) or (versions and entry.name in NOT_VERSIONED):
             continue
@@ -959,6 +1058,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             models[name] = entry.kind if entry.kind == "ensemble" else entry.doc.split(":")[0]
             continue
         params = dict(entry.parameters(ctx)) if entry.parameters else {}
+        if name in NICE_MODELS:
+            params.update(_nice(tun, name))
         if versions and name in VERSIONED:
             params["pin_graph_version"] = True
         declared = {p.name for p in MODEL_PARAMS.get(entry.params_key or name, ())}
@@ -971,17 +1072,23 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         if samples is not None:
             files += _write_warmup(out / name, samples)
             warmup = _warmup_block(samples, 1)
-        write(name, entry.template, {
+        values = {
             **common(name), "name": name, "stage_doc": f"{name}: {entry.doc}", "source": entry.folder,
             "max_batch_size": entry.max_batch_size,
             "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
             "outputs": _io_block("output", outputs), "parameters": _parameters_block(params),
             "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.decoupled else ""),
-            "warmup": warmup})
+            "warmup": warmup}
+        write(name, entry.template, values)
         python_code(name, src_dir)
         if versions and name in VERSIONED:
             files += _stage_versions(out / name, versions)
         models[name] = "python" + (" (decoupled)" if entry.decoupled else "")
+        if isolate and name in ISOLATED_STAGES:  # its callees: the TTS copies of the graphs
+            callees = {k: f"{v}{TASK_SUFFIX}" for k, v in params.items() if k.endswith("_model")}
+            copy_for_tts(name, entry.template, {
+                **values, "stage_doc": f"{name}{TASK_SUFFIX}: the TTS task's copy of {name} (task_isolation): "
+                                       f"{entry.doc}"}, {**params, **callees})
 
     marker = {"flavor": flavor, "profile": profile,
               "precision": dict(precision) if isinstance(precision, Mapping) else precision,

@@ -8,7 +8,7 @@ from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.flow import FlowSolver
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.params import read_parameters, set_niceness
 from cosyvoice_triton.shapes import STAGES
 
 INPUTS = [t.name for t in STAGES["flow"].inputs]
@@ -17,6 +17,7 @@ INPUTS = [t.name for t in STAGES["flow"].inputs]
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["flow"], model=args["model_name"])
+        set_niceness(p["nice"])  # tunable task_nice: before this instance starts its threads
         torch.set_num_threads(p["torch_threads"])
         config = ModelConfig.from_yaml(f"{p['model_dir']}/cosyvoice2.yaml")
         self.solver = FlowSolver(config.flow.cfm, token_mel_ratio=config.token_mel_ratio,

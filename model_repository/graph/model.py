@@ -11,12 +11,13 @@ from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.graphs import GraphRunner
 from cosyvoice_triton.serving.metrics import FallbackMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.params import read_parameters, set_niceness
 
 
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["graph"], model=args["model_name"])
+        set_niceness(p["nice"])  # tunable task_nice: before this instance starts its threads
         if p["runtime"] == "torch":
             import torch
 

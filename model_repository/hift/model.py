@@ -6,13 +6,14 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.params import read_parameters, set_niceness
 from cosyvoice_triton.serving.vocoder import HiftRunner
 
 
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["hift"], model=args["model_name"])
+        set_niceness(p["nice"])  # tunable task_nice: before this instance starts its threads
         torch.set_num_threads(p["torch_threads"])
         self.default_seed = p["default_seed"]
         self.runner = HiftRunner()

@@ -8,7 +8,7 @@ from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.frontend import Preprocessor, utterances_for
 from cosyvoice_triton.serving.metrics import SpeechMetrics
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.params import read_parameters, set_niceness
 from cosyvoice_triton.shapes import STAGES
 
 INPUTS = [t.name for t in STAGES["preprocess"].inputs]
@@ -17,6 +17,7 @@ INPUTS = [t.name for t in STAGES["preprocess"].inputs]
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["preprocess"], model=args["model_name"])
+        set_niceness(p["nice"])  # tunable task_nice: before this instance starts its threads
         config = ModelConfig.from_yaml(f"{p['model_dir']}/cosyvoice2.yaml")
         self.pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=p["min_seconds"],
                                 max_seconds=p["max_seconds"], vad_trim=p["vad_trim"],

@@ -1216,6 +1216,9 @@ def _graph_versions(model: Path, name: str, flavor: str, versions: Sequence[Vers
             if src.is_file():
                 check_onnx_io(src, name)
             dst, precision = folder / "model.onnx", src.parent.name if src.is_file() else asked
+            fp32 = onnx_dir / "fp32" / f"{name}.onnx"
+            if flavor == "local" and precision != "fp32" and fp32.is_file():  # graphs.py's fallback, by version
+                files.append(_place(fp32, folder / "fallback.onnx", allow_missing))
         files.append(_place(src, dst, allow_missing))
         if code_text is not None:
             (folder / "model.py").write_bytes(code_text)

@@ -81,10 +81,17 @@ def _start_locust(cfg: RunConfig, work: Path, max_run_s: float) -> tuple[subproc
     return proc, log
 
 
-def _finish(proc: subprocess.Popen, cfg: RunConfig, log: Path, timeout: float) -> RunResult:
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+def _finish(proc: subprocess.Popen, cfg: RunConfig, log: Path, timeout: float, grace: float = 30.0) -> RunResult:
+    """Wait for the flood's Locust to write its result and exit; a process still alive ``grace`` seconds after its
+    result is written is killed (a TTS-stream flood's Locust hung on exit after SIGTERM, its result saved)."""
+    deadline, written = time.monotonic() + timeout, None
+    while proc.poll() is None and time.monotonic() < deadline:
+        if written is None and Path(cfg.out).is_file():
+            written = time.monotonic()
+        if written is not None and time.monotonic() - written > grace:
+            break
+        time.sleep(0.5)
+    if proc.poll() is None:
         proc.kill()
         proc.wait()
     if not Path(cfg.out).is_file():
@@ -107,19 +114,25 @@ def _config(column: str, users: int, requests: int, out: Path, urls: dict[str, s
                      chunk_model=chunk_model)
 
 
-def _wait_for_flood(metrics_url: str, model: str, proc: subprocess.Popen, *, timeout: float) -> None:
-    """Until the flood has finished a request (its public model's success counter moved): the steady class's
-    measured window then starts with the flood running."""
+def _flood_count(metrics_url: str, model: str) -> float:
     from .metrics import scrape
 
-    def count() -> float:
-        return sum(x.value for x in scrape(metrics_url)
-                   if x.name == "nv_inference_request_success" and x.labels.get("model") == model)
+    return sum(x.value for x in scrape(metrics_url)
+               if x.name == "nv_inference_request_success" and x.labels.get("model") == model)
 
-    start, deadline = count(), time.monotonic() + timeout
-    while count() <= start:
+
+def _wait_for_flood(metrics_url: str, model: str, proc: subprocess.Popen, *, timeout: float, n: int = 1,
+                    start: float | None = None) -> None:
+    """Until the flood has finished ``n`` requests since ``start`` (its public model's success counter; default:
+    from now). Before the steady class: ``n`` = its users, whose first requests the flood's measuring waits for,
+    so the steady class's window starts with the flood measured; after it: the flood's users again, so every class
+    has measured requests even when the steady class is much quicker than one flood request."""
+    start = _flood_count(metrics_url, model) if start is None else start
+    deadline = time.monotonic() + timeout
+    while _flood_count(metrics_url, model) < start + n:
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the flood ({model}) finished no request (Locust exit code {proc.poll()})")
+            raise RuntimeError(f"the flood ({model}) finished fewer than {n} requests (Locust exit code "
+                               f"{proc.poll()})")
         time.sleep(0.5)
 
 
@@ -170,10 +183,14 @@ def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str,
                    alone=False)
     proc, log = _start_locust(lcfg, work, opts.max_run_s)
     try:
-        _wait_for_flood(urls["metrics"], lcfg.check_model, proc, timeout=opts.max_run_s)
+        _wait_for_flood(urls["metrics"], lcfg.check_model, proc, timeout=opts.max_run_s, n=lu)
+        time.sleep(2.0)  # the flood's measuring starts once its statistics have settled
         hcfg = _config(high, hu, n_high, work / f"{tag}_high_mixed.json", urls, str(workload_path), opts,
                        alone=False)
+        flood_at_start = _flood_count(urls["metrics"], lcfg.check_model)
         hr = run_locust(hcfg, work, opts.max_run_s, tag=f"{tag}_high_mixed")
+        _wait_for_flood(urls["metrics"], lcfg.check_model, proc, timeout=opts.max_run_s, n=lu,
+                        start=flood_at_start)
     finally:
         proc.send_signal(signal.SIGTERM)  # users finish the request they are in (--stop-timeout)
     lr = _finish(proc, lcfg, log, timeout=opts.max_run_s + 900)
@@ -200,7 +217,8 @@ def _p95(c: dict[str, Any]) -> float:
 def targets(res: dict[str, Any]) -> dict[str, Any]:
     ratio = _p95(res["high_mixed"]) / _p95(res["high_alone"]) if _p95(res["high_alone"]) else math.nan
     low = res["low_mixed"]
-    return {"high_p95_ratio": ratio, "high_met": bool(ratio <= 1.5), "low_all_answered": low["failures"] == 0,
+    answered = low["failures"] == 0 and 0 < low.get("answered", 1) == low.get("started", low.get("answered", 1))
+    return {"high_p95_ratio": ratio, "high_met": bool(ratio <= 1.5), "low_all_answered": answered,
             "low_longest_s": low["longest_s"]}
 
 

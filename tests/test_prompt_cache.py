@@ -285,6 +285,11 @@ def test_response_cache_rendered_on_the_prompt_graphs_and_passed_to_the_server(d
         assert all("response_cache" not in (repo / g / "config.pbtxt").read_text() for g in RESPONSE_CACHE_GRAPHS)
         assert response_cache_flags(repo, inst) == []
     assert response_cache_flags(tmp_path, inst) == []  # not a rendered repository
+    default = render_repository("local", tmp_path / "default", model_dir=demo_dir, allow_missing=True,
+                                tts="off").out_dir
+    # opt in only: Triton 2.51 caches error answers too (a refused request's bytes would later get an empty success)
+    assert all("response_cache" not in (default / g / "config.pbtxt").read_text() for g in RESPONSE_CACHE_GRAPHS)
+    assert response_cache_flags(default, inst) == []
 
 
 def test_repeated_speaker_load_test_plan_and_figures():

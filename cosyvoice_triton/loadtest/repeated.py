@@ -44,7 +44,8 @@ from .report import latency_summary
 __all__ = ["MODES", "counts", "make_prompts", "plan_requests", "render_markdown", "run_prompt_cache"]
 
 #: Render tunables of each server besides the integrated column's.
-MODES: dict[str, dict[str, Any]] = {"on": {}, "off": {"prompt_cache_entries": 0, "response_cache_mb": 0}}
+MODES: dict[str, dict[str, Any]] = {"on": {"response_cache_mb": 64},
+                                    "off": {"prompt_cache_entries": 0, "response_cache_mb": 0}}
 #: The models whose statistics the report reads.
 COUNTED = ("speech_tokenizer", "speaker_encoder", "preprocess", VC_MODEL)
 

@@ -149,8 +149,9 @@ class Tunables:
     prompt_cache_mb: float = 64.0  # preprocess, speakers: most MiB the prompt cache keeps
     #: Triton's response cache on the prompt-side graphs (:data:`RESPONSE_CACHE_GRAPHS`): MiB of the server's local
     #: cache (``--cache-config local,size=...``, which :class:`~.server.TritonServer` passes from the marker); a
-    #: repeated prompt's tokenizer and CAM++ requests are answered from it without running the graphs (0: off)
-    response_cache_mb: float = 64.0
+    #: repeated prompt's tokenizer and CAM++ requests are answered from it without running the graphs (0: off, the
+    #: default: Triton 2.51 caches error responses too, model_repository/README.md "Repeated prompts")
+    response_cache_mb: float = 0.0
     default_seed: int = 0
     output_sample_rate: int = 0
     loudness_lufs: float = 0.0

@@ -71,7 +71,10 @@ def test_in_process_target_takes_the_faster_library_side_with_its_own_parity():
     fig["parity"]["library_onnx_vs_official"] = 5e-4
     lib = peer.summarize(fig)["targets"]["library_vs_official"]
     assert lib["value"] == pytest.approx(11 / 4) and lib["met"] is True and lib["reason"] == "met"
-    fig["parity"]["library_onnx_vs_official"] = 0.3  # faster but a different output: not a win
+    fig["parity"]["library_onnx_vs_official"] = 0.3  # faster but a different output: the side at parity counts
+    lib = peer.summarize(fig)["targets"]["library_vs_official"]
+    assert lib["value"] == pytest.approx(11 / 6) and lib["met"] is True
+    fig["parity"]["library_vs_official"] = 0.2  # neither at parity: the fastest, reported with its parity
     lib = peer.summarize(fig)["targets"]["library_vs_official"]
     assert lib["met"] is False and "side library_onnx" in lib["reason"] and "3.0e-01" in lib["reason"]
     assert "library_onnx" in peer.format_table(peer.summarize(fig))

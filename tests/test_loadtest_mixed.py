@@ -6,6 +6,7 @@ checked for where they come from, never for speed."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import soundfile as sf
@@ -85,6 +86,32 @@ def test_policy_renders_the_tts_copies_and_the_low_task_quota(tmp_path, high):
     assert "default_priority_level: 2" in (repo / ("flow" if tts_high else "flow_tts") / "config.pbtxt").read_text()
 
 
+def test_every_launcher_turns_the_rate_limiter_on_for_a_rate_limited_repository(tmp_path):
+    """Without --rate-limit Triton ignores the rendered rate_limiter blocks (the quota would silently be off under
+    make serve or the supervisor); a quota above 1 needs the resource's count on the command line."""
+    from cosyvoice_triton.serving.repository import render_repository
+    from cosyvoice_triton.serving.server import TritonServer, rate_limit_flags
+
+    def render(name, **tunables):
+        return render_repository("local", tmp_path / name, model_dir=tmp_path / "none", onnx_dir=tmp_path / "none",
+                                 allow_missing=True, tts="on", **tunables).out_dir
+
+    one = render("one", **policy("tts_stream"))
+    two = render("two", **{**policy("tts_stream"), "task_quota": 2})
+    by_hand = render("by_hand", rate_limit={"flow_estimator": 1})
+    plain = render("plain")
+    assert rate_limit_flags(one) == ["--rate-limit=execution_count"]
+    assert rate_limit_flags(two) == ["--rate-limit=execution_count", "--rate-limit-resource=task_quota:2"]
+    assert rate_limit_flags(by_hand) == ["--rate-limit=execution_count"]
+    assert rate_limit_flags(plain) == [] and rate_limit_flags(tmp_path) == []
+    try:
+        cmd = TritonServer(two).command()
+    except Exception as exc:  # no tritonserver installed: the flags above are what command() appends
+        pytest.skip(f"no Triton installation to build a command line: {exc}")
+    assert "--rate-limit=execution_count" in cmd and "--rate-limit-resource=task_quota:2" in cmd
+    assert sum(a.startswith("--rate-limit=") for a in TritonServer(two, extra_args=["--rate-limit=off"]).command()) == 1
+
+
 @pytest.mark.timeout(2400)  # 3 server starts and 9 short Locust runs: minutes, many more on a shared loaded machine
 def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
     require_live_loadtest()
@@ -135,3 +162,33 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
         assert res["machine"]["audio_s_per_s"] > 0 and res["machine"]["cpu_server"] > 0
     md = (out / "report.md").read_text()
     assert "## Per class: alone and mixed" in md and (out / "mixed.png").is_file()
+
+
+def test_set_niceness_lowers_every_thread_of_the_process_never_raises_it():
+    """task_nice's effect in a model process (here a child process, so this test's own priority is left alone):
+    threads started before the call are reniced too, a later thread inherits it, and a lower value never raises
+    the priority back."""
+    script = (
+        "import os, threading\n"
+        "from cosyvoice_triton.serving.params import set_niceness\n"
+        "ready, stop, seen = threading.Event(), threading.Event(), {}\n"
+        "def early():\n"
+        "    seen['early_tid'] = threading.get_native_id(); ready.set(); stop.wait()\n"
+        "t = threading.Thread(target=early); t.start(); ready.wait()\n"
+        "set_niceness(7)\n"
+        "seen['early'] = os.getpriority(os.PRIO_PROCESS, seen['early_tid'])\n"
+        "seen['main'] = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "later = threading.Thread(target=lambda: seen.__setitem__('later', os.getpriority(os.PRIO_PROCESS, 0)))\n"
+        "later.start(); later.join()\n"
+        "set_niceness(3)\n"
+        "seen['after_lower_value'] = os.getpriority(os.PRIO_PROCESS, 0)\n"
+        "stop.set(); t.join()\n"
+        "print(seen['main'], seen['early'], seen['later'], seen['after_lower_value'])\n")
+    import subprocess
+    import sys
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    main, early, later, after = map(int, out.stdout.split())
+    want = max(7, base)
+    assert (main, early, later, after) == (want, want, want, want)

@@ -92,7 +92,7 @@ def test_seed_input_and_parameter(http, speech, served):
 
 def _counts(client, model):
     """(inferences executed, executions, requests answered from Triton's response cache): ``inference_count``
-    leaves the cache hits out (the prompt-side graphs have the response cache on by default)."""
+    leaves the cache hits out (when a render turns the response cache on for the prompt-side graphs)."""
     s = client.statistics(model)["model_stats"][0]
     hits = int(s.get("inference_stats", {}).get("cache_hit", {}).get("count", 0))
     return int(s["inference_count"]), int(s["execution_count"]), hits

@@ -124,6 +124,8 @@ def test_priority_levels_from_configs_and_bad_priorities():
     step = {"preprocess": 3, "speech_tokenizer": 2}
     ensemble = {"ensemble_scheduling": {"step": [{"model_name": "preprocess"}, {"model_name": "speech_tokenizer"}]}}
     assert config_priority_levels(ensemble, step.__getitem__) == 2  # the fewest levels among its steps
+    unread = {"preprocess": 3, "speech_tokenizer": None}  # a step's config could not be read
+    assert config_priority_levels(ensemble, unread.__getitem__) is None  # unknown: the priority goes unchecked
     assert config_priority_levels({"dynamic_batching": {"priority_levels": "2"}}) == 2  # JSON uint64: a string
     assert config_priority_levels({"dynamic_batching": {}}) == 0
     assert config_priority_levels({}) == 0

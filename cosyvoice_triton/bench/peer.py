@@ -152,9 +152,16 @@ def summarize(result: dict) -> dict:
         return "; ".join(parts)
 
     measured = [side for side in IN_PROCESS if "median_s" in rows.get(side, {})]
-    lib_side = min(measured, key=lambda side: rows[side]["median_s"]) if measured else "library"
+
+    def at_parity(side: str) -> bool:
+        value = parity.get(f"{side}_vs_official")
+        return value is not None and value <= PARITY_BAR
+
+    # the fastest in-process side at parity with the official output; else the fastest (reported as not at parity)
+    candidates = [side for side in measured if at_parity(side)] or measured
+    lib_side = min(candidates, key=lambda side: rows[side]["median_s"]) if candidates else "library"
     lib_parity = parity.get(f"{lib_side}_vs_official")
-    lib_ok = lib_parity is not None and lib_parity <= PARITY_BAR
+    lib_ok = at_parity(lib_side)
     targets = {
         "library_vs_official": target(
             "library_vs_official", speed(lib_side) if official else None, lib_ok,

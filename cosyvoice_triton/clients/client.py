@@ -119,18 +119,21 @@ def _priority_value(priority) -> int:
     return int(priority)
 
 
-def config_priority_levels(config: Mapping[str, Any], step_levels=None) -> int:
+def config_priority_levels(config: Mapping[str, Any], step_levels=None) -> int | None:
     """The priority levels a model config (Triton's JSON form) declares: its ``dynamic_batching.priority_levels``
     (0: none); an ensemble, which has no scheduler of its own and passes the request's priority on to its steps: the
-    fewest levels among its steps that have any (``step_levels(model_name)`` gives a step's)."""
+    fewest levels among its steps that have any (``step_levels(model_name)`` gives a step's; ``None``, unknown, when
+    a step's is unknown: its config could not be read)."""
     batching = config.get("dynamic_batching")
     if batching is not None:
         return int(batching.get("priority_levels", 0) or 0)
     steps = (config.get("ensemble_scheduling") or {}).get("step") or []
     if not steps or step_levels is None:
         return 0
-    levels = [int(step_levels(step["model_name"])) for step in steps]
-    return min((n for n in levels if n > 0), default=0)
+    levels = [step_levels(step["model_name"]) for step in steps]
+    if any(n is None for n in levels):
+        return None
+    return min((int(n) for n in levels if int(n) > 0), default=0)
 
 
 def _check_levels(model: str, priority: int, levels: int | None) -> None:
@@ -573,8 +576,7 @@ class VCClient:
             levels = None
             if _admin_key(self.admin_key):
                 try:
-                    levels = config_priority_levels(self._model_config(model),
-                                                    lambda step: self.priority_levels(step) or 0)
+                    levels = config_priority_levels(self._model_config(model), self.priority_levels)
                 except Exception as exc:  # not checkable: the priority goes as it is
                     log.info("priority levels of %s unknown (%s: %s)", model, type(exc).__name__, exc)
             self._levels[model] = levels
@@ -907,7 +909,7 @@ class AsyncVCClient:
                 try:
                     config = await self._model_config(model)
                     steps = [st["model_name"] for st in (config.get("ensemble_scheduling") or {}).get("step") or []]
-                    known = {m: (await self.priority_levels(m)) or 0 for m in dict.fromkeys(steps)}
+                    known = {m: await self.priority_levels(m) for m in dict.fromkeys(steps)}
                     levels = config_priority_levels(config, known.__getitem__)
                 except Exception as exc:
                     log.info("priority levels of %s unknown (%s: %s)", model, type(exc).__name__, exc)

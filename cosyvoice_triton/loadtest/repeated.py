@@ -6,13 +6,13 @@ recordings, drawn at random (seeded), so after the first request of each speaker
 Every source is made unique per request (the workload's sources rotated and scaled by a per-request gain), so a hit
 can only come from the prompt: a repeated source would hit Triton's response cache too and overstate the gain.
 
-Two servers of the same repository render run side by side: ``on`` (the defaults: ``preprocess``'s prompt cache and
-Triton's response cache on ``speech_tokenizer`` / ``speaker_encoder``) and ``off`` (``prompt_cache_entries=0``,
-``response_cache_mb=0``). Both get the same requests in the same order, in four phases ``on, off, off, on`` (half of
-the requests each time), ``users`` requests in flight (closed loop, HTTP), so load from elsewhere on the machine falls
-on both alike. Before the phases each server converts two sources in the voice of a prompt that is not among the
-``K`` (warm-up: the first requests load and warm the models), so the measured window starts with every speaker
-unseen and includes the ``K`` misses.
+Two servers of the same repository render run side by side: ``on`` (``preprocess``'s prompt cache, on by default,
+and Triton's response cache on ``speech_tokenizer`` / ``speaker_encoder``, opt-in: ``response_cache_mb=64``) and
+``off`` (``prompt_cache_entries=0``, ``response_cache_mb=0``). Both get the same requests in the same order, in four
+phases ``on, off, off, on`` (half of the requests each time), ``users`` requests in flight (closed loop, HTTP), so
+load from elsewhere on the machine falls on both alike. Before the phases each server converts two sources in the
+voice of a prompt that is not among the ``K`` (warm-up: the first requests load and warm the models), so the
+measured window starts with every speaker unseen and includes the ``K`` misses.
 
 Figures per mode: latency mean / p50 / p95, throughput (requests over the phases' wall time), and from Triton's
 statistics API over the phases: inferences of ``speech_tokenizer`` and ``speaker_encoder`` per request, their

@@ -60,6 +60,7 @@ __all__ = [
     "find_installation",
     "free_ports",
     "prepare_backends",
+    "rate_limit_flags",
     "response_cache_flags",
 ]
 
@@ -217,6 +218,27 @@ def response_cache_flags(model_repository: str | Path, installation: TritonInsta
     return [f"--cache-config=local,size={size}", f"--cache-directory={installation.root / 'caches'}"]
 
 
+def rate_limit_flags(model_repository: str | Path) -> list[str]:
+    """``--rate-limit=execution_count`` (and ``--rate-limit-resource=task_quota:N`` for a quota above 1) when the
+    rendered repository's marker has rate-limited models (tunables ``task_quota`` > 0 or ``rate_limit``): without the
+    flag Triton ignores the configs' ``rate_limiter`` blocks, and without the resource flag a quota of N acts as the
+    largest single need; ``[]`` otherwise or for a repository that was not rendered by cosyvoice_triton."""
+    import json
+
+    try:
+        tunables = json.loads((Path(model_repository) / "cosyvoice_repository.json").read_text()).get("tunables", {})
+        quota = int(tunables.get("task_quota") or 0)
+        limits = dict(tunables.get("rate_limit") or {})
+    except (OSError, ValueError, TypeError, AttributeError):
+        return []
+    if quota <= 0 and not limits:
+        return []
+    flags = ["--rate-limit=execution_count"]
+    if quota > 1:
+        flags.append(f"--rate-limit-resource=task_quota:{quota}")
+    return flags
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct TCP ports that are free on ``host`` right now (bound to port 0 and released)."""
     socks, ports = [], []
@@ -347,6 +369,8 @@ class TritonServer:
                     f"--grpc-restricted-protocol={apis}:{ADMIN_HEADER}={self.admin_key}"]
         if not any(a.startswith("--cache-config") for a in self.extra_args):
             cmd += response_cache_flags(self.model_repository, inst)
+        if not any(a.startswith("--rate-limit") for a in self.extra_args):
+            cmd += rate_limit_flags(self.model_repository)
         return cmd + self.extra_args
 
     @property

@@ -74,7 +74,8 @@ def test_dynamic_batching_off_renders_no_batcher_and_batching_on_keeps_the_queue
 def test_plain_profile_is_the_pytorch_fp32_local_flavor(demo_dir, tmp_path):
     report = render_repository("local", tmp_path / "plain", model_dir=demo_dir, onnx_dir=tmp_path,
                                allow_missing=True, profile="plain")
-    assert dict(PLAIN_TUNABLES) == {"dynamic_batching": False, "runtime": "torch", "response_cache_mb": 0.0}
+    assert dict(PLAIN_TUNABLES) == {"dynamic_batching": False, "runtime": "torch", "response_cache_mb": 0.0,
+                                    "graph_cache_mb": 0.0}
     assert "profile plain" in report.describe() and report.profile == "plain"
     marker = json.loads((report.out_dir / MARKER).read_text())
     assert marker["profile"] == "plain" and marker["precision"] == "fp32"

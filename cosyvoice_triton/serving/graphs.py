@@ -25,11 +25,21 @@ counted in :data:`FALLBACK_COUNTS` by graph and outcome (``served`` / ``failed``
 counter ``cosyvoice_fallbacks_total`` (:class:`~.metrics.FallbackMetrics`). In a versioned repository (``render.py
 --version``) a version's graph is ``<graph>/<N>/model.onnx``; the render puts the fp32 file of a reduced-precision
 version beside it as ``fallback.onnx``, which the graph model passes as ``fallback``.
+
+**Result cache** (``cache_mb`` > 0; the served prompt-side graphs: tunable ``graph_cache_mb``). :meth:`run_items`
+answers a request whose inputs it has answered before from the stored outputs (copies), without running it; the
+other requests are batched and run as without the cache. The key (:func:`result_key`) is a BLAKE2b digest of the
+graph's name and every input's name, dtype, shape and bytes (after the request's checks). Only successful answers of
+the graph itself are stored: a refused request (its input failed the checks), a failed call and an answer served on
+the fallback graph are never kept, so a later identical request is checked and run again. The store is a
+:class:`~cosyvoice_triton.prompt_cache.PromptCache` (a thread-safe LRU bounded by bytes); ``on_cache(result, n)``
+(result ``hit`` / ``miss``) is told the counts of each :meth:`run_items` call (the metrics export).
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -39,13 +49,14 @@ import numpy as np
 
 from ..errors import CosyVoiceError
 from ..frontend.speech_models import speech_token_count
+from ..prompt_cache import PromptCache
 from ..shapes import GRAPHS, GraphSpec
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
 
 __all__ = ["BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes", "check_request", "check_values",
-           "fallback_counts"]
+           "fallback_counts", "result_key"]
 
 #: How each graph batches requests of different lengths (see the module docstring).
 BATCH_POLICY: Mapping[str, str] = {
@@ -145,6 +156,19 @@ def check_values(spec: GraphSpec, feeds: Mapping[str, np.ndarray], sizes: Mappin
                                    f"request's {t.length_of} axis)")
 
 
+def result_key(graph: str, spec: GraphSpec, feeds: Mapping[str, np.ndarray]) -> str:
+    """Hex BLAKE2b digest of a request to ``graph``: its name, then each input of ``spec`` (name, dtype, shape,
+    bytes of the C-contiguous array), in the spec's order."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(graph.encode("utf-8") + b"\x1e")
+    for t in spec.inputs:
+        x = np.ascontiguousarray(feeds[t.name])
+        h.update(f"{t.name}\x1f{x.dtype.str}\x1f{x.shape}\x1e".encode())
+        h.update(memoryview(x).cast("B") if x.size else b"")
+        h.update(b"\x1d")
+    return h.hexdigest()
+
+
 def check_request(spec: GraphSpec, feeds: Mapping[str, np.ndarray], *, max_batch: int | None = None
                   ) -> tuple[dict[str, int], dict[str, np.ndarray]]:
     """One request checked against the spec before it may share a batch: ``(axis sizes, contiguous feeds)``.
@@ -172,12 +196,16 @@ class GraphRunner:
             input's; ``"auto"`` (default): see the module docstring; None: no fallback.
         on_fallback: called with ``"served"`` or ``"failed"`` for every request sent to the fallback (the metrics
             export); its own failure is logged, never the request's.
+        cache_mb: MiB of the result cache of :meth:`run_items` (0: none; see the module docstring).
+        on_cache: called as ``on_cache("hit" | "miss", n)`` after each :meth:`run_items` call with a count > 0 (the
+            metrics export); its own failure is logged, never the requests'.
     """
 
     def __init__(self, name: str, *, onnx_path: str | Path | None = None, runtime: str = "onnxruntime",
                  model_dir: str | Path | None = None, device: str = "cpu", intra_op_threads: int = 1,
                  policy: str | None = None, fallback: str | Path | None = "auto",
-                 on_fallback: Callable[[str], None] | None = None):
+                 on_fallback: Callable[[str], None] | None = None, cache_mb: float = 0.0,
+                 on_cache: Callable[[str, int], None] | None = None):
         if name not in GRAPHS:
             raise ValueError(f"unknown graph {name!r} (one of {', '.join(GRAPHS)})")
         if runtime not in RUNTIMES:
@@ -204,6 +232,11 @@ class GraphRunner:
         self._fallback: GraphRunner | None = None
         self.on_fallback = on_fallback
         self._threads = intra_op_threads
+        if cache_mb < 0:
+            raise ValueError(f"{name}: cache_mb must be >= 0 (0: no result cache), got {cache_mb}")
+        # bounded by bytes; the entry bound is only a backstop (an entry is at least a few hundred bytes)
+        self.cache = PromptCache(max_entries=1 << 20, max_bytes=int(cache_mb * (1 << 20))) if cache_mb > 0 else None
+        self.on_cache = on_cache
         log.info("%s: %s on %s, %s batching%s", name, runtime, device, self.policy,
                  f"; fallback {self.fallback_path}" if self.fallback_path else "")
 
@@ -292,6 +325,10 @@ class GraphRunner:
                 sizes.append(None)
                 feeds.append(None)
         good = [i for i, s in enumerate(sizes) if s is not None]
+        keys: dict[int, str] = {}
+        if self.cache is not None:
+            good = self._cached(good, feeds, results, keys)
+        fell_back: set[int] = set()
         if self.policy == "pad":
             groups = [good]
         else:  # equal lengths (every non-batch axis) per call
@@ -301,22 +338,53 @@ class GraphRunner:
         rows = [s["batch"] if s else 0 for s in sizes]
         for group in groups:
             for chunk in chunks_by_rows(group, rows, self.max_batch):
-                for i, res in zip(chunk, self._run_isolated(chunk, feeds, sizes), strict=True):
+                for i, res in zip(chunk, self._run_isolated(chunk, feeds, sizes, fell_back), strict=True):
                     results[i] = res
+        if self.cache is not None:
+            for i, key in keys.items():  # the graph's own successful answers only
+                if results[i].ok and i not in fell_back:
+                    self.cache.put(key, results[i].value)
         return results
 
-    def _run_isolated(self, chunk: list[int], feeds: list, sizes: list) -> list[ItemResult[dict[str, np.ndarray]]]:
-        """One call for the chunk; if it raises, each item alone, so that one item's failure is its own."""
+    def _cached(self, good: list[int], feeds: list, results: list, keys: dict[int, str]) -> list[int]:
+        """Answer the checked requests ``good`` found in the cache (into ``results``); the others' keys go into
+        ``keys``; returns the indices still to run."""
+        todo = []
+        for i in good:
+            key = result_key(self.name, self.spec, feeds[i])
+            entry = self.cache.get(key)
+            if entry is None:
+                keys[i] = key
+                todo.append(i)
+            else:  # copies: the stored arrays are read-only and shared
+                results[i] = ItemResult({k: np.array(v, copy=True) for k, v in entry.items()})
+        self._report_cache("hit", len(good) - len(todo))
+        self._report_cache("miss", len(todo))
+        return todo
+
+    def _report_cache(self, result: str, n: int) -> None:
+        if n and self.on_cache is not None:
+            try:
+                self.on_cache(result, n)
+            except Exception as exc:
+                log.warning("%s: on_cache(%r, %d) failed: %s: %s", self.name, result, n, type(exc).__name__, exc)
+
+    def _run_isolated(self, chunk: list[int], feeds: list, sizes: list, fell_back: set[int] | None = None
+                      ) -> list[ItemResult[dict[str, np.ndarray]]]:
+        """One call for the chunk; if it raises, each item alone, so that one item's failure is its own. The items
+        sent to the fallback graph are added to ``fell_back``."""
         try:
             outs = self._run_chunk([feeds[i] for i in chunk], [sizes[i] for i in chunk])
             return [ItemResult(out) for out in outs]
         except Exception as exc:
             if len(chunk) == 1:
                 log.error("%s: call failed: %s: %s", self.name, type(exc).__name__, exc)
+                if fell_back is not None:
+                    fell_back.add(chunk[0])
                 return [self._fall_back(chunk[0], feeds, sizes, exc)]
             log.warning("%s: batched call of %d requests failed (%s: %s); running them one by one", self.name,
                         len(chunk), type(exc).__name__, exc)
-        return [r for i in chunk for r in self._run_isolated([i], feeds, sizes)]
+        return [r for i in chunk for r in self._run_isolated([i], feeds, sizes, fell_back)]
 
     def _fall_back(self, i: int, feeds: list, sizes: list, exc: Exception) -> ItemResult[dict[str, np.ndarray]]:
         """Serve item ``i`` once more on the fallback graph, unless its own input is at fault or there is none."""

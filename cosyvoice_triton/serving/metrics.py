@@ -16,6 +16,8 @@ family                                    kind       what (labels beyond model, 
 ``cosyvoice_rejects_total``               counter    requests answered with an error (``reason``: :data:`REASONS`)
 ``cosyvoice_fallbacks_total``             counter    graph requests served once more on the fallback graph after
                                                      an engine error (``graph``; ``outcome``: served / failed)
+``cosyvoice_graph_cache_total``           counter    graph requests looked up in the graph model's result cache
+                                                     (``result``: hit / miss; :class:`GraphCacheMetrics`)
 ========================================  =========  ============================================================
 
 Which model records what (the pipeline's numbers, not each graph's): ``preprocess`` the audio in and
@@ -29,7 +31,10 @@ and ``cosyvoice_tts`` record everything of their requests (``cosyvoice_tts`` ser
 gauges stay in ``cosyvoice_llm{what}`` (``ensemble/cosyvoice_tts_stream/model.py``). The one exception is
 ``cosyvoice_fallbacks_total``: the graph models of the local flavor (``model_repository/graph/model.py``,
 :class:`FallbackMetrics`) count the requests their :class:`~.graphs.GraphRunner` sent to its fallback (a request
-served there succeeded, so no other metric sees it).
+served there succeeded, so no other metric sees it). Likewise ``cosyvoice_graph_cache_total``
+(:class:`GraphCacheMetrics`, not in :data:`FAMILIES`: only the graph models with a result cache, tunable
+``graph_cache_mb``, create it): the requests their runner answered from its cache (``hit``) or looked up and ran
+(``miss``); a refused request is neither.
 """
 
 from __future__ import annotations
@@ -48,9 +53,9 @@ from ..errors import AudioError, CosyVoiceError, LLMError, SpeakerError, TextErr
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AUDIO_IN", "AUDIO_OUT", "FALLBACKS", "FALLBACK_OUTCOMES", "FAMILIES", "FIRST_CHUNK", "METRIC_LOCK",
-           "REASONS", "REJECTS", "RTF", "FallbackMetrics", "Family", "SpeechMetrics", "audio_seconds", "reject_reason",
-           "streaming"]
+__all__ = ["AUDIO_IN", "AUDIO_OUT", "CACHE_RESULTS", "FALLBACKS", "FALLBACK_OUTCOMES", "FAMILIES", "FIRST_CHUNK",
+           "GRAPH_CACHE", "METRIC_LOCK", "REASONS", "REJECTS", "RTF", "FallbackMetrics", "Family", "GraphCacheMetrics",
+           "SpeechMetrics", "audio_seconds", "reject_reason", "streaming"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ FALLBACKS = Family("cosyvoice_fallbacks_total", "counter",
 FAMILIES: tuple[Family, ...] = (AUDIO_IN, AUDIO_OUT, RTF, FIRST_CHUNK, REJECTS, FALLBACKS)
 #: Outcomes of a fallback (a series each, created at zero).
 FALLBACK_OUTCOMES = ("served", "failed")
+#: The graph models' result cache (tunable ``graph_cache_mb``); created by :class:`GraphCacheMetrics` only.
+GRAPH_CACHE = Family("cosyvoice_graph_cache_total", "counter",
+                     "graph requests looked up in the graph model's cache of successful answers (result: hit, "
+                     "answered without running the graph; miss, run)", ("model", "version", "result"))
+#: Results of a cache lookup (a series each, created at zero).
+CACHE_RESULTS = ("hit", "miss")
 
 #: Every reject reason (a series each, created at zero so that rates and alerts see them from the start).
 REASONS = ("bad_audio", "bad_text", "bad_speaker", "bad_request", "busy", "cancelled", "internal")
@@ -265,6 +276,21 @@ class FallbackMetrics:
 
     def record(self, outcome: str) -> None:
         self.series[outcome].increment(1.0)
+
+
+class GraphCacheMetrics:
+    """``cosyvoice_graph_cache_total`` of one graph model version: a series per result (hit, miss), created at
+    zero; pass :meth:`record` as the runner's ``on_cache``."""
+
+    def __init__(self, pb, model: str, version: str | int):
+        self.family = pb.MetricFamily(name=GRAPH_CACHE.name, description=GRAPH_CACHE.description,
+                                      kind=pb.MetricFamily.COUNTER)
+        labels = {"model": model, "version": str(version)}
+        self.series = {r: _Series(self.family.Metric(labels={**labels, "result": r}), GRAPH_CACHE.name)
+                       for r in CACHE_RESULTS}
+
+    def record(self, result: str, n: int = 1) -> None:
+        self.series[result].increment(float(n))
 
 
 def streaming(tensors: Mapping[str, Any]) -> bool:

@@ -41,6 +41,9 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("device", str, "cpu", "cpu or cuda[:N]"),
         _THREADS,
         _TORCH_THREADS,
+        Param("graph_cache_mb", float, 0.0, "MiB of this model's cache of successful answers: a repeated request is "
+              "answered without running the graph (0: off; rendered on the prompt-side graphs, tunable "
+              "graph_cache_mb)"),
         _NICE,
     ),
     "preprocess": (

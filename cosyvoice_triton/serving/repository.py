@@ -152,6 +152,11 @@ class Tunables:
     #: repeated prompt's tokenizer and CAM++ requests are answered from it without running the graphs (0: off, the
     #: default: Triton 2.51 caches error responses too, model_repository/README.md "Repeated prompts")
     response_cache_mb: float = 0.0
+    #: Flavor local: MiB of the graph model's own cache of successful answers on each prompt-side graph
+    #: (:data:`RESPONSE_CACHE_GRAPHS`, and their TTS copies): a repeated prompt's tokenizer and CAM++ requests are
+    #: answered without running the graphs, and a refused or failed request is never kept (0: off; the native
+    #: onnx / trt flavors run no Python, there only the response cache above exists)
+    graph_cache_mb: float = 16.0
     default_seed: int = 0
     output_sample_rate: int = 0
     loudness_lufs: float = 0.0
@@ -213,8 +218,9 @@ class Tunables:
                 raise RenderError(f"tunable {name} must be >= 0, got {getattr(self, name)}")
         if self.max_queue_size < 1:
             raise RenderError("tunable max_queue_size must be >= 1")
-        if self.response_cache_mb < 0:
-            raise RenderError(f"tunable response_cache_mb must be >= 0 (0: off), got {self.response_cache_mb}")
+        for name in ("response_cache_mb", "graph_cache_mb"):
+            if getattr(self, name) < 0:
+                raise RenderError(f"tunable {name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.runtime not in MODEL_PARAMS["graph"][1].choices:
             raise RenderError(f"tunable runtime must be one of {MODEL_PARAMS['graph'][1].choices}, got "
                               f"{self.runtime!r}")
@@ -267,7 +273,7 @@ class Tunables:
 #: onnxruntime). Its client runs the stages one request at a time:
 #: :class:`cosyvoice_triton.clients.plain.PlainPipeline`.
 PLAIN_TUNABLES: Mapping[str, Any] = MappingProxyType({"dynamic_batching": False, "runtime": "torch",
-                                                      "response_cache_mb": 0.0})
+                                                      "response_cache_mb": 0.0, "graph_cache_mb": 0.0})
 #: Named tunable sets of :func:`render_repository` (``profile=``) and ``render.py --profile``.
 PROFILES: Mapping[str, Mapping[str, Any]] = MappingProxyType({"plain": PLAIN_TUNABLES})
 _PROFILE_NOTES = {
@@ -401,7 +407,8 @@ def _instance_count(tun: Tunables, name: str, count: int) -> str:
 
 
 
-#: The graphs that get ``response_cache { enable: true }`` when ``response_cache_mb`` > 0: the prompt side of
+#: The graphs that get ``response_cache { enable: true }`` when ``response_cache_mb`` > 0, and (flavor local) the
+#: parameter ``graph_cache_mb`` (their own cache of successful answers, tunable ``graph_cache_mb``): the prompt side of
 #: ``cosyvoice_vc`` (a repeated prompt's features are byte-identical, so its requests hit). The tokenizer's source
 #: requests go through the cache too (misses; small entries: the tokens).
 RESPONSE_CACHE_GRAPHS = ("speech_tokenizer", "speaker_encoder")
@@ -993,6 +1000,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             params = {"graph": name, "runtime": runtime, "onnx_path": str(onnx_path) if runtime == "onnxruntime"
                       else "", "model_dir": str(model_dir) if runtime == "torch" else "", "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, "torch_threads": tun.torch_threads,
+                      **({"graph_cache_mb": tun.graph_cache_mb} if name in RESPONSE_CACHE_GRAPHS else {}),
                       **_nice(tun, name)}
             if versions:
                 params["onnx_path"] = "model.onnx"  # in each version's folder

@@ -8,11 +8,11 @@ can only come from the prompt: a repeated source would hit Triton's response cac
 
 Two servers of the same repository render run side by side: ``on`` (``preprocess``'s prompt cache, on by default,
 and Triton's response cache on ``speech_tokenizer`` / ``speaker_encoder``, opt-in: ``response_cache_mb=64``) and
-``off`` (``prompt_cache_entries=0``, ``response_cache_mb=0``). Both get the same requests in the same order, in four
-phases ``on, off, off, on`` (half of the requests each time), ``users`` requests in flight (closed loop, HTTP), so
-load from elsewhere on the machine falls on both alike. Before the phases each server converts two sources in the
-voice of a prompt that is not among the ``K`` (warm-up: the first requests load and warm the models), so the
-measured window starts with every speaker unseen and includes the ``K`` misses.
+``off`` (``prompt_cache_entries=0``, ``response_cache_mb=0``, ``graph_cache_mb=0``). Both get the same requests in
+the same order, in four phases ``on, off, off, on`` (half of the requests each time), ``users`` requests in flight
+(closed loop, HTTP), so load from elsewhere on the machine falls on both alike. Before the phases each server
+converts two sources in the voice of a prompt that is not among the ``K`` (warm-up: the first requests load and warm
+the models), so the measured window starts with every speaker unseen and includes the ``K`` misses.
 
 Figures per mode: latency mean / p50 / p95, throughput (requests over the phases' wall time), and from Triton's
 statistics API over the phases: inferences of ``speech_tokenizer`` and ``speaker_encoder`` per request, their
@@ -44,8 +44,10 @@ from .report import latency_summary
 __all__ = ["MODES", "counts", "make_prompts", "plan_requests", "render_markdown", "run_prompt_cache"]
 
 #: Render tunables of each server besides the integrated column's.
+#: ``on`` turns Triton's response cache on, which answers a repeated prompt before the graph model (and its default
+#: ``graph_cache_mb``) sees it, so Triton's statistics count the skipped graph runs; ``off`` turns every cache off.
 MODES: dict[str, dict[str, Any]] = {"on": {"response_cache_mb": 64},
-                                    "off": {"prompt_cache_entries": 0, "response_cache_mb": 0}}
+                                    "off": {"prompt_cache_entries": 0, "response_cache_mb": 0, "graph_cache_mb": 0}}
 #: The models whose statistics the report reads.
 COUNTED = ("speech_tokenizer", "speaker_encoder", "preprocess", VC_MODEL)
 

@@ -201,16 +201,23 @@ def server_flags(installation: TritonInstallation) -> str:
     return _HELP[key]
 
 
+def _rendered_tunables(model_repository: str | Path) -> dict:
+    """The render tunables recorded in a repository's marker (:data:`~.repository.MARKER`); raises OSError /
+    ValueError / AttributeError for a folder that cosyvoice_triton did not render."""
+    import json
+
+    from .repository import MARKER
+
+    return json.loads((Path(model_repository) / MARKER).read_text()).get("tunables", {})
+
+
 def response_cache_flags(model_repository: str | Path, installation: TritonInstallation) -> list[str]:
     """``--cache-config local,size=N`` (and the wheel's cache folder) when the rendered repository's marker asks for
     Triton's response cache (tunable ``response_cache_mb`` > 0: the prompt-side graphs have ``response_cache``
     enabled; without the flag Triton loads them and caches nothing); ``[]`` otherwise or for a repository that was
     not rendered by cosyvoice_triton."""
-    import json
-
     try:
-        marker = json.loads((Path(model_repository) / "cosyvoice_repository.json").read_text())
-        size = int(float(marker.get("tunables", {}).get("response_cache_mb", 0)) * (1 << 20))
+        size = int(float(_rendered_tunables(model_repository).get("response_cache_mb", 0)) * (1 << 20))
     except (OSError, ValueError, TypeError, AttributeError):
         return []
     if size <= 0:
@@ -223,10 +230,8 @@ def rate_limit_flags(model_repository: str | Path) -> list[str]:
     rendered repository's marker has rate-limited models (tunables ``task_quota`` > 0 or ``rate_limit``): without the
     flag Triton ignores the configs' ``rate_limiter`` blocks, and without the resource flag a quota of N acts as the
     largest single need; ``[]`` otherwise or for a repository that was not rendered by cosyvoice_triton."""
-    import json
-
     try:
-        tunables = json.loads((Path(model_repository) / "cosyvoice_repository.json").read_text()).get("tunables", {})
+        tunables = _rendered_tunables(model_repository)
         quota = int(tunables.get("task_quota") or 0)
         limits = dict(tunables.get("rate_limit") or {})
     except (OSError, ValueError, TypeError, AttributeError):

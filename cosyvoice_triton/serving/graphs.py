@@ -358,16 +358,19 @@ class GraphRunner:
                 todo.append(i)
             else:  # copies: the stored arrays are read-only and shared
                 results[i] = ItemResult({k: np.array(v, copy=True) for k, v in entry.items()})
-        self._report_cache("hit", len(good) - len(todo))
-        self._report_cache("miss", len(todo))
+        for result, n in (("hit", len(good) - len(todo)), ("miss", len(todo))):
+            if n:
+                self._notify("on_cache", self.on_cache, result, n)
         return todo
 
-    def _report_cache(self, result: str, n: int) -> None:
-        if n and self.on_cache is not None:
-            try:
-                self.on_cache(result, n)
-            except Exception as exc:
-                log.warning("%s: on_cache(%r, %d) failed: %s: %s", self.name, result, n, type(exc).__name__, exc)
+    def _notify(self, what: str, callback: Callable | None, *args) -> None:
+        """Tell a metrics callback (``on_cache`` / ``on_fallback``); its failure is logged, never the requests'."""
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception as exc:
+            log.warning("%s: %s%r failed: %s: %s", self.name, what, args, type(exc).__name__, exc)
 
     def _run_isolated(self, chunk: list[int], feeds: list, sizes: list, fell_back: set[int] | None = None
                       ) -> list[ItemResult[dict[str, np.ndarray]]]:
@@ -407,11 +410,7 @@ class GraphRunner:
 
     def _counted(self, outcome: str) -> None:
         _count_fallback(self.name, outcome)
-        if self.on_fallback is not None:
-            try:
-                self.on_fallback(outcome)
-            except Exception as exc:
-                log.warning("%s: on_fallback(%r) failed: %s: %s", self.name, outcome, type(exc).__name__, exc)
+        self._notify("on_fallback", self.on_fallback, outcome)
 
     def _run_chunk(self, feeds: list[dict[str, np.ndarray]], sizes: list[dict[str, int]]
                    ) -> list[dict[str, np.ndarray]]:

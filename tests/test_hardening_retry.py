@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
+from conftest import PATIENCE_S
 
 from cosyvoice_triton.clients.client import AsyncVCClient, VCClient, VCError
 from cosyvoice_triton.clients.retry import NO_RETRY, RetryPolicy, is_retryable
@@ -27,11 +28,19 @@ WAVE = np.linspace(-0.5, 0.5, 8, dtype=np.float32)
 SOURCE, PROMPT = np.zeros(16000, np.float32), np.zeros(16000, np.float32)
 
 
+SLOW = "slow"  # a scripted answer that comes only once the test is over: the client times out
+CLIENT_TIMEOUT_S = 5.0  # the client's timeout in the timeout tests: each answer but the SLOW one comes well before
+
+
 class Script:
     """What the fake server answers to its n-th request: a list of failures, then success."""
 
     def __init__(self, failures: list):
         self.failures, self.calls, self.lock = list(failures), 0, threading.Lock()
+        self.released = threading.Event()  # set at teardown: a SLOW answer stops waiting
+
+    def hold(self) -> None:
+        self.released.wait(PATIENCE_S)
 
     def next(self):
         with self.lock:
@@ -51,8 +60,8 @@ class FakeHTTP:
             def do_POST(self):
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 what = outer.script.next()
-                if isinstance(what, float):  # a slow answer (the client times out)
-                    time.sleep(what)
+                if what == SLOW:  # the client times out
+                    outer.script.hold()
                     what = None
                 if what is None:
                     body = json.dumps({"model_name": "cosyvoice_vc", "outputs": [
@@ -73,6 +82,7 @@ class FakeHTTP:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self):
+        self.script.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -118,8 +128,8 @@ def test_http_gives_up_after_the_policys_attempts(fake_http):
 
 
 def test_http_timeout_is_retried(fake_http):
-    srv = fake_http([3.0])  # first answer after 3 s; the client gives up after 1 s and tries again
-    with VCClient(srv.url, retry=FAST, timeout=1.0) as client:
+    srv = fake_http([SLOW])  # no first answer; the client gives up after its timeout and tries again
+    with VCClient(srv.url, retry=FAST, timeout=CLIENT_TIMEOUT_S) as client:
         res = client.convert(SOURCE, PROMPT, source_sr=16000, prompt_sr=16000)
     assert np.array_equal(res.waveform, WAVE) and client.retries == 1 and srv.script.calls == 2
 
@@ -169,16 +179,17 @@ def test_async_http_client_retries(fake_http):
 def fake_grpc():
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-    servers = []
+    servers, scripts = [], []
 
     def make(failures):
         script = Script(failures)
+        scripts.append(script)
 
         class Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             def ModelInfer(self, request, context):
                 what = script.next()
-                if isinstance(what, float):
-                    time.sleep(what)
+                if what == SLOW:
+                    script.hold()
                 elif what is not None:
                     context.abort(what, f"scripted {what.name}")
                 resp = service_pb2.ModelInferResponse(model_name=request.model_name)
@@ -195,13 +206,15 @@ def fake_grpc():
         return f"127.0.0.1:{port}", script
 
     yield make
+    for script in scripts:
+        script.released.set()
     for s in servers:
         s.stop(0)
 
 
 def test_grpc_unavailable_resource_exhausted_and_deadline_are_retried(fake_grpc):
-    url, script = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, 2.5])
-    with VCClient(url, protocol="grpc", retry=FAST, timeout=1.0) as client:
+    url, script = fake_grpc([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, SLOW])
+    with VCClient(url, protocol="grpc", retry=FAST, timeout=CLIENT_TIMEOUT_S) as client:
         res = client.convert(SOURCE, PROMPT, source_sr=16000, prompt_sr=16000)
     assert np.array_equal(res.waveform, WAVE) and res.sample_rate == 24000
     assert script.calls == 4 and client.retries == 3

@@ -98,9 +98,9 @@ def test_flow_encoder_bad_lengths_fail_alone_and_batch_mates_get_their_solo_answ
 ])
 def test_above_maximum_and_non_finite_are_refused_before_any_compute(runners, graph, item, words):
     r = runners[graph]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: what the refusal computed, however busy the machine
     res = r.run_items([item])[0]
-    assert time.perf_counter() - t0 < 2.0  # refused up front, not computed (was 7-26 s)
+    assert time.process_time() - t0 < 2.0  # refused up front, not computed (was 7-26 s)
     assert isinstance(res.error, RequestError), res.error
     for w in words:
         assert w in str(res.error), f"{w!r} not in {res.error}"
@@ -309,10 +309,10 @@ def test_decode_bombs_are_refused_with_bounded_memory_and_time(bombs):
     report = {}
     for case, (data, words) in bombs.items():
         tracemalloc.start()
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU time: the decoding work, however busy the machine
         with pytest.raises(AudioError) as info:
             audio.decode_audio(data, name="source_audio_bytes", max_seconds=30)
-        seconds = time.perf_counter() - t0
+        seconds = time.process_time() - t0
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         report[case] = (len(data), peak, seconds)
@@ -321,8 +321,8 @@ def test_decode_bombs_are_refused_with_bounded_memory_and_time(bombs):
         # at most 30 s of mono at the file's rate (48 kHz here: 5.8 MB) plus one block: nothing near the
         # hundreds of MB the whole file decodes to
         assert peak < 12e6, f"{case}: {peak / 1e6:.1f} MB"
-        assert seconds < 5.0, f"{case}: {seconds:.1f} s"
-    print({k: f"{n / 1e3:.0f} KB -> peak {p / 1e6:.1f} MB, {s:.2f} s" for k, (n, p, s) in report.items()})
+        assert seconds < 5.0, f"{case}: {seconds:.1f} s of CPU time"
+    print({k: f"{n / 1e3:.0f} KB -> peak {p / 1e6:.1f} MB, {s:.2f} s CPU" for k, (n, p, s) in report.items()})
 
 
 def test_decoding_in_blocks_gives_what_a_whole_read_gives():

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
 import textwrap
-import time
 
 import pytest
+from conftest import PATIENCE_S, PROBE_TIMEOUT_S
 
 from cosyvoice_triton.serving.server import (
     ServerError,
@@ -67,7 +68,8 @@ def test_start_serve_stop_leaves_no_process(installation, tmp_path):
     import numpy as np
     import tritonclient.http as th
 
-    server = TritonServer(_repo(tmp_path / "repo"), work_dir=tmp_path / "work", exit_timeout=5)
+    server = TritonServer(_repo(tmp_path / "repo"), work_dir=tmp_path / "work", exit_timeout=5,
+                          start_timeout=PATIENCE_S, probe_timeout=PROBE_TIMEOUT_S)
     with server:
         assert server.is_ready() and server.is_model_ready("echo")
         pgid = server.process.pid
@@ -86,8 +88,26 @@ def test_start_serve_stop_leaves_no_process(installation, tmp_path):
 def test_a_model_that_fails_to_load_fails_the_start_with_the_log(installation, tmp_path):
     server = TritonServer(_repo(tmp_path / "repo", "raise ImportError('broken on purpose')\n"),
                           work_dir=tmp_path / "work")
-    t0 = time.monotonic()
-    with pytest.raises(ServerError, match="broken on purpose"):
-        server.start(timeout=120)
-    assert time.monotonic() - t0 < 60
+    with pytest.raises(ServerError, match="broken on purpose") as info:
+        server.start(timeout=PATIENCE_S)
+    # it fails as soon as the server exits (--exit-on-error), not when the readiness wait runs out
+    assert "exited with code" in str(info.value) and "not ready after" not in str(info.value)
     assert not server.running
+
+
+def test_the_readiness_ceilings_are_settings(tmp_path):
+    (tmp_path / "repo").mkdir()
+    for bad in ({"start_timeout": 0}, {"probe_timeout": -1}):
+        with pytest.raises(ValueError, match="must be > 0"):
+            TritonServer(tmp_path / "repo", **bad)
+    server = TritonServer(tmp_path / "repo", start_timeout=1.0, probe_timeout=0.1)
+    server.ports["http"] = free_ports(1)[0]  # nothing listens there: never ready
+    server.process = subprocess.Popen(["sleep", "60"])  # a process that lives but never serves
+    try:
+        with pytest.raises(ServerError, match="not ready after 1 s"):  # the default ceiling is start_timeout
+            server.wait_ready()
+        assert not server.is_ready()
+    finally:
+        server.process.kill()
+        server.process.wait()
+        server.process = None

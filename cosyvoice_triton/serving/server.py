@@ -286,6 +286,9 @@ class TritonServer:
             none restricted, for a server that only loopback clients of the same user reach).
         http_max_input_bytes: the HTTP request size limit, passed as ``--http-max-input-size`` where this Triton
             has the flag (:attr:`size_limit_enforced`); None: Triton's default.
+        start_timeout: seconds :meth:`start` / :meth:`wait_ready` wait for readiness when not told otherwise.
+        probe_timeout: seconds a readiness probe (:meth:`is_ready`, :meth:`is_model_ready`) waits for the answer;
+            no answer in time counts as not ready.
     """
 
     def __init__(self, model_repository: str | Path, *, work_dir: str | Path | None = None, http_port: int = 0,
@@ -294,7 +297,8 @@ class TritonServer:
                  extra_args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None,
                  admin_key: str | None = None, restricted_apis: Sequence[str] = RESTRICTED_APIS,
-                 http_max_input_bytes: int | None = HTTP_MAX_INPUT_BYTES):
+                 http_max_input_bytes: int | None = HTTP_MAX_INPUT_BYTES, start_timeout: float = 120.0,
+                 probe_timeout: float = 2.0):
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")
@@ -317,6 +321,9 @@ class TritonServer:
             raise ValueError(f"unknown restricted API group(s) {sorted(unknown)}; Triton 2.51 has {RESTRICTED_APIS}")
         self.admin_key = admin_key or _process_admin_key()
         self.http_max_input_bytes = http_max_input_bytes
+        if start_timeout <= 0 or probe_timeout <= 0:
+            raise ValueError(f"start_timeout and probe_timeout must be > 0, got {start_timeout}, {probe_timeout}")
+        self.start_timeout, self.probe_timeout = float(start_timeout), float(probe_timeout)
         self.process: subprocess.Popen | None = None
         self.log_path = self.work_dir / "tritonserver.log"
         self._log_file = None
@@ -389,9 +396,10 @@ class TritonServer:
 
     # ---------------------------------------------------------------------------------- life cycle
 
-    def start(self, timeout: float = 120.0) -> TritonServer:
+    def start(self, timeout: float | None = None) -> TritonServer:
         """Start the server and wait until it is ready (all models loaded); raise :class:`ServerError`
-        with the log's tail when it exits or is not ready within ``timeout`` seconds."""
+        with the log's tail when it exits or is not ready within ``timeout`` seconds (default
+        :attr:`start_timeout`)."""
         if self.process is not None:
             raise ServerError("server already started")
         inst = self.installation = self.installation or find_installation()
@@ -433,8 +441,8 @@ class TritonServer:
         finally:
             conn.close()
 
-    def _get(self, path: str, timeout: float = 2.0) -> int:
-        return self.request("GET", path, timeout=timeout)[0]
+    def _get(self, path: str, timeout: float | None = None) -> int:
+        return self.request("GET", path, timeout=self.probe_timeout if timeout is None else timeout)[0]
 
     def load_model(self, model: str, timeout: float = 300.0) -> None:
         """(Re)load ``model`` through the model-control API (explicit mode): a loaded one gets new instances."""
@@ -468,7 +476,8 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
+        timeout = self.start_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             if self.process is None:

@@ -81,24 +81,28 @@ class Supervisor:
         interval: seconds between two checks.
         max_restarts: server restarts allowed within ``restart_window`` seconds before it gives up.
         backoff, max_backoff: the wait before a restart, doubled per restart in the window, capped.
-        start_timeout: seconds a (re)start may take to become ready.
+        start_timeout: seconds a (re)start, or the load of a reload, may take to become ready.
+        unload_timeout: seconds the unload of a reload may take (it waits for the model's requests in flight);
+            past it the server is restarted instead.
         warmup: called with the server after each (re)start and reload (returns model -> seconds or error);
             None: no warm-up.
     """
 
     def __init__(self, server: TritonServer, *, interval: float = 1.0, max_restarts: int = 5,
                  restart_window: float = 600.0, backoff: float = 1.0, max_backoff: float = 60.0,
-                 start_timeout: float = 600.0,
+                 start_timeout: float = 600.0, unload_timeout: float = 60.0,
                  warmup: Callable[[TritonServer], dict] | None = warm_up):
         if server.model_control != "explicit":
             raise ValueError("the supervisor reloads models through Triton's model-control API: start the server "
                              f"with model_control='explicit' (and load_models=['*']), not {server.model_control!r}")
-        if interval <= 0 or max_restarts < 0 or restart_window <= 0 or backoff < 0 or max_backoff < backoff:
-            raise ValueError("interval and restart_window must be > 0, max_restarts and backoff >= 0, "
-                             "max_backoff >= backoff")
+        if (interval <= 0 or max_restarts < 0 or restart_window <= 0 or backoff < 0 or max_backoff < backoff
+                or unload_timeout <= 0):
+            raise ValueError("interval, restart_window and unload_timeout must be > 0, max_restarts and backoff "
+                             ">= 0, max_backoff >= backoff")
         self.server = server
         self.interval, self.max_restarts, self.restart_window = float(interval), int(max_restarts), restart_window
         self.backoff, self.max_backoff, self.start_timeout = float(backoff), float(max_backoff), start_timeout
+        self.unload_timeout = float(unload_timeout)
         self.warmup = warmup
         self.warm_file = server.work_dir / "warm"
         self._warming: threading.Thread | None = None
@@ -142,7 +146,7 @@ class Supervisor:
         self._event("stub-died", f"a Python stub of model {model!r} died: unloading it (not ready) and loading it")
         t0 = time.monotonic()
         try:
-            self.server.unload_model(model)
+            self.server.unload_model(model, timeout=self.unload_timeout)
             # the unload waits for the model's in-flight requests (one may wait on the dead stub): load only once
             # it is done, or the load would be folded into it and readiness would never go false
             deadline = time.monotonic() + self.start_timeout
@@ -289,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=5)
     p.add_argument("--restart-window", type=float, default=600.0)
     p.add_argument("--start-timeout", type=float, default=1800.0)
+    p.add_argument("--unload-timeout", type=float, default=60.0,
+                   help="seconds the unload of a model with a dead stub may take before the server is restarted")
     p.add_argument("--exit-timeout", type=int, default=30,
                    help="on SIGTERM, seconds Triton waits for the requests in flight before it unloads anyway")
     p.add_argument("--no-warmup", action="store_true", help="do not send warm-up requests after (re)loads")
@@ -301,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                           load_models=["*"], extra_args=args.extra, installation=inst, exit_timeout=args.exit_timeout)
     sup = Supervisor(server, interval=args.interval, max_restarts=args.max_restarts,
                      restart_window=args.restart_window, start_timeout=args.start_timeout,
-                     warmup=None if args.no_warmup else warm_up)
+                     unload_timeout=args.unload_timeout, warmup=None if args.no_warmup else warm_up)
 
     def on_signal(signum, frame):
         log.warning("signal %d: stopping; requests in flight finish first (up to %d s)", signum, args.exit_timeout)

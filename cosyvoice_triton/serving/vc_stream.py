@@ -41,7 +41,7 @@ from ..shapes import (
     TensorSpec,
 )
 from ..speakers import SpeakerPrompt
-from ..streaming import MEL_CACHE, stream_chunks
+from ..streaming import MEL_CACHE, StreamSchedule, stream_chunks
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
@@ -50,8 +50,8 @@ from .speakers import bytes_scalar
 from .vocoder import parse_seed
 
 __all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
-           "StreamPrompt", "StreamingToken2Wav", "VCStreamer", "build_streamer", "chunk_tensors",
-           "stream_postprocessor"]
+           "StreamPrompt", "StreamingToken2Wav", "Token2WavState", "VCStreamer", "build_streamer", "chunk_tensors",
+           "stream_postprocessor", "stream_schedule"]
 
 #: Inputs of ``cosyvoice_vc_stream``: the ``cosyvoice_vc`` ones and ``speaker_id`` (a registered prompt).
 STREAM_INPUTS = ("source_audio", "source_sample_rate", "source_audio_bytes", "prompt_audio", "prompt_sample_rate",
@@ -82,11 +82,13 @@ class StreamingToken2Wav:
     ``graphs``: ``flow_encoder``, ``flow_estimator``, ``hift_source``, ``hift_decoder`` -> :data:`~.flow.GraphFn`.
     """
 
-    def __init__(self, solver: FlowSolver, graphs: Mapping[str, GraphFn], *, lookahead: int = MAX_LOOKAHEAD):
+    def __init__(self, solver: FlowSolver, graphs: Mapping[str, GraphFn], *, lookahead: int = MAX_LOOKAHEAD,
+                 schedule: StreamSchedule | None = None):
         missing = sorted({"flow_encoder", "flow_estimator", "hift_source", "hift_decoder"} - set(graphs))
         if missing:
             raise ValueError(f"StreamingToken2Wav: no callable for graph(s) {', '.join(missing)}")
         self.solver, self.graphs, self.lookahead = solver, graphs, int(lookahead)
+        self.schedule = schedule  # the hops of chunks() (None: the official ones)
         self.ratio = solver.token_mel_ratio
         self.source_cache = MEL_CACHE * SAMPLES_PER_MEL_FRAME
         self.fade = np.hamming(2 * self.source_cache)
@@ -103,14 +105,15 @@ class StreamingToken2Wav:
                cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[np.ndarray, bool]]:
         """:meth:`stream` as ``(chunk, final)`` pairs: the last chunk says so when it comes (a streaming
         resampler flushes on it)."""
-        generator = torch.Generator().manual_seed(int(seed))
-        cache = None
-        for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead):
+        state = self.open(prompt, seed=seed)
+        for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead,
+                                   schedule=self.schedule):
             self._check(cancelled)
-            lookahead = 0 if chunk.final else self.lookahead
-            mel = self._flow(prompt, chunk.tokens, lookahead)[:, chunk.offset * self.ratio:]
-            speech, cache = self._hift(mel, cache, generator, final=chunk.final)
-            yield speech, chunk.final
+            yield state.step(chunk.tokens, chunk.offset, final=chunk.final), chunk.final
+
+    def open(self, prompt: StreamPrompt, *, seed: int = 0) -> Token2WavState:
+        """The flow + HiFT state of one stream, for a caller with its own chunk schedule (live conversion)."""
+        return Token2WavState(self, prompt, seed)
 
     @staticmethod
     def _check(cancelled: Callable[[], bool] | None) -> None:
@@ -153,6 +156,32 @@ class StreamingToken2Wav:
         return speech.astype(np.float32), new_cache
 
 
+class Token2WavState:
+    """One stream of :class:`StreamingToken2Wav`: its prompt, the NSF noise generator and HiFT's caches.
+
+    :meth:`step` is one chunk: the flow on ``tokens`` (every token the flow sees, look-ahead included unless
+    ``final``), the mel from token ``offset`` on, then HiFT with the caches of the previous step. Both the official
+    schedule (:meth:`StreamingToken2Wav.chunks`) and live conversion (:mod:`.live_vc`, a sliding window) use it.
+    """
+
+    def __init__(self, token2wav: StreamingToken2Wav, prompt: StreamPrompt, seed: int):
+        self.token2wav, self.prompt = token2wav, prompt
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.cache: dict | None = None
+        self.finished = False
+
+    def step(self, tokens: np.ndarray, offset: int, *, final: bool) -> np.ndarray:
+        """Float32 speech of the chunk (without the held-back tail when not ``final``)."""
+        if self.finished:
+            raise ValueError("Token2WavState.step: the stream's final chunk has run")
+        t2w = self.token2wav
+        lookahead = 0 if final else t2w.lookahead
+        mel = t2w._flow(self.prompt, tokens, lookahead)[:, int(offset) * t2w.ratio:]
+        speech, self.cache = t2w._hift(mel, self.cache, self.generator, final=final)
+        self.finished = bool(final)
+        return speech
+
+
 class VCStreamer:
     """Streaming voice conversion of one request: front end, tokenizer and speaker encoder, then the chunks.
 
@@ -163,15 +192,16 @@ class VCStreamer:
 
     def __init__(self, pre: Preprocessor, solver: FlowSolver, graphs: Mapping[str, GraphFn], *,
                  speakers: Callable[[str], SpeakerPrompt] | None = None, default_seed: int = 0,
-                 post: Postprocessor | None = None):
+                 post: Postprocessor | None = None, schedule: StreamSchedule | None = None):
         self.pre, self.graphs, self.speakers = pre, graphs, speakers
-        self.token2wav = StreamingToken2Wav(solver, graphs)
+        self.token2wav = StreamingToken2Wav(solver, graphs, schedule=schedule)
         self.default_seed = int(default_seed)
         self.post = post or Postprocessor(model_sample_rate=pre.sample_rate)
         #: the rate of the served chunks
         self.sample_rate = self.post.output_sample_rate
 
-    def _tokens(self, whisper: np.ndarray) -> np.ndarray:
+    def tokens(self, whisper: np.ndarray) -> np.ndarray:
+        """The ``speech_tokenizer`` graph on one Whisper log-mel ``[128, T]``: int32 tokens ``[ceil(T / 4)]``."""
         out = self.graphs["speech_tokenizer"]({"whisper_mel": whisper[None],
                                                "whisper_mel_len": np.array([whisper.shape[1]], np.int32)})
         return np.asarray(out["speech_tokens"], np.int32).reshape(-1)
@@ -180,14 +210,22 @@ class VCStreamer:
                 ) -> tuple[StreamPrompt, np.ndarray, int]:
         """(prompt, source tokens, seed) of one request; raises a :class:`CosyVoiceError` naming what is wrong."""
         t = {k: tensors.get(k) for k in STREAM_INPUTS}
-        if t["seed"] is not None:
-            seed = parse_seed(t["seed"])
-        elif parameters and "seed" in parameters:
-            seed = parse_seed(parameters["seed"], name="parameter seed")
-        else:
-            seed = self.default_seed
+        seed = self.request_seed(t, parameters)
         src, src_sr = self.pre.utterance("source", t["source_audio"], t["source_sample_rate"],
                                          t["source_audio_bytes"])
+        return self.request_prompt(t), self.tokens(self.pre.source_features(src, src_sr)), seed
+
+    def request_seed(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None) -> int:
+        """The NSF seed of a request: its ``seed`` input, else its ``seed`` parameter, else the default."""
+        if tensors.get("seed") is not None:
+            return parse_seed(tensors["seed"])
+        if parameters and "seed" in parameters:
+            return parse_seed(parameters["seed"], name="parameter seed")
+        return self.default_seed
+
+    def request_prompt(self, tensors: Mapping[str, np.ndarray | None]) -> StreamPrompt:
+        """The flow's prompt of a request: its ``speaker_id`` (registered), or its prompt audio / file."""
+        t = {k: tensors.get(k) for k in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes", "speaker_id")}
         if t["speaker_id"] is not None:
             given = [n for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes") if t[n] is not None]
             if given:
@@ -195,10 +233,9 @@ class VCStreamer:
                                    f"{', '.join(given)})")
             if self.speakers is None:
                 raise RequestError("speaker_id: this model has no speaker store")
-            prompt = StreamPrompt.from_speaker(self.speakers(bytes_scalar(t["speaker_id"], "speaker_id")))
-            return prompt, self._tokens(self.pre.source_features(src, src_sr)), seed
+            return StreamPrompt.from_speaker(self.speakers(bytes_scalar(t["speaker_id"], "speaker_id")))
         wave, sr = self.pre.utterance("prompt", t["prompt_audio"], t["prompt_sample_rate"], t["prompt_audio_bytes"])
-        return self.prompt(wave, sr), self._tokens(self.pre.source_features(src, src_sr)), seed
+        return self.prompt(wave, sr)
 
     def prompt(self, wave: np.ndarray, sample_rate: int) -> StreamPrompt:
         """The flow's prompt of a validated recording: its features, the ``speech_tokenizer`` and
@@ -207,7 +244,7 @@ class VCStreamer:
         def compute() -> dict[str, np.ndarray]:
             whisper, fbank, mel = self.pre.prompt_features(wave, sample_rate)
             embedding = self.graphs["speaker_encoder"]({"fbank": fbank[None]})["speaker_embedding"]
-            return {"prompt_tokens": self._tokens(whisper), "prompt_mel": mel,
+            return {"prompt_tokens": self.tokens(whisper), "prompt_mel": mel,
                     "embedding": np.asarray(embedding, np.float32).reshape(-1)}
 
         cache = self.pre.prompt_cache
@@ -269,7 +306,15 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
                         n_timesteps=params["n_timesteps"] or None)
     graphs = {g: graph_fn(g, g) for g in GRAPHS}
     return VCStreamer(pre, solver, graphs, speakers=speakers, default_seed=params["default_seed"],
-                      post=stream_postprocessor(params, config.sample_rate))
+                      post=stream_postprocessor(params, config.sample_rate), schedule=stream_schedule(params, config))
+
+
+def stream_schedule(params: Mapping, config=None) -> StreamSchedule:
+    """The :class:`~..streaming.StreamSchedule` of the ``stream_*`` config parameters (absent: the official hops),
+    aligned to the flow's attention chunk of ``config`` (a :class:`~..config.ModelConfig`; None: 25 tokens)."""
+    chunk = 25 if config is None else config.flow.encoder.static_chunk_size
+    return StreamSchedule(int(params.get("stream_first_hop", 25)), int(params.get("stream_hop_growth", 2)),
+                          int(params.get("stream_max_hop", 100)), chunk=chunk)
 
 
 def stream_postprocessor(params: Mapping, model_sample_rate: int) -> Postprocessor:

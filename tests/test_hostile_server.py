@@ -9,7 +9,8 @@ What Triton 2.51 itself cannot survive, and what the launcher does about it (``c
   header on both protocols, so a client can no longer register a stub's shared memory to read other requests.
 
 Malformed JSON still gets HTTP 500 (Triton's HTTP frontend; the README says what a proxy in front must do).
-Every hostile request is sent a bounded number of times with a timeout; the whole module takes about a minute.
+Every hostile request is sent a bounded number of times with a timeout; the whole module takes about a minute on
+an idle machine (each wait on a recovery gives up only after ``COSYVOICE_TEST_PATIENCE`` s).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, wait_until
 
 from cosyvoice_triton.serving.server import (
     RESTRICTED_APIS,
@@ -38,7 +39,7 @@ from cosyvoice_triton.serving.supervisor import Supervisor
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
 
-RECOVERY_LIMIT_S = 60.0  # a dead stage or server must serve again within this, without anyone's help
+pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 OVERFLOW_2_60 = 2**60  # 80 * 4 bytes * 2**60 == 0 mod 2**64
 OVERFLOW_2_62 = 2**62  # 4 bytes * 2**62 == 0 mod 2**64
 FIGURES: dict[str, float | str] = {}
@@ -57,9 +58,9 @@ def supervised(serving_assets, tmp_path_factory):
     render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                       max_queue_delay_us=2000)
     server = TritonServer(repo, work_dir=root / "triton", exit_timeout=5, model_control="explicit",
-                          load_models=["*"])
+                          load_models=["*"], probe_timeout=PROBE_TIMEOUT_S)
     sup = Supervisor(server, interval=0.25, backoff=0.5, max_backoff=2.0, max_restarts=3, restart_window=300.0,
-                     start_timeout=240.0)
+                     start_timeout=PATIENCE_S, unload_timeout=PATIENCE_S)
     with sup:
         yield sup
     print("\nhostile-input figures:", json.dumps(FIGURES, indent=1))
@@ -74,7 +75,7 @@ def speech():
 
 
 def _post(server: TritonServer, path: str, body: bytes, headers: dict | None = None,
-          timeout: float = 60.0) -> tuple[int, bytes]:
+          timeout: float = PATIENCE_S) -> tuple[int, bytes]:
     host, port = server.http_url.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
@@ -107,7 +108,7 @@ def _vc_ok(server: TritonServer, speech) -> bool:
 
     src, ssr, prm, psr = speech
     try:
-        with VCClient(server.grpc_url, protocol="grpc", timeout=60) as c:
+        with VCClient(server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
             return c.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=1).seconds > 0
     except (VCError, OSError):
         return False
@@ -134,7 +135,7 @@ class ReadinessWatch:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=PROBE_TIMEOUT_S + 10)
 
     def first_unready(self) -> float | None:
         return next((t - self.t0 for t, ok in self.samples if not ok), None)
@@ -142,17 +143,17 @@ class ReadinessWatch:
 
 def _recover(sup: Supervisor, watch: ReadinessWatch, probe, name: str) -> None:
     """After a kill: readiness must have gone false (or the server been down), then a valid request must succeed,
-    within RECOVERY_LIMIT_S of the attack; records the seconds in FIGURES."""
+    without anyone's help (the ceiling: PATIENCE_S, a busy machine's); records the seconds in FIGURES."""
     server = sup.server
-    while time.monotonic() - watch.t0 < RECOVERY_LIMIT_S:
+    while time.monotonic() - watch.t0 < PATIENCE_S:
         if watch.first_unready() is not None and server.is_ready() and probe():
             FIGURES[f"{name}: not ready after (s)"] = round(watch.first_unready(), 2)
             FIGURES[f"{name}: serving again after (s)"] = round(time.monotonic() - watch.t0, 2)
             return
         time.sleep(0.1)
     assert watch.first_unready() is not None, f"{name}: the server kept answering ready although a stage was dead"
-    pytest.fail(f"{name}: not serving {RECOVERY_LIMIT_S:.0f} s later; supervisor events: {sup.events}\n"
-                f"{server.log_text()[-3000:]}")
+    pytest.fail(f"{name}: not serving {PATIENCE_S:.0f} s later (COSYVOICE_TEST_PATIENCE); supervisor events: "
+                f"{sup.events}\n{server.log_text()[-3000:]}")
 
 
 # ------------------------------------------------------------------------------ restricted APIs (finding 7)
@@ -276,7 +277,7 @@ def test_overflowing_shape_over_grpc_kills_the_stage_and_it_comes_back(supervise
                                        np.int32(16000).tobytes(), np.int32(16000).tobytes()])
     with ReadinessWatch(server) as watch:
         with grpc.insecure_channel(server.grpc_url) as channel, pytest.raises(grpc.RpcError):
-            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=60)
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=PATIENCE_S)
         _recover(supervised, watch, lambda: _vc_ok(server, speech), "grpc overflow -> preprocess stub")
     assert any(e.kind == "reloaded" and e.detail == "preprocess" for e in supervised.events)
 
@@ -290,12 +291,12 @@ def test_deeply_nested_json_kills_the_server_and_it_comes_back(supervised):
     body += b"}]}"
     with ReadinessWatch(server) as watch:
         with pytest.raises((OSError, http.client.HTTPException)):
-            _post(server, "/v2/models/hift/infer", body, {"Content-Type": "application/json"}, timeout=30)
+            _post(server, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
         _recover(supervised, watch, lambda: _hift_ok(server), "nested JSON -> server")
     assert server.ports == ports  # clients reconnect to the same address
-    deadline = time.monotonic() + 10.0  # the event is logged just after the server answers again
-    while "restarted" not in (kinds := [e.kind for e in supervised.events]) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # the event is logged just after the server answers again
+    wait_until(lambda: "restarted" in [e.kind for e in supervised.events], "the supervisor's 'restarted' event")
+    kinds = [e.kind for e in supervised.events]
     assert "server-exited" in kinds and "restarted" in kinds and supervised.failed is None
 
 

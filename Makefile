@@ -58,8 +58,9 @@ SERVE_PRECISION ?= fp32
 render: $(VENV)/.installed ## render build/model_repository (SERVE_FLAVOR=local|onnx|trt) from model_repository/
 	$(PY) model_repository/render.py --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
 
-serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics)
-	$(PY) -m cosyvoice_triton.serving.serve_demo serve --model-dir $(MODEL_DIR)
+GATEWAY_PORT ?= 8080
+serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics), the OpenAI speech gateway at GATEWAY_PORT (0: none)
+	$(PY) -m cosyvoice_triton.serving.serve_demo serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT)
 
 test: $(VENV)/.installed ## lint, then run the test suite
 	$(VENV)/bin/ruff check .

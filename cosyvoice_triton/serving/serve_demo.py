@@ -7,7 +7,7 @@ speak one sentence through ``cosyvoice_tts`` in the prompt's voice (when the mod
 print the latency and per-stage figures from Triton's statistics API -> stop the server.
 
 ``python -m cosyvoice_triton.serving.serve_demo serve``: the same preparation, then serve in the foreground on fixed
-ports until Ctrl-C.
+ports until Ctrl-C, with the OpenAI speech gateway (``cosyvoice_triton.gateway``) beside it on ``--gateway-port``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -147,9 +148,11 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
 
 def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
           repository: str | Path = "build/model_repository", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", **tunables) -> int:
+          metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", gateway_port: int = 8080,
+          **tunables) -> int:
     """Render and serve in the foreground until SIGINT / SIGTERM, under :class:`~.supervisor.Supervisor` (a model
-    whose Python stub dies is reloaded, a server that dies is restarted; it gives up after 5 restarts in 10 min)."""
+    whose Python stub dies is reloaded, a server that dies is restarted; it gives up after 5 restarts in 10 min).
+    The gateway (``gateway_port``; 0: none) runs as its own process on Triton's gRPC port and stops with it."""
     from .server import TritonServer
     from .supervisor import Supervisor
 
@@ -161,6 +164,11 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     print(f"serving {repo}: http {server.http_url}, grpc {server.grpc_url}, metrics {server.metrics_url} "
           f"(log {server.log_path}); admin key of the restricted APIs in {server.work_dir / 'admin_key'}; "
           "Ctrl-C stops")
+    gateway = None
+    if gateway_port:
+        gateway = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
+                                    f"{host}:{grpc_port}", "--host", host, "--port", str(gateway_port)])
+        print(f"gateway (OpenAI speech API): http://{host}:{gateway_port}/v1/audio/speech (pid {gateway.pid})")
     stop = {"now": False}
 
     def handler(signum, frame):
@@ -169,14 +177,24 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
     try:
-        while not stop["now"] and not supervisor.failed:
+        while not stop["now"] and not supervisor.failed and (gateway is None or gateway.poll() is None):
             time.sleep(0.5)
     finally:
+        if gateway is not None:
+            gateway.terminate()
+            try:
+                gateway.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
+                gateway.wait()
         supervisor.stop()
         code = server.stop()
     print(f"tritonserver stopped (exit code {code})")
     if supervisor.failed:
         print(f"error: {supervisor.failed}", file=sys.stderr)
+        return 1
+    if gateway is not None and not stop["now"]:
+        print(f"error: the gateway exited (code {gateway.returncode})", file=sys.stderr)
         return 1
     return 0
 
@@ -204,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--http-port", type=int, default=8000)
             s.add_argument("--grpc-port", type=int, default=8001)
             s.add_argument("--metrics-port", type=int, default=8002)
+            s.add_argument("--gateway-port", type=int, default=8080, help="the OpenAI speech gateway's port; 0: none")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ..errors import CosyVoiceError
@@ -216,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                      repeats=args.repeats, seed=args.seed, tts_text=args.tts_text, tts_output=args.tts_output)
             return 0
         return serve(args.model_dir, onnx_dir=args.onnx_dir, repository=args.repository, host=args.host,
-                     http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port)
+                     http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+                     gateway_port=args.gateway_port)
     except (TritonNotInstalled, ServerError, CosyVoiceError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

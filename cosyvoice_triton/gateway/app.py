@@ -1,0 +1,234 @@
+"""The FastAPI app: OpenAI's ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /health``,
+``GET /metrics``, behind :class:`~.middleware.GatewayMiddleware` (and CORS when origins are configured).
+
+The speech request is OpenAI's (``model``, ``input``, ``voice``, ``instructions``, ``response_format``, ``speed``,
+``stream_format``) plus CosyVoice's extras: ``reference_audio`` (a wav / flac / ogg file as base64, or a ``data:``
+URL) with ``reference_text`` (its transcript: zero-shot; without it cross-lingual) to speak in that voice instead of
+a registered one, and ``seed``. ``instructions`` are CosyVoice's instruct text. Without ``stream_format`` the answer
+is one whole file; ``audio`` streams the encoded audio as Triton produces it, ``sse`` sends it as server-sent
+events (``speech.audio.delta`` with base64 audio, then ``speech.audio.done``)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import time
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from . import audio
+from .backend import SpeechJob, TritonBackend
+from .config import GatewayConfig
+from .errors import GatewayError, error_body, install_handlers
+from .limits import KeyLimiter, KeyRing, bounded_loads
+from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
+from .middleware import GatewayMiddleware
+
+ENDOFPROMPT = "<|endofprompt|>"  # CosyVoice 2's end of an instruction (appended when missing, as the official code)
+SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", "/v1/audio/voices"
+ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics"})
+
+
+class VoiceRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: str
+    voice: str | VoiceRef | None = None
+    instructions: str | None = None
+    response_format: Literal["mp3", "opus", "flac", "wav", "pcm"] = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] | None = None
+    reference_audio: str | None = None
+    reference_text: str | None = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+def _param_error(exc: ValidationError) -> GatewayError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    return GatewayError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")
+
+
+def _reference(data: str) -> bytes:
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise GatewayError(400, "reference_audio: not valid base64", param="reference_audio",
+                           code="invalid_value") from None
+    if not raw:
+        raise GatewayError(400, "reference_audio: empty", param="reference_audio", code="invalid_value")
+    return raw
+
+
+def speech_job(req: SpeechRequest, config: GatewayConfig) -> SpeechJob:
+    """The request's checks that need no model, then the job for the backend."""
+    if req.model not in config.models:
+        raise GatewayError(400, f"model {req.model!r} is not served here; one of {', '.join(config.models)}",
+                           param="model", code="model_not_found")
+    if not req.input.strip():
+        raise GatewayError(400, "input: empty text", param="input", code="invalid_value")
+    if len(req.input) > config.max_input_chars:
+        raise GatewayError(400, f"input: {len(req.input)} characters; at most {config.max_input_chars}",
+                           param="input", code="invalid_value")
+    if req.speed != 1.0:
+        raise GatewayError(400, "speed: only 1.0 is supported by this server", param="speed",
+                           code="unsupported_value")
+    if req.stream_format is not None and req.response_format not in audio.STREAM_FORMATS:
+        raise GatewayError(400, f"response_format {req.response_format} cannot be streamed; stream one of "
+                           f"{', '.join(audio.STREAM_FORMATS)} or leave stream_format out", param="response_format",
+                           code="unsupported_value")
+    voice = req.voice.id if isinstance(req.voice, VoiceRef) else req.voice
+    if req.reference_audio is None:
+        if not voice:
+            raise GatewayError(400, "voice: a registered voice (GET /v1/audio/voices) or reference_audio is required",
+                               param="voice", code="invalid_value")
+        if req.reference_text is not None:
+            raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
+                               code="invalid_value")
+    instruct = req.instructions
+    if instruct is not None and not instruct.strip():
+        instruct = None
+    if instruct is not None and not instruct.rstrip().endswith(ENDOFPROMPT):
+        instruct = instruct.rstrip() + ENDOFPROMPT
+    return SpeechJob(text=req.input, voice=voice, instruct=instruct, seed=req.seed,
+                     reference_audio=None if req.reference_audio is None else _reference(req.reference_audio),
+                     reference_text=req.reference_text)
+
+
+def _sse(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
+    """The gateway on ``backend`` (an object with ``synthesize``, ``stream``, ``voices``, ``ready``, ``close``;
+    default: :class:`~.backend.TritonBackend` on ``config.triton_grpc``, made at startup)."""
+    config = config or GatewayConfig()
+    metrics = GatewayMetrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        own = app.state.backend is None
+        if own:
+            app.state.backend = TritonBackend(config.triton_grpc, timeout=config.backend_timeout_s)
+        try:
+            yield
+        finally:
+            if own:
+                await app.state.backend.close()
+
+    app = FastAPI(title="cosyvoice-triton gateway", lifespan=lifespan)
+    app.state.config, app.state.metrics, app.state.backend = config, metrics, backend
+    install_handlers(app)
+
+    async def backend_call(awaitable):
+        try:
+            return await awaitable
+        except GatewayError as exc:
+            metrics.backend_errors.labels(str(exc.status)).inc()
+            raise
+
+    @app.post(SPEECH_PATH)
+    async def speech(request: Request):
+        t0 = time.perf_counter()
+        body = bounded_loads(await request.body(), config.max_json_depth)
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_value")
+        try:
+            req = SpeechRequest.model_validate(body)
+        except ValidationError as exc:
+            raise _param_error(exc) from None
+        job = speech_job(req, config)
+        rid = getattr(request.state, "request_id", "")
+        fmt = req.response_format
+        if req.stream_format is None:
+            wave, sr = await backend_call(request.app.state.backend.synthesize(job, rid))
+            data = await run_in_threadpool(audio.encode, wave, sr, fmt)
+            metrics.audio_seconds.labels(fmt).inc(len(wave) / sr)
+            metrics.latency.labels(SPEECH_PATH).observe(time.perf_counter() - t0)
+            return Response(data, media_type=audio.CONTENT_TYPES[fmt])
+        return await _streamed(request.app.state.backend.stream(job, rid), fmt, req.stream_format == "sse", t0)
+
+    async def _streamed(chunks, fmt: str, sse: bool, t0: float) -> StreamingResponse:
+        try:  # the first chunk before the answer starts: a refusal still gets its own status
+            first = await backend_call(chunks.__anext__())
+        except StopAsyncIteration:
+            raise GatewayError(502, "speech backend: the stream ended without audio", code="backend_error") from None
+        except BaseException:
+            await chunks.aclose()
+            raise
+
+        async def body():
+            encoder, seconds = audio.StreamEncoder(fmt, first[1]), 0.0
+            try:
+                wave, sr = first
+                while True:
+                    data = encoder.feed(wave)
+                    if seconds == 0.0:
+                        metrics.first_audio.observe(time.perf_counter() - t0)
+                    seconds += len(wave) / sr
+                    if data:
+                        yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) \
+                            if sse else data
+                    try:
+                        wave, sr = await backend_call(chunks.__anext__())
+                    except StopAsyncIteration:
+                        break
+                tail = encoder.close()
+                if sse:
+                    if tail:
+                        yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
+                    # the gateway counts no tokens: OpenAI's usage fields are sent as 0
+                    yield _sse({"type": "speech.audio.done",
+                                "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}})
+                elif tail:
+                    yield tail
+            except GatewayError as exc:
+                if not sse:
+                    raise  # the connection is dropped: a cut audio stream, not a complete-looking one
+                yield _sse({"type": "error", **error_body(exc.status, exc.message, code=exc.code)})
+            finally:
+                metrics.audio_seconds.labels(fmt).inc(seconds)
+                metrics.latency.labels(SPEECH_PATH).observe(time.perf_counter() - t0)
+                await chunks.aclose()
+
+        media = "text/event-stream" if sse else audio.CONTENT_TYPES[fmt]
+        return StreamingResponse(body(), media_type=media, headers={"cache-control": "no-cache"})
+
+    @app.get(VOICES_PATH)
+    async def voices(request: Request):
+        ids = await backend_call(request.app.state.backend.voices())
+        return {"object": "list", "data": [{"id": i, "object": "voice", "name": i} for i in ids]}
+
+    @app.get("/health")
+    async def health(request: Request):
+        ready = await request.app.state.backend.ready()
+        return JSONResponse({"status": "ok" if ready else "unavailable", "triton": config.triton_grpc},
+                            status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(GatewayMiddleware, keys=KeyRing(config.api_keys),
+                       limiter=KeyLimiter(config.max_concurrency_per_key, config.rate_limit), metrics=metrics,
+                       max_body_bytes=config.max_body_bytes, routes=ROUTES)
+    if config.cors_origins:  # outermost: refusals carry the CORS headers too, preflights skip the key check
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type", "x-request-id"],
+                           expose_headers=["x-request-id"])
+    return app

@@ -1,0 +1,141 @@
+"""What the routes call: speech from the served TTS models over gRPC (``tritonclient.grpc.aio``), and the
+registered voices. Triton's refusals become :class:`~.errors.GatewayError` by their gRPC status code
+(:data:`HTTP_STATUS`), never by their text. Streams ask Triton for gRPC status codes on errors (the
+``triton_grpc_error`` header): without it a stream's error carries a message only."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from ..clients.client import SPEAKERS_MODEL, build_speaker_inputs, build_tts_inputs
+from ..shapes import TTS_MODEL, TTS_STREAM_MODEL
+from .errors import GatewayError
+
+log = logging.getLogger(__name__)
+
+#: Triton's gRPC status -> the gateway's HTTP status. Anything else (INTERNAL, UNKNOWN, ...) is a 502.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.NOT_FOUND: 503,  # the model is not loaded
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 503,
+}
+_BY_NAME = {str(code): code for code in grpc.StatusCode}  # tritonclient's InferenceServerException.status()
+
+
+@dataclass(frozen=True)
+class SpeechJob:
+    """One text to speak: in a registered voice (``voice``), or in the voice of ``reference_audio`` (an encoded
+    file; ``reference_text`` its transcript for zero-shot, else cross-lingual); ``instruct`` for instruct mode."""
+
+    text: str
+    voice: str | None = None
+    reference_audio: bytes | None = None
+    reference_text: str | None = None
+    instruct: str | None = None
+    seed: int | None = None
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    code = exc.code() if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "code", None)) else None
+    if code is None and callable(getattr(exc, "status", None)):
+        code = _BY_NAME.get(str(exc.status()))
+    return code
+
+
+def backend_error(exc: BaseException) -> GatewayError:
+    code = status_of(exc)
+    if isinstance(exc, grpc.RpcError) and callable(getattr(exc, "details", None)):
+        message = exc.details() or str(code)
+    else:
+        message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+    status = HTTP_STATUS.get(code, 502) if code is not None else 503  # no status: no answer from Triton at all
+    kind = {400: "invalid_value", 503: "backend_unavailable", 504: "backend_timeout"}.get(status, "backend_error")
+    if status >= 500:
+        log.warning("triton: %s (%s)", message, code)
+    return GatewayError(status, message if status == 400 else f"speech backend: {message}", code=kind)
+
+
+class TritonBackend:
+    """The TTS models on one Triton server (gRPC address ``url``); one channel, reused."""
+
+    def __init__(self, url: str, *, timeout: float = 300.0):
+        import tritonclient.grpc as grpcclient
+        import tritonclient.grpc.aio as aio
+
+        self.url, self.timeout, self._module = url, float(timeout), grpcclient
+        self._client = aio.InferenceServerClient(url)
+
+    def _inputs(self, job: SpeechJob) -> list:
+        return build_tts_inputs(self._module, job.text, prompt=job.reference_audio, prompt_text=job.reference_text,
+                                instruct=job.instruct, speaker_id=None if job.reference_audio else job.voice,
+                                seed=job.seed)
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self._client.is_model_ready(TTS_STREAM_MODEL))
+        except Exception:
+            return False
+
+    async def synthesize(self, job: SpeechJob, request_id: str = "") -> tuple[np.ndarray, int]:
+        try:
+            res = await self._client.infer(TTS_MODEL, self._inputs(job), request_id=request_id,
+                                           client_timeout=self.timeout)
+        except Exception as exc:
+            raise backend_error(exc) from exc
+        return (np.asarray(res.as_numpy("waveform"), np.float32).reshape(-1),
+                int(np.asarray(res.as_numpy("sample_rate")).reshape(-1)[0]))
+
+    async def stream(self, job: SpeechJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
+        """Chunks as Triton sends them; closing the generator early cancels the request on the server."""
+        request = {"model_name": TTS_STREAM_MODEL, "inputs": self._inputs(job), "request_id": request_id,
+                   "parameters": {"triton_enable_empty_final_response": True}}
+
+        async def requests():
+            yield request
+
+        call = self._client.stream_infer(requests(), stream_timeout=self.timeout,
+                                         headers={"triton_grpc_error": "true"})
+        done = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise backend_error(error)
+                wave = result.as_numpy("waveform")
+                if wave is not None:
+                    yield (np.asarray(wave, np.float32).reshape(-1),
+                           int(np.asarray(result.as_numpy("sample_rate")).reshape(-1)[0]))
+                params = result.get_response().parameters
+                if "triton_final_response" in params and params["triton_final_response"].bool_param:
+                    break
+            done = True
+        except GatewayError:
+            done = True
+            raise
+        except Exception as exc:
+            done = True
+            raise backend_error(exc) from exc
+        finally:
+            if not done:
+                call.cancel()
+
+    async def voices(self) -> list[str]:
+        try:
+            res = await self._client.infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list"),
+                                           client_timeout=self.timeout)
+        except Exception as exc:
+            raise backend_error(exc) from exc
+        ids = res.as_numpy("speaker_ids")
+        return [] if ids is None else [bytes(x).decode("utf-8") for x in ids.reshape(-1)]
+
+    async def close(self) -> None:
+        await self._client.close()

@@ -1,0 +1,83 @@
+"""The gateway's settings: one frozen dataclass, from CLI flags with ``COSYVOICE_GATEWAY_*`` environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_PREFIX = "COSYVOICE_GATEWAY_"
+#: Model names accepted in ``model``: this project's, and OpenAI's, so that existing clients work unchanged.
+DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    triton_grpc: str = "127.0.0.1:8001"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    models: tuple[str, ...] = DEFAULT_MODELS
+    api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
+    max_json_depth: int = 16
+    max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
+    max_concurrency_per_key: int = 8  # 0: unlimited
+    rate_limit: str | None = None  # per key, `limits` notation: "10/second", "100 per minute"; None: off
+    cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    backend_timeout_s: float = 300.0
+    log_level: str = "info"
+
+
+def _env(name: str, default):
+    return os.environ.get(ENV_PREFIX + name.upper(), default)
+
+
+def read_key_file(path: str | os.PathLike) -> frozenset[str]:
+    """One key a line; blank lines and ``#`` comments ignored."""
+    keys = {line.strip() for line in Path(path).read_text().splitlines()}
+    return frozenset(k for k in keys if k and not k.startswith("#"))
+
+
+def parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.gateway",
+                                description="OpenAI-compatible speech API in front of Triton (gRPC). Every flag "
+                                            f"also reads ${ENV_PREFIX}<FLAG> (upper case, '-' as '_').")
+    p.add_argument("--triton-grpc", default=_env("triton_grpc", d.triton_grpc), help="Triton's gRPC address")
+    p.add_argument("--host", default=_env("host", d.host))
+    p.add_argument("--port", type=int, default=int(_env("port", d.port)))
+    p.add_argument("--models", default=_env("models", ",".join(d.models)),
+                   help="comma-separated names accepted in the request's model field")
+    p.add_argument("--api-key", action="append", default=None,
+                   help=f"an accepted key (repeatable; also ${ENV_PREFIX}API_KEY); none: no authentication")
+    p.add_argument("--api-key-file", default=_env("api_key_file", None), help="a file of keys, one a line")
+    p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
+    p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
+    p.add_argument("--max-input-chars", type=int, default=int(_env("max_input_chars", d.max_input_chars)))
+    p.add_argument("--max-concurrency-per-key", type=int,
+                   default=int(_env("max_concurrency_per_key", d.max_concurrency_per_key)), help="0: unlimited")
+    p.add_argument("--rate-limit", default=_env("rate_limit", d.rate_limit),
+                   help="requests per key, e.g. '10/second' or '600 per minute'; unset: off")
+    p.add_argument("--cors-origin", action="append", default=None,
+                   help=f"an allowed CORS origin (repeatable; ${ENV_PREFIX}CORS_ORIGINS comma-separated); "
+                        "none: CORS off")
+    p.add_argument("--backend-timeout-s", type=float, default=float(_env("backend_timeout_s", d.backend_timeout_s)))
+    p.add_argument("--log-level", default=_env("log_level", d.log_level))
+    return p
+
+
+def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
+    args = parser().parse_args(argv)
+    keys = set(args.api_key or ([_env("api_key", "")] if _env("api_key", "") else []))
+    if args.api_key_file:
+        keys |= read_key_file(args.api_key_file)
+    origins = args.cors_origin or [o for o in _env("cors_origins", "").split(",") if o.strip()]
+    return GatewayConfig(triton_grpc=args.triton_grpc, host=args.host, port=args.port,
+                         models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
+                         api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
+                         max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
+                         max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
+                         cors_origins=tuple(o.strip() for o in origins), backend_timeout_s=args.backend_timeout_s,
+                         log_level=args.log_level)

@@ -1,0 +1,32 @@
+"""The gateway's own Prometheus metrics (one registry per app, served at ``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("cosyvoice_gateway_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.refused = Counter("cosyvoice_gateway_refused", "requests refused by the gateway's limits, by reason",
+                               ["reason"], registry=self.registry)
+        self.in_flight = Gauge("cosyvoice_gateway_in_flight", "requests being answered", registry=self.registry)
+        self.latency = Histogram("cosyvoice_gateway_request_seconds", "time to the whole answer, by route",
+                                 ["route"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.first_audio = Histogram("cosyvoice_gateway_first_audio_seconds",
+                                     "time to the first audio bytes of a streamed answer", buckets=_LATENCY_BUCKETS,
+                                     registry=self.registry)
+        self.audio_seconds = Counter("cosyvoice_gateway_audio_seconds", "seconds of audio answered, by format",
+                                     ["format"], registry=self.registry)
+        self.backend_errors = Counter("cosyvoice_gateway_backend_errors", "Triton refusals and failures, by HTTP "
+                                      "status they were answered with", ["status"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,156 @@
+"""The HTTP side of the limits, as one pure ASGI middleware in front of the routes (streamed answers pass through
+untouched): a request id (``x-request-id``, in every log line and answer), framing that two parsers could read
+differently (Content-Length together with Transfer-Encoding: h11 accepts it and lets Transfer-Encoding win; a proxy
+in front may not), compressed bodies (415), the body size (413, Content-Length or counted as a chunked body
+arrives), the API key (401) and the key's concurrency and rate (429). Refusals are in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+
+from starlette.datastructures import Headers
+
+from .errors import GatewayError, error_bytes
+from .limits import KeyLimiter, KeyRing
+from .metrics import GatewayMetrics
+
+log = logging.getLogger("cosyvoice_triton.gateway.access")
+
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+
+
+class RequestIdFilter(logging.Filter):
+    """Puts the current request's id into each record as ``request_id`` (``-`` outside a request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class GatewayMiddleware:
+    """``limited``: the path prefixes behind the key, concurrency and rate checks (health and metrics are not)."""
+
+    def __init__(self, app, *, keys: KeyRing, limiter: KeyLimiter, metrics: GatewayMetrics, max_body_bytes: int,
+                 routes: frozenset[str] = frozenset(), limited: tuple[str, ...] = ("/v1/",)):
+        self.app, self.keys, self.limiter, self.metrics = app, keys, limiter, metrics
+        self.max_body_bytes, self.routes, self.limited = int(max_body_bytes), routes, limited
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        given = headers.get("x-request-id", "")
+        rid = given if _CLIENT_ID.match(given) else uuid.uuid4().hex
+        token = REQUEST_ID.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+        answered = {"status": 0}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                answered["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        t0 = time.perf_counter()
+        self.metrics.in_flight.inc()
+        who = "-"
+        try:
+            who = await self._guarded(scope, headers, receive, send_with_id)
+        finally:
+            self.metrics.in_flight.dec()
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.metrics.requests.labels(route, str(answered["status"])).inc()
+            log.info('%s "%s %s" %s %.1f ms %s', scope.get("client", ("-",))[0] if scope.get("client") else "-",
+                     scope["method"], scope["path"], answered["status"], (time.perf_counter() - t0) * 1e3, who)
+            REQUEST_ID.reset(token)
+
+    async def _refuse(self, send, exc: GatewayError, *, close: bool = False) -> None:
+        self.metrics.refused.labels(exc.code or str(exc.status)).inc()
+        body = error_bytes(exc.status, exc.message, code=exc.code, param=exc.param)
+        out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        out += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
+        if close:
+            out.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": exc.status, "headers": out})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _guarded(self, scope, headers: Headers, receive, send) -> str:
+        """Check, then call the app; returns who asked (a key's id or the client's address) for the log."""
+        try:
+            self._check_framing(headers)
+        except GatewayError as exc:
+            await self._refuse(send, exc, close=True)
+            return "-"
+        if not scope["path"].startswith(self.limited):
+            await self.app(scope, receive, send)
+            return "-"
+        try:
+            if self.keys.enabled:
+                who = self.keys.identify(headers.get("authorization"))
+            else:
+                who = scope["client"][0] if scope.get("client") else "anonymous"
+            self.limiter.acquire(who)
+        except GatewayError as exc:
+            await self._refuse(send, exc)
+            return "-"
+        try:
+            if scope["method"] in _BODY_METHODS:
+                try:
+                    body = await self._read_body(receive)
+                except GatewayError as exc:
+                    await self._refuse(send, exc, close=True)
+                    return who
+                if body is None:  # the client left
+                    return who
+                receive = _replay(body, receive)
+            await self.app(scope, receive, send)
+        finally:
+            self.limiter.release(who)
+        return who
+
+    def _check_framing(self, headers: Headers) -> None:
+        if "transfer-encoding" in headers and "content-length" in headers:
+            raise GatewayError(400, "both Content-Length and Transfer-Encoding: ambiguous framing is refused",
+                               code="ambiguous_framing")
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise GatewayError(415, f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed",
+                               code="unsupported_content_encoding")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise GatewayError(413, f"the body is {int(length)} bytes; at most {self.max_body_bytes} are accepted",
+                               code="body_too_large")
+
+    async def _read_body(self, receive) -> bytes | None:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise GatewayError(413, f"the body is over {self.max_body_bytes} bytes", code="body_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A ``receive`` that hands the app the body already read, then the connection's own messages (disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -11,6 +11,9 @@
     python clients/cosyvoice_client.py tokens --audio a.wav [-o tokens.npy]        # 25 Hz speech tokens
     python clients/cosyvoice_client.py embedding --audio voice.wav [-o emb.npy]    # 192-dim CAM++ embedding
     python clients/cosyvoice_client.py tts --text "Hi." --prompt voice.wav --priority 1 -o hi.wav
+    arecord -f S16_LE -r 16000 | python clients/cosyvoice_client.py vc --live - --speaker alice -o - | aplay ...
+    python clients/cosyvoice_client.py vc --live talk.wav --prompt voice.wav -o live.wav    # at real-time pace
+    my_llm | python clients/cosyvoice_client.py tts --live --speaker alice --chunk-chars 4 -o - | aplay ...
 
 ``--stream`` asks the streaming model (``cosyvoice_vc_stream`` / ``cosyvoice_tts_stream``) over a gRPC stream, or
 with ``--protocol http`` over HTTP ``generate_stream`` (server-sent events), and writes each chunk as it arrives:
@@ -21,6 +24,13 @@ A request the server refuses prints the server's message; the exit code is 1 whe
 arguments or an unreachable server. ``tokens`` / ``embedding`` print the values on one line (``-o -``, the default) or
 write them to a ``.npy`` (or text) file. ``--priority N`` (every command) sends the request at priority level N (1 is
 the highest; checked against the model's configured levels when the admin key is known; not over HTTP streams).
+
+``--live`` runs a live session over one gRPC stream (``cosyvoice_vc_live`` / ``cosyvoice_tts_live``). ``vc --live FILE``
+sends the file at real-time pace in pieces of ``--piece-ms`` (``--no-pace``: as fast as it can), ``vc --live -`` sends
+raw 16-bit little-endian mono PCM from stdin at ``--rate`` as it comes; ``tts --live`` speaks stdin line by line as
+the lines come (``--chunk-chars N``: in pieces of N characters, as an LLM's tokens). The audio is written as it
+arrives; each chunk's latency (after the piece it answers was sent) and real-time margin (how early it came for
+gap-free playback from the first chunk on, ``--buffer-ms`` later) go to stderr, then a summary.
 """
 
 import argparse
@@ -36,6 +46,15 @@ from cosyvoice_triton.clients.client import (
     StreamStats,
     VCClient,
     VCError,
+)
+from cosyvoice_triton.clients.live import (
+    TTS_LIVE_MODEL,
+    VC_LIVE_MODEL,
+    LiveClient,
+    LiveStats,
+    PacedPieces,
+    pcm_pieces,
+    text_pieces,
 )
 from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.shapes import (
@@ -58,12 +77,20 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="request priority level (1 highest; default: the model's own level)")
 
 
+def _live_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--buffer-ms", type=float, default=0.0,
+                   help="--live: playback starts this long after the first chunk (for the real-time margin)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("vc", help="voice conversion (the default command)")
     _common(v)
-    v.add_argument("--source", nargs="+", required=True, help="speech file(s) whose content is kept")
+    what = v.add_mutually_exclusive_group(required=True)
+    what.add_argument("--source", nargs="+", help="speech file(s) whose content is kept")
+    what.add_argument("--live", metavar="FILE|-", help="live session: a file sent at real-time pace, or - for raw "
+                      "s16le mono PCM on stdin (at --rate)")
     voice = v.add_mutually_exclusive_group(required=True)
     voice.add_argument("--prompt", help="speech of the target voice")
     voice.add_argument("--speaker", help="a registered speaker id instead of --prompt")
@@ -71,12 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--seed", type=int, default=None, help="seed of the vocoder noise (server default: 0)")
     v.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives")
     v.add_argument("--concurrency", type=int, default=4)
+    v.add_argument("--rate", type=int, default=16000, help="--live -: sample rate of the PCM on stdin")
+    v.add_argument("--piece-ms", type=float, default=200.0, help="--live: source piece length")
+    v.add_argument("--no-pace", action="store_true", help="--live FILE: send the pieces as fast as possible")
+    _live_common(v)
 
     t = sub.add_parser("tts", help="text to speech")
     _common(t)
     text = t.add_mutually_exclusive_group(required=True)
     text.add_argument("--text", help="text to speak")
     text.add_argument("--text-file", help="UTF-8 file with the text to speak")
+    text.add_argument("--live", action="store_true", help="live session: speak stdin line by line as it comes")
     voice = t.add_mutually_exclusive_group(required=True)
     voice.add_argument("--prompt", help="speech of the target voice")
     voice.add_argument("--speaker", help="a registered speaker id instead of --prompt")
@@ -86,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("-o", "--output", required=True, help="output wav, or - for raw s16le PCM on stdout")
     t.add_argument("--seed", type=int, default=None, help="seed of the LM sampling and the vocoder noise")
     t.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives")
+    t.add_argument("--chunk-chars", type=int, default=0, metavar="N",
+                   help="--live: send the text in pieces of N characters (default: a line each)")
+    _live_common(t)
 
     s = sub.add_parser("speaker", help="register, list or delete speakers on the server")
     _common(s)
@@ -144,7 +179,48 @@ def _stream_to(chunks, output: str, stats: StreamStats, label: str) -> None:
           f"after {first}, total {stats.total_s:.2f} s, real-time factor {stats.rtf:.3f}", file=report)
 
 
+def _live_to(chunks, output: str, stats: LiveStats, label: str) -> None:
+    """Write a live session's chunks as they arrive; per chunk and at the end a line on stderr."""
+    sink = _Sink(output)
+    try:
+        for chunk in chunks:
+            sink.write(chunk.waveform, chunk.sample_rate)
+            margin = "playback starts" if chunk.margin_s is None else f"margin {chunk.margin_s * 1000:+.0f} ms"
+            print(f"chunk {chunk.index}: {chunk.seconds:.2f} s, piece {chunk.piece}, latency "
+                  f"{chunk.latency_s * 1000:.0f} ms, {margin}", file=sys.stderr, flush=True)
+    finally:
+        sink.close()
+    where = "stdout (raw s16le mono)" if output == "-" else output
+    print(f"{label} -> {where}: {stats.summary()}", file=sys.stderr, flush=True)
+
+
+def _vc_live(client: LiveClient, args) -> int:
+    if args.live == "-":
+        pieces, rate = pcm_pieces(sys.stdin.buffer, sample_rate=args.rate, piece_ms=args.piece_ms), args.rate
+    else:
+        pieces = PacedPieces(args.live, piece_ms=args.piece_ms, realtime=not args.no_pace)
+        rate = pieces.sample_rate
+    stats = LiveStats(buffer_s=args.buffer_ms / 1000.0)
+    _live_to(client.convert_live(pieces, prompt=args.prompt, speaker_id=args.speaker, sample_rate=rate,
+                                 seed=args.seed, stats=stats, priority=args.priority),
+             args.output, stats, "stdin" if args.live == "-" else args.live)
+    return 0
+
+
+def _tts_live(client: LiveClient, args) -> int:
+    if args.instruct is not None or args.mode is not None:
+        raise CosyVoiceError("--live speaks in the voice of --prompt (+ --prompt-text) or --speaker; no --instruct / "
+                             "--mode")
+    stats = LiveStats(buffer_s=args.buffer_ms / 1000.0)
+    _live_to(client.tts_live(text_pieces(sys.stdin, chunk_chars=args.chunk_chars), prompt=args.prompt,
+                             prompt_text=args.prompt_text, speaker_id=args.speaker, seed=args.seed, stats=stats,
+                             priority=args.priority), args.output, stats, "tts")
+    return 0
+
+
 def _vc(client: VCClient, args) -> int:
+    if args.live:
+        return _vc_live(client, args)
     several = len(args.source) > 1
     if args.stream:
         if several or args.output.endswith("/"):
@@ -170,6 +246,8 @@ def _vc(client: VCClient, args) -> int:
 
 
 def _tts(client: VCClient, args) -> int:
+    if args.live:
+        return _tts_live(client, args)
     text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
     kw = {"prompt": args.prompt, "prompt_text": args.prompt_text, "instruct": args.instruct,
           "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed, "priority": args.priority}
@@ -231,14 +309,20 @@ def main(argv=None) -> int:
     if not argv or argv[0] not in (*COMMANDS, "-h", "--help"):
         argv = ["vc", *argv]  # the original command line: voice conversion
     args = build_parser().parse_args(argv)
-    protocol = args.protocol or ("grpc" if getattr(args, "stream", False) else "http")
+    live = bool(getattr(args, "live", None))
+    protocol = args.protocol or ("grpc" if getattr(args, "stream", False) or live else "http")
+    if live and (protocol != "grpc" or args.stream):
+        print("error: --live runs over a gRPC stream (no --protocol http, no --stream)", file=sys.stderr)
+        return 2
     try:
         stream = getattr(args, "stream", False)
         model = {"vc": VC_STREAM_MODEL if stream else VC_MODEL, "tts": TTS_STREAM_MODEL if stream else TTS_MODEL,
                  "speaker": SPEAKERS_MODEL, "tokens": SPEECH_TOKENS_MODEL,
                  "embedding": SPEAKER_EMBEDDING_MODEL}[args.command]
-        client = VCClient(args.url, protocol=protocol, model=model, timeout=args.timeout,
-                          concurrency=getattr(args, "concurrency", 4))
+        if live:
+            model = VC_LIVE_MODEL if args.command == "vc" else TTS_LIVE_MODEL
+        client = (LiveClient if live else VCClient)(args.url, protocol=protocol, model=model, timeout=args.timeout,
+                                                    concurrency=getattr(args, "concurrency", 4))
     except Exception as exc:
         print(f"error: cannot connect: {exc}", file=sys.stderr)
         return 2

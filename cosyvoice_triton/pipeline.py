@@ -29,6 +29,7 @@ from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
+from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
 from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speakers import SpeakerPrompt, SpeakerStore
 from .streaming import MEL_CACHE, stream_chunk_ends, stream_chunks
@@ -98,6 +99,11 @@ class CosyVoice2:
         self.speakers = speakers if speakers is not None else SpeakerStore()
         self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
         self.prompt_cache = prompt_cache
+        #: streaming: non-final chunks compute only their new frames (:mod:`~.models.incremental`, equal to the
+        #: recomputing path up to float rounding); a stream whose cached state would pass
+        #: ``incremental_cache_bytes`` recomputes every frame from there on
+        self.incremental_stream = True
+        self.incremental_cache_bytes = DEFAULT_MAX_CACHE_BYTES
         self._prompt_options = {"model": file_identity(tokenizer.path, speaker.path), "mel": repr(config.mel),
                                 "sample_rate": config.sample_rate}
 
@@ -263,9 +269,9 @@ class CosyVoice2:
         ratio, generator = self.flow.token_mel_ratio, _generator(seed)
         noises = iter(hift_noise) if hift_noise is not None else None
         cache = None
+        state = FlowStreamState(self.incremental_cache_bytes) if self.incremental_stream else None
         for chunk in stream_chunks(tokens, len(inputs.prompt_tokens), lookahead=self.flow.pre_lookahead_len):
-            mel = self._flow(inputs, chunk.tokens, streaming=not chunk.final, finalize=chunk.final,
-                             timer=timer)[:, :, chunk.offset * ratio:]
+            mel = self._stream_flow(inputs, chunk, state, timer)[:, :, chunk.offset * ratio:]
             speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=chunk.final)
             yield speech
 
@@ -273,6 +279,18 @@ class CosyVoice2:
         """Where the non-final chunks of :meth:`token2wav_stream` end, in source tokens
         (:func:`~cosyvoice_triton.streaming.stream_chunk_ends` with the flow's look-ahead)."""
         return stream_chunk_ends(n_tokens, n_prompt_tokens, lookahead=self.flow.pre_lookahead_len)
+
+    @torch.inference_mode()
+    def _stream_flow(self, inputs: VCInputs, chunk, state: FlowStreamState | None, timer: StageTimer) -> torch.Tensor:
+        """A stream chunk's mel after the prompt [1, 80, T]: from ``state`` for a non-final chunk (when it has
+        one and stays under its cap), else recomputed over every frame (the final chunk has full attention)."""
+        if state is not None and not chunk.final:
+            mel = incremental_chunk(self.flow, state, *self._tensors(inputs, chunk.tokens), timer=timer)
+            if mel is not None:
+                return mel
+        if state is not None:
+            state.reset()
+        return self._flow(inputs, chunk.tokens, streaming=not chunk.final, finalize=chunk.final, timer=timer)
 
     def _hift_chunk(self, mel: torch.Tensor, cache: dict | None, noise: np.ndarray | None,
                     generator: torch.Generator | None, timer: StageTimer, *, final: bool):

@@ -45,7 +45,8 @@ def encode(wave: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         return bytes(enc.encode(pcm16(wave).tobytes())) + bytes(enc.flush())
     container, subtype = _SOUNDFILE[fmt]
     buf = io.BytesIO()
-    sf.write(buf, np.asarray(wave, np.float32).reshape(-1), int(sample_rate), format=container, subtype=subtype)
+    data = pcm16(wave) if subtype == "PCM_16" else np.asarray(wave, np.float32).reshape(-1)  # one 16-bit rounding
+    sf.write(buf, data, int(sample_rate), format=container, subtype=subtype)
     return buf.getvalue()
 
 

@@ -1,0 +1,229 @@
+"""The gateway process (``python -m cosyvoice_triton.gateway``) in front of a real tritonserver (the session's
+``triton_server``: local flavor, tiny demo model), with OpenAI's own Python client: every response format decoded
+back and equal to what Triton answers directly (within 16-bit rounding for the lossless formats), streams (raw
+audio and server-sent events) equal to Triton's own stream, Triton's refusals by status code (plain and streamed),
+and the limits (oversize, deep JSON, gzip body, bad key, too many requests) with innocent requests around them."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import io
+import json
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, wait_until
+
+openai = pytest.importorskip("openai")
+
+VOICE = "gateway_voice"
+KEY = "sk-live-test"
+TEXT = "Hello there, this is the gateway speaking."
+LONG_TEXT = ("This is a much longer sentence that keeps the language model busy for a good while, so that a "
+             "second request of the same key arrives while the first is still being answered.")
+PROMPT_TEXT = "the prompt says hello"
+SEED = 5
+MAX_BODY = 300_000
+
+pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
+
+
+@pytest.fixture(scope="module")
+def triton(triton_server):
+    from cosyvoice_triton.clients.client import VCClient
+
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
+        c.register_speaker(VOICE, str(FIXTURES / "prompt_en_3s.wav"), prompt_text=PROMPT_TEXT)
+        yield c
+        c.delete_speaker(VOICE)
+
+
+@pytest.fixture(scope="module")
+def gateway(triton, triton_server, tmp_path_factory):
+    from cosyvoice_triton.serving.server import free_ports
+
+    port = free_ports(1)[0]
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
+                                 triton_server.grpc_url, "--port", str(port), "--api-key", KEY,
+                                 "--max-concurrency-per-key", "1", "--max-body-bytes", str(MAX_BODY),
+                                 "--max-json-depth", "8"], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.poll() is not None:
+            raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            return urllib.request.urlopen(url + "/health", timeout=30).status == 200
+
+    try:
+        wait_until(healthy, "the gateway's /health")
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    with openai.OpenAI(base_url=gateway[0] + "/v1", api_key=KEY, max_retries=0, timeout=PATIENCE_S) as c:
+        yield c
+
+
+def _speak(client, **kw):
+    return client.audio.speech.create(model="cosyvoice2", voice=VOICE, input=kw.pop("input", TEXT),
+                                      extra_body={"seed": SEED, **kw.pop("extra_body", {})}, **kw)
+
+
+def _innocent(client):
+    wave, sr = sf.read(io.BytesIO(_speak(client, response_format="wav").read()), dtype="float32")
+    assert sr == 24000 and wave.size > 0
+
+
+@pytest.fixture(scope="module")
+def direct(triton):
+    res = triton.tts(TEXT, speaker_id=VOICE, seed=SEED)
+    return res.waveform.reshape(-1)
+
+
+def test_voices_list_the_registered_speaker(gateway):
+    r = httpx.get(gateway[0] + "/v1/audio/voices", headers={"authorization": f"Bearer {KEY}"}, timeout=PATIENCE_S)
+    assert r.status_code == 200 and VOICE in [v["id"] for v in r.json()["data"]]
+
+
+def test_every_format_decodes_to_tritons_answer(client, direct):
+    from cosyvoice_triton.gateway.audio import pcm16
+
+    want = pcm16(direct)
+    out = {fmt: _speak(client, response_format=fmt).read() for fmt in ("wav", "flac", "mp3", "opus", "pcm")}
+    np.testing.assert_array_equal(np.frombuffer(out["pcm"], "<i2"), want)
+    for fmt in ("wav", "flac"):
+        got, sr = sf.read(io.BytesIO(out[fmt]), dtype="int16")
+        assert sr == 24000
+        np.testing.assert_array_equal(got, want)
+    for fmt in ("mp3", "opus"):  # lossy: the codec's delay and padding, the same loudness
+        got, sr = sf.read(io.BytesIO(out[fmt]), dtype="float32")
+        assert sr == 24000 and abs(len(got) - len(want)) < 0.1 * sr
+        rms = np.sqrt(np.mean(direct ** 2))
+        assert 0.5 * rms < np.sqrt(np.mean(got ** 2)) < 1.5 * rms
+
+
+def test_streams_equal_tritons_stream(client, triton):
+    from cosyvoice_triton.gateway.audio import pcm16
+
+    chunks = list(triton.tts_stream(TEXT, speaker_id=VOICE, seed=SEED))
+    assert len(chunks) >= 2
+    want = pcm16(np.concatenate([c.waveform for c in chunks]))
+    with client.audio.speech.with_streaming_response.create(
+            model="cosyvoice2", voice=VOICE, input=TEXT, response_format="pcm", stream_format="audio",
+            extra_body={"seed": SEED}) as r:
+        assert r.headers["content-type"] == "audio/pcm" and "content-length" not in r.headers
+        parts = list(r.iter_bytes())
+    np.testing.assert_array_equal(np.frombuffer(b"".join(parts), "<i2"), want)
+    with client.audio.speech.with_streaming_response.create(
+            model="cosyvoice2", voice=VOICE, input=TEXT, response_format="wav", stream_format="sse",
+            extra_body={"seed": SEED}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta"] * len(chunks) + ["speech.audio.done"]
+    data = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    got, sr = sf.read(io.BytesIO(data), dtype="int16", frames=len(want))  # a streamed wav: length unknown
+    assert sr == 24000
+    np.testing.assert_array_equal(got, want)
+
+
+def test_tritons_refusals_by_status(client):
+    for stream_format in (None, "audio", "sse"):
+        extra = {} if stream_format is None else {"stream_format": stream_format}
+        with pytest.raises(openai.BadRequestError) as info:  # unknown speaker: Triton's INVALID_ARGUMENT
+            client.audio.speech.create(model="cosyvoice2", voice="nobody_registered", input=TEXT, **extra)
+        assert info.value.body["code"] == "invalid_value" and info.value.body["message"]
+    _innocent(client)
+
+
+def test_zero_shot_from_reference_audio(client):
+    ref = base64.b64encode((FIXTURES / "prompt_en_3s.wav").read_bytes()).decode()
+    audio = _speak(client, response_format="wav", extra_body={"reference_audio": ref, "reference_text": PROMPT_TEXT})
+    wave, sr = sf.read(io.BytesIO(audio.read()), dtype="float32")
+    assert sr == 24000 and wave.size > 0
+    with pytest.raises(openai.BadRequestError):  # not audio at all: refused by Triton's decoder
+        _speak(client, extra_body={"reference_audio": base64.b64encode(b"not audio" * 10).decode()})
+
+
+def test_bad_requests_and_innocent_ones_around_them(client, gateway):
+    url = gateway[0] + "/v1/audio/speech"
+    auth = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    body = {"model": "cosyvoice2", "voice": VOICE, "input": TEXT, "response_format": "pcm"}
+    _innocent(client)
+    with pytest.raises(openai.APIStatusError) as info:  # oversize
+        _speak(client, extra_body={"reference_audio": "A" * (MAX_BODY + 10)})
+    assert info.value.status_code == 413
+    chunked = httpx.post(url, headers=auth, content=iter([json.dumps(body).encode()[:-1],
+                                                          b', "pad": "' + b"x" * MAX_BODY + b'"}']),
+                         timeout=PATIENCE_S)
+    assert chunked.status_code == 413 and chunked.json()["error"]["code"] == "body_too_large"
+    with pytest.raises(openai.BadRequestError) as info:  # deep JSON
+        _speak(client, extra_body={"x": json.loads("[" * 20 + "]" * 20)})
+    assert info.value.body["code"] == "json_too_deep"
+    r = httpx.post(url, headers={**auth, "content-encoding": "gzip"}, content=gzip.compress(json.dumps(body).encode()),
+                   timeout=PATIENCE_S)
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_content_encoding"
+    with openai.OpenAI(base_url=gateway[0] + "/v1", api_key="sk-wrong", max_retries=0) as bad, \
+            pytest.raises(openai.AuthenticationError):
+        bad.audio.speech.create(model="cosyvoice2", voice=VOICE, input=TEXT)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.audio.speech.create(model="cosyvoice2", voice=VOICE, input=TEXT, speed=2.0)
+    assert info.value.body["param"] == "speed"
+    _innocent(client)
+    assert "unsupported_content_encoding" in urllib.request.urlopen(gateway[0] + "/metrics").read().decode()
+
+
+def test_too_many_requests_of_one_key(client):
+    """At most 1 request per key in flight: while a long one is being answered, the key's next request gets 429
+    (OpenAI's client raises RateLimitError), and once it is done requests are answered again."""
+    limited = None
+    for _ in range(3):  # the long request may finish before a probe reaches the gateway on a loaded machine
+        done, result = threading.Event(), {}
+
+        def long(result=result, done=done):
+            try:
+                result["audio"] = _speak(client, input=LONG_TEXT, response_format="pcm").read()
+            except Exception as exc:
+                result["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=long, daemon=True).start()
+        while not done.is_set() and limited is None:
+            try:
+                _speak(client, response_format="pcm")  # answered only if the long one was already done
+            except openai.RateLimitError as exc:
+                limited = exc
+        assert done.wait(PATIENCE_S) and "error" not in result, result
+        assert len(result["audio"]) > 0
+        if limited is not None:
+            break
+    assert limited is not None, "no probe ever arrived while the long request was in flight"
+    assert limited.body["code"] == "concurrency_limit_exceeded" and limited.response.headers["retry-after"]
+    _innocent(client)
+
+
+def test_request_ids_reach_the_log(client, gateway):
+    r = httpx.post(gateway[0] + "/v1/audio/speech", headers={"authorization": f"Bearer {KEY}",
+                                                              "x-request-id": "live-rid-7"},
+                   json={"model": "cosyvoice2", "voice": VOICE, "input": TEXT, "response_format": "pcm"},
+                   timeout=PATIENCE_S)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "live-rid-7"
+    wait_until(lambda: "[live-rid-7]" in gateway[1].read_text(), "the request id in the gateway's log")

@@ -58,7 +58,8 @@ class SpeechRequest(BaseModel):
 
 def _param_error(exc: ValidationError) -> GatewayError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    loc = first.get("loc", ())
+    param = str(loc[0]) if loc else None  # the request's field (a union's member or a nested key is not a param)
     return GatewayError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")
 
 

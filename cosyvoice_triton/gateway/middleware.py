@@ -90,6 +90,7 @@ class GatewayMiddleware:
         if not scope["path"].startswith(self.limited):
             await self.app(scope, receive, send)
             return "-"
+        who = "-"
         try:
             if self.keys.enabled:
                 who = self.keys.identify(headers.get("authorization"))
@@ -98,7 +99,7 @@ class GatewayMiddleware:
             self.limiter.acquire(who)
         except GatewayError as exc:
             await self._refuse(send, exc)
-            return "-"
+            return who
         try:
             if scope["method"] in _BODY_METHODS:
                 try:

@@ -22,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, PATIENCE_S, wait_until
 
 from cosyvoice_triton.clients.client import VCError
 
 SCALE = max(1, int(os.environ.get("HOSTILE_SCALE", "1")))
-TIMEOUT = 120.0
+TIMEOUT = PATIENCE_S  # a busy machine's ceiling on one request
 FIGURES: dict[str, object] = {"kinds": 0, "refused_as_invalid": 0, "wrong_status": [], "hangs": 0, "crashes": 0,
                               "corrupted_neighbours": 0}
 
@@ -182,7 +182,9 @@ def test_every_model_refuses_each_kind_of_bad_input_quickly(triton_server, speec
     for model, kinds in _cases(speech).items():
         for kind, (tensors, words) in kinds.items():
             FIGURES["kinds"] += 1
+            cpu_before = _cpu_seconds(triton_server)
             _, err, seconds = infer(triton_server, protocol, model, tensors)
+            cpu = _cpu_seconds(triton_server) - cpu_before  # the server's work on it, however busy the machine
             if (err is not None and "timed out" in err.message.lower()) or seconds > 30:
                 FIGURES["hangs"] += 1
             if err is None or not err.invalid_argument:
@@ -193,8 +195,9 @@ def test_every_model_refuses_each_kind_of_bad_input_quickly(triton_server, speec
             missing = [w for w in words if w.lower() not in err.message.lower()]
             if missing:
                 failures.append(f"{protocol} {model} {kind}: {missing} not in {err.message!r}")
-            if seconds > 10:
-                failures.append(f"{protocol} {model} {kind}: refused after {seconds:.1f} s")
+            if cpu > 10:  # refused up front, not computed
+                failures.append(f"{protocol} {model} {kind}: refused after {cpu:.1f} s of the server's CPU time "
+                                f"({seconds:.1f} s)")
     if not triton_server.running:
         FIGURES["crashes"] += 1
     assert _all_ready(triton_server)
@@ -248,6 +251,21 @@ def _stub_rss(server, model):
     raise AssertionError(f"no stub process of {model}")
 
 
+def _cpu_seconds(server) -> float:
+    """CPU time used so far by the server and its stubs (user + system)."""
+    import psutil
+
+    root = psutil.Process(server.process.pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 def _server_rss(server):
     import psutil
 
@@ -278,7 +296,10 @@ def test_refused_big_requests_leave_no_memory_behind(triton_server, speech):
     for i in range(n):
         _, err, _ = infer(triton_server, ("http", "grpc")[i % 2], "preprocess", req(refused_rate))
         assert err is not None and err.invalid_argument and "too long" in err.message, err
-    time.sleep(1.0)
+    # what a refused request held is freed after its answer: read the memory once it is back under the bar (it
+    # stays above it where the refused requests leak)
+    wait_until(lambda: _stub_rss(triton_server, "preprocess") - after_valid < 60e6,
+               "the preprocess stub's memory back within 60 MB of its size after the valid requests", interval=0.5)
     after_refused, (srv_refused, kids_refused) = _stub_rss(triton_server, "preprocess"), _server_rss(triton_server)
     growth = after_refused - after_valid
     server_growth, stubs_growth = (srv_refused - srv_valid) / 1e6, (kids_refused - kids_valid) / 1e6

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, speech_pair
+from conftest import ROOT, speech_pair, wait_until
 
 from cosyvoice_triton.loadtest.metrics import counter_total, parse_prometheus
 from cosyvoice_triton.serving import metrics as m
@@ -267,18 +267,8 @@ def _api(base: str, path: str, **params) -> dict:
     return body["data"]
 
 
-def _until(fn, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except OSError as exc:
-            last = exc
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout} s (last: {last!r})")
+def _until(fn, what: str):
+    return wait_until(fn, what, interval=0.5)
 
 
 def test_prometheus_scrapes_triton_and_answers_a_custom_metric(traffic, triton_server, tmp_path):
@@ -301,14 +291,14 @@ def test_prometheus_scrapes_triton_and_answers_a_custom_metric(traffic, triton_s
                              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        _until(lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=5).status == 200, 60, "Prometheus ready")
+        _until(lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=5).status == 200, "Prometheus ready")
         _until(lambda: [r for r in _api(base, "/api/v1/query", query='up{job="triton"}')["result"]
-                        if r["value"][1] == "1"], 60, "the triton target up")
+                        if r["value"][1] == "1"], "the triton target up")
         name, labels = m.AUDIO_OUT.name, {"model": "cosyvoice_vc_stream", "version": "1"}
         direct = value(scrape(triton_server), name, **labels)
         assert direct > 0
         selector = f'{name}{{model="cosyvoice_vc_stream",version="1"}}'
-        result = _until(lambda: _api(base, "/api/v1/query", query=selector)["result"], 60, f"{selector} in Prometheus")
+        result = _until(lambda: _api(base, "/api/v1/query", query=selector)["result"], f"{selector} in Prometheus")
         assert len(result) == 1 and result[0]["metric"]["job"] == "triton"
         assert {k: result[0]["metric"][k] for k in labels} == labels
         assert float(result[0]["value"][1]) == pytest.approx(direct, rel=1e-9)
@@ -321,7 +311,7 @@ def test_prometheus_scrapes_triton_and_answers_a_custom_metric(traffic, triton_s
             names = set(_api(base, "/api/v1/label/__name__/values"))
             return len(rules) == len(rule_exprs()[0]) and not bad and recorded <= names and rules
 
-        rules = _until(rules_ran, 90, "every rule evaluated with health ok and every recorded series present")
+        rules = _until(rules_ran, "every rule evaluated with health ok and every recorded series present")
         assert {r["name"] for r in rules if r["type"] == "alerting"} >= {"TritonDown", "CosyVoiceSlowerThanRealTime"}
         assert not [r for r in rules if r["type"] == "alerting" and r["name"] == "TritonDown" and r["alerts"]]
     finally:

@@ -1,5 +1,6 @@
-"""Shared fixtures. The oracle lives in ../shared/reference (see its README); tests that need it skip
-with a clear reason where a clone does not have it."""
+"""Shared fixtures. The flow / HiFT oracle is tests/fixtures/flow_oracle (made by tests/oracle/make_flow_oracle.py):
+its weights are regenerated here with the project's seeded code and checked by digest, so no parity test skips.
+An external reference folder (``$COSYVOICE_REFERENCE_DIR``) is an optional cross-check; its tests skip without it."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_DIR = ROOT.parent / "shared" / "reference"
-TINY_DIR = REFERENCE_DIR / "cosyvoice2-tiny"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FLOW_ORACLE = FIXTURES / "flow_oracle"
+#: An optional external reference folder (``cosyvoice2-tiny/`` with official-format weights and official outputs
+#: made on another machine), used only for cross-checks. ``$COSYVOICE_REFERENCE_DIR``; unset: ../shared/reference.
+REFERENCE_DIR = Path(os.environ.get("COSYVOICE_REFERENCE_DIR") or ROOT.parent / "shared" / "reference")
+EXTERNAL_TINY_DIR = REFERENCE_DIR / "cosyvoice2-tiny"
 
 
 def require_speech() -> None:
@@ -42,34 +46,86 @@ def require_live_loadtest() -> None:
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def reference_dir() -> Path:
-    """``shared/reference`` (the full-size key lists live here)."""
-    if not (REFERENCE_DIR / "README.md").is_file():
-        pytest.skip(f"oracle folder {REFERENCE_DIR} is absent (it exists only inside the project workplace)")
-    return REFERENCE_DIR
+# Bars of the flow / HiFT oracle (tests/oracle/README.md has the measured figures). FEAT_BAR: the flow's mel and
+# HiFT's input mel against the official code (relative: max abs err / max |ref|).
+FEAT_BAR = 1e-5
+#: End-to-end waveforms go through HiFT's phase accumulation, which turns float32 rounding of the mel into ~1e-3 of
+#: the waveform. Their bar is this multiple of the largest waveform spread the oracle measured when it perturbed the
+#: official HiFT input by noise at the scale of FEAT_BAR (``waveform_spread`` in the oracle meta).
+WAVE_SPREAD_MULTIPLE = 4.0
+WAVE_SPREAD_KEY = "rel_1e-6"
+
+
+def waveform_bar(spread: dict) -> float:
+    """The end-to-end waveform bar from a case's measured ``waveform_spread`` (see WAVE_SPREAD_MULTIPLE)."""
+    return WAVE_SPREAD_MULTIPLE * max(spread[WAVE_SPREAD_KEY])
+
+
+def flow_oracle_script():
+    """tests/oracle/make_flow_oracle.py as a module (its seeded weights, digests and constants)."""
+    import importlib.util
+    import sys
+
+    if "make_flow_oracle" not in sys.modules:
+        path = ROOT / "tests" / "oracle" / "make_flow_oracle.py"
+        spec = importlib.util.spec_from_file_location("make_flow_oracle", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["make_flow_oracle"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["make_flow_oracle"]
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(reference_dir: Path) -> Path:
-    """``shared/reference/cosyvoice2-tiny``: official-format random weights and official outputs."""
-    if not (TINY_DIR / "flow.pt").is_file():
-        pytest.skip(f"oracle model {TINY_DIR} is absent")
-    return TINY_DIR
+def flow_oracle_meta() -> dict:
+    import json
+
+    return json.loads((FLOW_ORACLE / "oracle_meta.json").read_text())
 
 
 @pytest.fixture(scope="session")
-def ref_npz(tiny_dir: Path):
-    """``ref_npz("flow_nonstream")`` -> dict of numpy arrays from the oracle."""
+def tiny_dir(tmp_path_factory, flow_oracle_meta) -> Path:
+    """The oracle's tiny ``flow.pt`` / ``hift.pt`` (+ ``cosyvoice2.yaml``), regenerated with the project's seeded
+    code and checked against the digests the official code loaded."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("flow_oracle_weights")
+    digests = flow_oracle_script().write_weights(d, seed=flow_oracle_meta["seeds"]["weights"])
+    assert digests == flow_oracle_meta["weights"]["state_sha256"], \
+        "the regenerated oracle weights differ from those the official outputs were computed with"
+    shutil.copy(FLOW_ORACLE / "cosyvoice2_dims.json", d / "cosyvoice2_dims.json")
+    return d
+
+
+def _npz_loader(folder: Path):
     cache: dict[str, dict[str, np.ndarray]] = {}
 
     def load(name: str) -> dict[str, np.ndarray]:
         if name not in cache:
-            with np.load(tiny_dir / f"{name}.npz", allow_pickle=False) as z:
+            with np.load(folder / f"{name}.npz", allow_pickle=False) as z:
                 cache[name] = {k: z[k] for k in z.files}
         return cache[name]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def ref_npz():
+    """``ref_npz("flow_nonstream")`` -> dict of numpy arrays of the official outputs in tests/fixtures/flow_oracle."""
+    return _npz_loader(FLOW_ORACLE)
+
+
+@pytest.fixture(scope="session")
+def external_tiny_dir() -> Path:
+    """The external reference folder's ``cosyvoice2-tiny`` (optional cross-check)."""
+    if not (EXTERNAL_TINY_DIR / "flow.pt").is_file():
+        pytest.skip(f"no external reference folder at {REFERENCE_DIR} (set COSYVOICE_REFERENCE_DIR to cross-check)")
+    return EXTERNAL_TINY_DIR
+
+
+@pytest.fixture(scope="session")
+def external_npz(external_tiny_dir: Path):
+    """Like ``ref_npz``, on the external reference folder."""
+    return _npz_loader(external_tiny_dir)
 
 
 def speech_pair(source_s: float, prompt_s: float) -> tuple[np.ndarray, int, np.ndarray, int]:
@@ -167,20 +223,30 @@ def triton_server(serving_assets):
         yield server
 
 
-@pytest.fixture(scope="session")
-def oracle_model(tiny_dir, tmp_path_factory):
-    """``CosyVoice2`` on the oracle's official-format flow.pt / hift.pt (stand-in tokenizer / CAM++ models)."""
+def _model_on(weights: Path, d: Path):
+    """``CosyVoice2`` on the official-format flow.pt / hift.pt of ``weights`` (stand-in tokenizer / CAM++ models)."""
     import shutil
 
     from cosyvoice_triton.config import ModelConfig, write_yaml
     from cosyvoice_triton.models.standins import write_campplus_standin, write_speech_tokenizer_standin
     from cosyvoice_triton.pipeline import CosyVoice2
 
-    d = tmp_path_factory.mktemp("oracle")
     for name in ("flow.pt", "hift.pt"):
-        shutil.copy(tiny_dir / name, d / name)
+        shutil.copy(weights / name, d / name)
     write_yaml(ModelConfig.tiny(), d / "cosyvoice2.yaml")
     write_speech_tokenizer_standin(d / "speech_tokenizer_v2.onnx")
     write_campplus_standin(d / "campplus.onnx")
     return CosyVoice2.from_pretrained(d)
+
+
+@pytest.fixture(scope="session")
+def oracle_model(tiny_dir, tmp_path_factory):
+    """``CosyVoice2`` on the oracle's flow.pt / hift.pt."""
+    return _model_on(tiny_dir, tmp_path_factory.mktemp("oracle"))
+
+
+@pytest.fixture(scope="session")
+def external_oracle_model(external_tiny_dir, tmp_path_factory):
+    """``CosyVoice2`` on the external reference folder's flow.pt / hift.pt."""
+    return _model_on(external_tiny_dir, tmp_path_factory.mktemp("external_oracle"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import FLOW_ORACLE
 
 from cosyvoice_triton.config import ModelConfig, load_hyperpyyaml, write_yaml
 from cosyvoice_triton.errors import ConfigError
@@ -65,8 +66,7 @@ def test_missing_yaml(tmp_path):
         ModelConfig.from_yaml(tmp_path / "cosyvoice2.yaml")
 
 
-def test_tiny_matches_the_oracle_dims(tiny_dir):
-    dims = json.loads((tiny_dir / "cosyvoice2_dims.json").read_text())
+def _check_tiny_dims(dims: dict) -> None:
     tiny = ModelConfig.tiny()
     enc, est, hift = dims["flow"]["encoder"], dims["flow"]["decoder"]["estimator"], dims["hift"]
     assert (tiny.flow.encoder.attention_heads, tiny.flow.encoder.linear_units, tiny.flow.encoder.num_blocks) == (
@@ -80,3 +80,12 @@ def test_tiny_matches_the_oracle_dims(tiny_dir):
     assert tiny.hift.f0_predictor.cond_channels == hift["f0_predictor"]["cond_channels"]
     assert list(tiny.hift.upsample_rates) == hift["upsample_rates"]
     assert tiny.mel.fmax == dims["feat_extractor"]["fmax"] and tiny.mel.n_fft == dims["feat_extractor"]["n_fft"]
+
+
+def test_tiny_matches_the_oracle_dims():
+    """ModelConfig.tiny() is what the flow / HiFT oracle's official modules were built with."""
+    _check_tiny_dims(json.loads((FLOW_ORACLE / "cosyvoice2_dims.json").read_text()))
+
+
+def test_tiny_matches_the_external_reference_dims(external_tiny_dir):
+    _check_tiny_dims(json.loads((external_tiny_dir / "cosyvoice2_dims.json").read_text()))

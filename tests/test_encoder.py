@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import rel_err
+from conftest import FIXTURES, flow_oracle_script, rel_err
 
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.models.encoder import UpsampleConformerEncoder, chunk_attention_mask
@@ -24,24 +24,37 @@ def _tiny_encoder(seed: int = 0) -> UpsampleConformerEncoder:
     return enc
 
 
-@pytest.fixture(scope="module")
-def oracle(tiny_dir):
-    """(encoder, encoder_proj) holding the oracle's ``encoder.*`` / ``encoder_proj.*``, loaded strictly."""
-    sd = torch.load(tiny_dir / "flow.pt", weights_only=True, map_location="cpu")
+def _load_encoder(flow_pt):
+    """(encoder, encoder_proj, input_embedding weight) of a flow.pt, loaded strictly."""
+    sd = torch.load(flow_pt, weights_only=True, map_location="cpu")
     enc = UpsampleConformerEncoder(ModelConfig.tiny().flow.encoder).eval()
     proj = torch.nn.Linear(512, 80).eval()
     for module, prefix in ((enc, "encoder."), (proj, "encoder_proj.")):
         part = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
         module.load_state_dict(part, strict=True)
-    return enc, proj
+    return enc, proj, sd["input_embedding.weight"]
 
 
-def _run_case(enc, z, with_context=True):
-    xs = torch.from_numpy(z["encoder_in"])
+@pytest.fixture(scope="module")
+def oracle(tiny_dir):
+    return _load_encoder(tiny_dir / "flow.pt")
+
+
+def _token_embeddings(table, z) -> torch.Tensor:
+    """The official embedding of prompt + source tokens (the oracle kept its digest, not the array)."""
+    tokens = torch.from_numpy(np.concatenate([z["prompt_token"], z["token"]], axis=1)).long()
+    emb = table[tokens]
+    assert flow_oracle_script().sha256(emb) == str(z["token_emb_raw_sha256"])
+    return emb
+
+
+def _run_case(enc, table, z, with_context=True):
+    emb = _token_embeddings(table, z)
+    xs = emb[:, : int(z["encoder_in_frames"])]
     context = None
     if with_context and not bool(z["finalize"]):
-        # the look-ahead tokens are the embeddings that encoder_in lacks
-        context = torch.from_numpy(z["token_emb_raw"][:, xs.shape[1]:])
+        # the look-ahead tokens are the embeddings that the encoder input lacks
+        context = emb[:, xs.shape[1]:]
         assert context.shape[1] == int(z["pre_lookahead_len"])
     with torch.no_grad():
         return enc(xs, torch.from_numpy(z["encoder_in_len"]), context, streaming=bool(z["streaming"]))
@@ -49,30 +62,45 @@ def _run_case(enc, z, with_context=True):
 
 @pytest.mark.parametrize("case", FLOW_CASES)
 def test_oracle_parity(oracle, ref_npz, case):
-    enc, proj = oracle
+    enc, proj, table = oracle
     z = ref_npz(case)
-    out, mask = _run_case(enc, z)
+    out, mask = _run_case(enc, table, z)
     assert out.dtype == torch.float32 and mask.dtype == torch.bool
-    assert rel_err(out.numpy(), z["encoder_out"]) <= 1e-4
+    assert rel_err(out.numpy(), z["encoder_out"]) <= 1e-5
     np.testing.assert_array_equal(mask.numpy(), z["encoder_mask"])
     with torch.no_grad():
-        assert rel_err(proj(out).numpy(), z["h"]) <= 1e-4
+        assert rel_err(proj(out).transpose(1, 2).numpy(), z["mu"]) <= 1e-5
 
 
 def test_oracle_context_and_streaming_matter(oracle, ref_npz):
     """Guards against a test that passes by accident: dropping the context or the chunk mask breaks parity."""
-    enc, _ = oracle
+    enc, _, table = oracle
     z = ref_npz("flow_stream_chunk")
-    out, _ = _run_case(enc, z, with_context=False)
+    out, _ = _run_case(enc, table, z, with_context=False)
     assert rel_err(out.numpy(), z["encoder_out"]) > 1e-3
     z = dict(ref_npz("flow_stream_final"), streaming=np.array(False))
-    out, _ = _run_case(enc, z)
+    out, _ = _run_case(enc, table, z)
     assert rel_err(out.numpy(), ref_npz("flow_stream_final")["encoder_out"]) > 1e-3
 
 
-def test_full_size_state_dict_keys(reference_dir):
+@pytest.mark.parametrize("case", FLOW_CASES)
+def test_external_reference_parity(external_tiny_dir, external_npz, case):
+    """Cross-check on the external reference folder (official outputs made on another machine)."""
+    enc, proj, _ = _load_encoder(external_tiny_dir / "flow.pt")
+    z = external_npz(case)
+    context = None
+    if not bool(z["finalize"]):
+        context = torch.from_numpy(z["token_emb_raw"][:, z["encoder_in"].shape[1]:])
+    with torch.no_grad():
+        out, _ = enc(torch.from_numpy(z["encoder_in"]), torch.from_numpy(z["encoder_in_len"]), context,
+                     streaming=bool(z["streaming"]))
+        assert rel_err(out.numpy(), z["encoder_out"]) <= 1e-4
+        assert rel_err(proj(out).numpy(), z["h"]) <= 1e-4
+
+
+def test_full_size_state_dict_keys():
     expected = {}
-    for line in (reference_dir / "flow_keys_full.txt").read_text().splitlines():
+    for line in (FIXTURES / "flow_keys_full.txt").read_text().splitlines():
         key, shape, dtype = line.split("\t")
         if key.startswith("encoder."):
             expected[key] = (shape, dtype)

@@ -2,8 +2,10 @@
 
 The oracle ran the official ``Qwen2LM.inference`` (transformers 4.51.3, its pinned version) with every
 ``multinomial`` replaced by the inverse-CDF ``pick`` on injected uniforms; here the project's LM gets the same
-uniforms. Bars (tests/oracle/README.md): per-step log-probabilities 1e-4 relative, token sequences identical,
-text -> waveform 1e-3 relative (max abs error / max |ref|) with the same HiFT noise.
+uniforms. Bars (tests/oracle/README.md): per-step log-probabilities 1e-4 relative, token sequences identical; text ->
+waveform on the flow oracle's flow / HiFT with the same HiFT noise: HiFT's input mel within conftest.FEAT_BAR, the
+waveform within conftest.waveform_bar of the spread the oracle measured (HiFT's phase accumulation turns float32
+rounding of the mel into ~1e-3 of the waveform).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, rel_err
+from conftest import FEAT_BAR, FIXTURES, ROOT, rel_err, waveform_bar
 
 from cosyvoice_triton.config import LLMConfig, ModelConfig
 from cosyvoice_triton.models import sampling as project_sampling
@@ -25,7 +27,6 @@ from cosyvoice_triton.models.llm import LMRequest, load_llm
 ORACLE = FIXTURES / "llm_oracle"
 ORACLE_FULL = ORACLE / "full"
 LOGP_BAR = 1e-4
-WAVE_BAR = 1e-3
 
 
 
@@ -147,24 +148,70 @@ def test_batch_matches_official(lm, cases, max_batch):
         assert tokens == cases[name]["tokens"].tolist(), name
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_text_to_waveform_matches_official(lm, oracle_model, stream):
+def _tts_case(stream: bool) -> dict[str, np.ndarray]:
+    with np.load(ORACLE / ("tts_zero_shot_stream.npz" if stream else "tts_zero_shot.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+def _wave_bar() -> float:
+    """The waveform bar of both text -> waveform cases: from the spread measured on the non-streaming case's HiFT
+    input (the streaming case has the same tokens; each of its HiFT calls is shorter and accumulates less)."""
+    return waveform_bar(_meta(ORACLE)["tts_cases"]["tts_zero_shot"]["waveform_spread"])
+
+
+def _token2wav(model, z, tokens, stream: bool, seed: int, monkeypatch, perturb: float = 0.0):
+    """(waveform, the mel of every HiFT call) of the flow oracle's model on ``tokens``; ``perturb``: HiFT's mel is
+    moved by that much (relative) first, a deliberately wrong input."""
     from cosyvoice_triton.pipeline import VCInputs
 
-    with np.load(ORACLE / ("tts_zero_shot_stream.npz" if stream else "tts_zero_shot.npz")) as f:
-        z = {k: f[k] for k in f.files}
-    tokens = list(lm.generate(z["text"], z["prompt_text"], z["prompt_speech_token"], draws=z["draws"].tolist()))
-    assert tokens == z["tokens"].tolist()
+    mels, original = [], model._hift
+
+    def spy(mel, *args):
+        if perturb:
+            mel = mel + perturb * mel.abs().max() * torch.randn(mel.shape, generator=torch.Generator().manual_seed(7))
+        mels.append(mel.detach().cpu().numpy().copy())
+        return original(mel, *args)
+
+    monkeypatch.setattr(model, "_hift", spy)
     inputs = VCInputs(source_tokens=np.asarray(tokens, np.int32), prompt_tokens=z["prompt_speech_token"],
                       prompt_mel=z["prompt_speech_feat"][0], embedding=z["embedding"][0])
-    seed = int(z["seed"])
     if stream:
-        chunks = list(oracle_model.token2wav_stream(inputs, seed=seed))
+        chunks = list(model.token2wav_stream(inputs, seed=seed))
         assert [len(c) for c in chunks] == z["chunk_lens"].tolist()
         wave = np.concatenate(chunks)
     else:
-        wave = oracle_model.token2wav(inputs, seed=seed)
-    assert rel_err(wave, z["speech"][0]) <= WAVE_BAR
+        wave = model.token2wav(inputs, seed=seed)
+    monkeypatch.undo()
+    return wave, mels
+
+
+def test_text_to_waveform_uses_the_flow_oracle_weights(flow_oracle_meta):
+    assert _meta(ORACLE)["flow_hift"]["state_sha256"] == flow_oracle_meta["weights"]["state_sha256"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_to_waveform_matches_official(lm, oracle_model, stream, monkeypatch):
+    z = _tts_case(stream)
+    tokens = list(lm.generate(z["text"], z["prompt_text"], z["prompt_speech_token"], draws=z["draws"].tolist()))
+    assert tokens == z["tokens"].tolist()
+    wave, mels = _token2wav(oracle_model, z, tokens, stream, int(z["seed"]), monkeypatch)
+    assert len(mels) == int(z["n_hift_calls"])
+    for i, mel in enumerate(mels):
+        assert rel_err(mel, z[f"hift{i}_mel"]) <= FEAT_BAR, f"HiFT call {i}"  # measured 0 (bit-identical) here
+    assert rel_err(wave, z["speech"][0]) <= _wave_bar()  # measured ~1e-6 here
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_wrong_text_to_waveform_fails_the_bars(oracle_model, stream, monkeypatch):
+    """The bars tell a wrong implementation apart: HiFT's mel off by 1e-4 relative, or the noise of another seed."""
+    z = _tts_case(stream)
+    bar = _wave_bar()
+    assert bar < 0.05, "the measured spread is implausibly large"
+    wave, _ = _token2wav(oracle_model, z, z["tokens"], stream, int(z["seed"]) + 1, monkeypatch)
+    assert rel_err(wave, z["speech"][0]) > bar
+    wave, mels = _token2wav(oracle_model, z, z["tokens"], stream, int(z["seed"]), monkeypatch, perturb=1e-4)
+    assert rel_err(mels[0], z["hift0_mel"]) > FEAT_BAR
+    assert rel_err(wave, z["speech"][0]) > bar
 
 
 # ------------------------------------------------------------------------------------------------ full

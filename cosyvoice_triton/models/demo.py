@@ -84,8 +84,18 @@ def _calibrate_f0(hift: HiFTGenerator, config: ModelConfig) -> None:
         pred.classifier.bias.mul_(scale).add_(shift)
 
 
-def build_demo_models(config: ModelConfig, *, seed: int = 0) -> tuple[CausalMaskedDiffWithXvec, HiFTGenerator]:
-    """Flow and HiFT with deterministic random weights (same ``seed`` and dims: same tensors)."""
+def _perturb_weight_norm_gains(module: nn.Module, generator: torch.Generator) -> None:
+    """Scale every weight-norm magnitude g by exp(0.1 N(0, 1)), so that it no longer equals the norm of v."""
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            if name.endswith("parametrizations.weight.original0"):
+                p.mul_(torch.exp(0.1 * torch.randn(p.shape, generator=generator)))
+
+
+def build_demo_models(config: ModelConfig, *, seed: int = 0, perturb_gains: bool = False
+                      ) -> tuple[CausalMaskedDiffWithXvec, HiFTGenerator]:
+    """Flow and HiFT with deterministic random weights (same ``seed`` and dims: same tensors).
+    ``perturb_gains`` also moves HiFT's weight-norm magnitudes off their initial value (the test oracle's weights)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         flow = CausalMaskedDiffWithXvec(config.flow).eval()
@@ -93,6 +103,8 @@ def build_demo_models(config: ModelConfig, *, seed: int = 0) -> tuple[CausalMask
     generator = torch.Generator().manual_seed(seed + 1)
     _perturb(flow, generator)
     _perturb(hift, generator)
+    if perturb_gains:
+        _perturb_weight_norm_gains(hift, generator)
     _calibrate_f0(hift, config)
     return flow, hift
 

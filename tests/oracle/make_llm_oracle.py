@@ -1,14 +1,16 @@
 """Regenerate the CosyVoice2 LM oracle (tests/fixtures/llm_oracle) from a checkout of the official code.
 
     python tests/oracle/make_llm_oracle.py --official /tmp/cosyvoice_official --out DIR --size tiny|full \
-        [--flow-hift ../shared/reference/cosyvoice2-tiny]
+        [--flow-hift [WEIGHTS_DIR]]
 
 Writes, in the official layout, a random ``llm.pt`` and ``CosyVoice-BlankEN/`` (Qwen2 ``config.json`` and the
 ``model.safetensors`` that the official ``Qwen2Encoder.from_pretrained`` needs), reloads ``llm.pt`` strictly through
 the official loader (``CosyVoice2Model.load``), then records what the official ``Qwen2LM.inference`` does with every
 ``multinomial`` draw replaced by :func:`pick` on injected uniforms: per-step log-probabilities, the token sequences,
 the draws each step used. With ``--flow-hift`` (tiny only) it also records the official text -> waveform zero-shot
-path (``CosyVoice2Model.tts``, non-streaming and streaming) on the flow and HiFT of that oracle folder.
+path (``CosyVoice2Model.tts``, non-streaming and streaming) on the tiny flow and HiFT of the flow oracle
+(tests/oracle/make_flow_oracle.py: regenerated with the project's seeded code, or the ``flow.pt`` / ``hift.pt`` /
+``cosyvoice2.yaml`` of WEIGHTS_DIR), and how far float32 rounding of HiFT's input moves that waveform.
 
 See tests/oracle/README.md for how the committed files were made. The weight generation
 (:func:`random_llm_state_dict`) does not need the official code: tests regenerate the full-size ``llm.pt`` with it.
@@ -213,9 +215,10 @@ def build_official(official: Path, out: Path, size: str, flow_hift: Path | None)
         model.llm.load_state_dict(torch.load(out / "llm.pt", map_location="cpu", weights_only=True), strict=True)
         model.llm.eval()
         return model
-    dims = json.loads((flow_hift / "cosyvoice2_dims.json").read_text())
-    flow, hift = _instantiate(dims["flow"]), _instantiate(dims["hift"])
-    model = model_mod.CosyVoice2Model(llm, flow, hift)
+    from cosyvoice_triton.bench.official import official_vc_model
+
+    vc = official_vc_model(official, flow_hift)  # the official modules, built from the folder's cosyvoice2.yaml
+    model = model_mod.CosyVoice2Model(llm, vc.flow, vc.hift)
     model.load(str(out / "llm.pt"), str(flow_hift / "flow.pt"), str(flow_hift / "hift.pt"))
     return model
 
@@ -224,20 +227,6 @@ class _NoModule(torch.nn.Module):
     """Stand-in flow/HiFT for the LM-only run at full size (CosyVoice2Model's constructor only keeps them)."""
 
     input_frame_rate = 25
-
-
-def _instantiate(spec):
-    """Build the official module tree of a resolved cosyvoice2.yaml section (``"__class__": "!new:mod.Cls"``)."""
-    if isinstance(spec, list):
-        return [_instantiate(v) for v in spec]
-    if not isinstance(spec, dict):
-        return spec
-    kwargs = {k: _instantiate(v) for k, v in spec.items() if k != "__class__"}
-    if "__class__" not in spec:
-        return kwargs
-    module, _, name = spec["__class__"].removeprefix("!new:").rpartition(".")
-    cls = getattr(__import__(module, fromlist=[name]), name)
-    return cls(**kwargs)
 
 
 # ------------------------------------------------------------------------------------------- references
@@ -312,7 +301,10 @@ def make_lm_references(model, size: str, out: Path) -> dict:
 
 
 def make_tts_references(model, out: Path) -> dict:
-    """Official zero-shot text -> waveform (CosyVoice2Model.tts), non-streaming and streaming, injected draws."""
+    """Official zero-shot text -> waveform (CosyVoice2Model.tts), non-streaming and streaming, injected draws.
+    Also keeps the mel of every HiFT call, and measures the waveform spread under float32-scale perturbations of the
+    non-streaming HiFT input (make_flow_oracle.waveform_spread, the same noise)."""
+    from make_flow_oracle import patched, recorded_draws, waveform_spread
     rng = np.random.default_rng(INPUT_SEED + 100)
     text, prompt_text, prompt_tokens = lm_inputs(rng, QWEN_TINY["vocab_size"], TTS_CASE["text"],
                                                  TTS_CASE["prompt_text"], TTS_CASE["prompt_tokens"])
@@ -329,13 +321,26 @@ def make_tts_references(model, out: Path) -> dict:
                 _tokens.append(int(tok))
                 yield tok
 
+        calls: list = []
+
+        def hift_inference(original, _calls=calls):
+            def run(speech_feat, cache_source=None):
+                if cache_source is None:
+                    cache_source = torch.zeros(1, 1, 0)
+                hift_draws: list = []
+                with recorded_draws(hift_draws):
+                    speech, src = original(speech_feat=speech_feat, cache_source=cache_source)
+                _calls.append({"mel": speech_feat.detach().numpy().copy(), "draws": hift_draws})
+                return speech, src
+            return run
+
         model.llm.inference = inference
         model.token_hop_len = 25  # a fresh instance's hop (the official instance never resets it)
         log: list = []
         torch.manual_seed(HIFT_SEED)
         start = time.perf_counter()
         try:
-            with injected_multinomial(iter(draws.tolist()), log):
+            with injected_multinomial(iter(draws.tolist()), log), patched(model.hift, "inference", hift_inference):
                 chunks = [o["tts_speech"] for o in model.tts(
                     text=torch.as_tensor(text)[None], flow_embedding=torch.as_tensor(embedding),
                     llm_embedding=torch.as_tensor(embedding), prompt_text=torch.as_tensor(prompt_text)[None],
@@ -350,12 +355,62 @@ def make_tts_references(model, out: Path) -> dict:
         np.savez(out / f"{name}.npz", text=text, prompt_text=prompt_text, prompt_speech_token=prompt_tokens,
                  prompt_speech_feat=prompt_mel, embedding=embedding, draws=draws, stream=np.bool_(stream),
                  seed=np.int32(HIFT_SEED), tokens=np.asarray(tokens, np.int32), speech=speech,
-                 chunk_lens=np.asarray([c.shape[1] for c in chunks], np.int64), draws_used=np.int32(len(log)))
+                 chunk_lens=np.asarray([c.shape[1] for c in chunks], np.int64), draws_used=np.int32(len(log)),
+                 n_hift_calls=np.int32(len(calls)), **{f"hift{i}_mel": c["mel"] for i, c in enumerate(calls)})
         summary[name] = {"tokens": len(tokens), "samples": int(speech.shape[1]),
                          "chunk_lens": [int(c.shape[1]) for c in chunks],
                          "speech_absmax": float(np.abs(speech).max()), "seconds": round(seconds, 3)}
+        if not stream:
+            def hift_call(mel, _replay=calls[0]["draws"]):
+                with recorded_draws([], _replay), torch.inference_mode():
+                    return model.hift.inference(speech_feat=torch.from_numpy(mel))[0].numpy()
+
+            if not np.array_equal(hift_call(calls[0]["mel"]), speech):
+                raise AssertionError("the replayed official HiFT does not reproduce the waveform")
+            summary[name]["waveform_spread"] = waveform_spread(hift_call, calls[0]["mel"])
         print(f"  {name}: {summary[name]}", flush=True)
     return summary
+
+
+def _resolve_flow_hift(args) -> dict | None:
+    """Turn ``--flow-hift`` into a weights folder (regenerated when no folder is given); the meta entry."""
+    if args.flow_hift is None:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_flow_oracle
+    import tempfile
+
+    import make_flow_oracle
+
+    if args.flow_hift == "":
+        args.weights_tmp = tempfile.TemporaryDirectory()  # removed with args
+        args.flow_hift = Path(args.weights_tmp.name)
+        digests = make_flow_oracle.write_weights(args.flow_hift)
+        how = f"tests/oracle/make_flow_oracle.py write_weights (seed {make_flow_oracle.WEIGHT_SEED})"
+    else:
+        args.flow_hift = Path(args.flow_hift)
+        digests = {n: state_digest(torch.load(args.flow_hift / n, map_location="cpu", weights_only=True))
+                   for n in ("flow.pt", "hift.pt")}
+        how = "given folder"
+    return {"weights": how, "state_sha256": digests}
+
+
+def tts_only(args, flow_hift_meta: dict) -> int:
+    """Re-make the text -> waveform references (tts_zero_shot*.npz and their meta entries) of an existing tiny
+    oracle folder (its llm.pt, checked against the meta)."""
+    meta_path = args.out / "oracle_meta.json"
+    meta = json.loads(meta_path.read_text())
+    if meta.get("size") != "tiny":
+        raise SystemExit(f"{args.out}: --tts-only needs the tiny oracle folder")
+    model = build_official(args.official, args.out, "tiny", args.flow_hift)
+    if state_digest(dict(model.llm.state_dict())) != meta["weights"]["state_sha256"]:
+        raise AssertionError(f"{args.out}/llm.pt is not the weights the meta records")
+    print("text -> waveform references", flush=True)
+    meta["tts_cases"] = make_tts_references(model, args.out)
+    meta["flow_hift"] = flow_hift_meta
+    meta["tts_versions"] = _versions(args.official, args.official_commit)
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    return 0
 
 
 def _versions(official: Path, official_commit: str | None) -> dict:
@@ -381,12 +436,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--size", choices=("tiny", "full"), default="tiny")
     ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
-    ap.add_argument("--flow-hift", type=Path, default=None,
-                    help="official-format tiny flow.pt/hift.pt folder with cosyvoice2_dims.json (text -> waveform)")
+    ap.add_argument("--flow-hift", nargs="?", const="", default=None, metavar="WEIGHTS_DIR",
+                    help="also record text -> waveform on the flow oracle's tiny flow/HiFT: regenerated with "
+                         "make_flow_oracle.write_weights, or the flow.pt/hift.pt/cosyvoice2.yaml of WEIGHTS_DIR")
+    ap.add_argument("--tts-only", action="store_true",
+                    help="only re-make the text -> waveform references of the existing tiny oracle in --out")
     args = ap.parse_args(argv)
     if args.flow_hift is not None and args.size != "tiny":
         ap.error("--flow-hift is for --size tiny (the flow/HiFT oracle is at tiny dims)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, for cosyvoice_triton.bench.official
+    flow_hift_meta = _resolve_flow_hift(args)
+    if args.tts_only:
+        if flow_hift_meta is None:
+            ap.error("--tts-only needs --flow-hift")
+        return tts_only(args, flow_hift_meta)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     args.out.mkdir(parents=True, exist_ok=True)
     timings = {}
@@ -421,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                         "favourite_bias": FAVOURITE_BIAS, "params": n_params, "state_sha256": digest},
             "qwen_config": qwen_config(args.size), "speech_token_size": SPEECH_TOKEN_SIZE,
             "sampling": OFFICIAL_SAMPLING, "token_text_ratio": OFFICIAL_TOKEN_TEXT_RATIO,
-            "logp_steps": LOGP_STEPS[args.size], "lm_cases": lm, "tts_cases": tts, "timings_s": timings}
+            "logp_steps": LOGP_STEPS[args.size], "lm_cases": lm, "tts_cases": tts, "flow_hift": flow_hift_meta,
+            "timings_s": timings}
     (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(f"wrote {args.out}", flush=True)
     return 0

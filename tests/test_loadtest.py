@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, require_live_loadtest
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, require_live_loadtest
 
 from cosyvoice_triton.loadtest.metrics import Snapshot, counter_total, parse_prometheus, stats_delta, success_delta
 from cosyvoice_triton.loadtest.perf import parse_csv
@@ -289,6 +289,7 @@ def test_plots_are_written(tmp_path):
 # --------------------------------------------------------------------------------------------- live run
 
 
+@pytest.mark.timeout(PATIENT_TEST_S)  # 2 server starts, 4 short Locust runs and a profile, on a busy machine
 def test_live_short_run_counts_agree_with_triton(serving_assets, tmp_path):
     """Both columns, both protocols, a few requests each: Locust's counts equal the locustfile's records and
     Triton's success counters; the report, its JSON and the plot are written; the servers are stopped."""
@@ -302,7 +303,7 @@ def test_live_short_run_counts_agree_with_triton(serving_assets, tmp_path):
     Workload((src[: int(2.5 * ssr)], src[: int(3.5 * ssr)]), (ssr, ssr), prm, psr).save(out / "workload.npz")
     opts = Options(name="smoke", model_dir=str(serving_assets["model_dir"]), onnx_dir=str(serving_assets["onnx_dir"]),
                    out_dir=str(out), users=2, requests=3, warmup_requests=1, sweep=(), perf_protocols=(),
-                   precision="fp32", max_run_s=240)
+                   precision="fp32", max_run_s=2 * PATIENCE_S)  # a ceiling: the run stops at its requests
     report = run(opts)
     runs = report["runs"]
     assert {(r["column"], r["protocol"]) for r in runs} == {(c, p) for c in ("plain", "integrated")

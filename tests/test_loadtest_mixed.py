@@ -10,7 +10,7 @@ import os
 
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, require_live_loadtest
+from conftest import FIXTURES, PATIENCE_S, require_live_loadtest
 
 from cosyvoice_triton.loadtest.mixed import POLICY, mixed_markdown, policy, targets
 from cosyvoice_triton.loadtest.recording import RunResult
@@ -124,7 +124,8 @@ def test_live_mixed_load_with_the_policy(serving_assets, tmp_path):
              prompt_text="the prompt says hello").save(out / "workload.npz")
     opts = Options(name="smoke-mixed", mode="mixed", model_dir=str(serving_assets["model_dir"]),
                    onnx_dir=str(serving_assets["onnx_dir"]), out_dir=str(out), mixed_high_users=1,
-                   mixed_low_users=2, mixed_requests=2, mixed_policies=(True,), precision="fp32", max_run_s=400,
+                   mixed_low_users=2, mixed_requests=2, mixed_policies=(True,), precision="fp32",
+                   max_run_s=2 * PATIENCE_S,
                    integrated_tunables={"max_queue_delay_us": 5000},
                    # a loaded CI machine: give the Python backend's stubs time to answer
                    server_args=("--backend-config=python,stub-timeout-seconds=300",))

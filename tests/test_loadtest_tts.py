@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, require_live_loadtest
+from conftest import FIXTURES, PATIENCE_S, require_live_loadtest
 
 from cosyvoice_triton.loadtest.callers import Outcome, make_converter, outcome
 from cosyvoice_triton.loadtest.metrics import Sample, Snapshot
@@ -126,7 +126,7 @@ def test_live_tts_column_figures_come_from_the_responses(serving_assets, tmp_pat
              prompt_text="the prompt says hello").save(out / "workload.npz")
     opts = Options(name="smoke-tts", mode="tts", model_dir=str(serving_assets["model_dir"]),
                    onnx_dir=str(serving_assets["onnx_dir"]), out_dir=str(out), tts_concurrency=(1, 2),
-                   tts_requests=1, perf_concurrency=(1,), precision="fp32", max_run_s=400,
+                   tts_requests=1, perf_concurrency=(1,), precision="fp32", max_run_s=2 * PATIENCE_S,
                    integrated_tunables={"max_queue_delay_us": 5000})
     report = run(opts)
     runs = {(r["column"], r["users"]): r for r in report["runs"]}

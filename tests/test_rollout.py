@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import served
+from conftest import PATIENCE_S, served
 
 from cosyvoice_triton.serving.repository import MARKER, RenderError, render_repository, stage_warmup_samples
 from cosyvoice_triton.serving.rollout import (
@@ -255,7 +255,7 @@ class Load:
         self.ok: list[float] = []
         self.failures: list[str] = []
         self.stop = threading.Event()
-        self.clients = [VCClient(url, retry=NO_RETRY, timeout=300) for _ in range(users)]
+        self.clients = [VCClient(url, retry=NO_RETRY, timeout=PATIENCE_S) for _ in range(users)]
         self.threads = [threading.Thread(target=self.run, args=(c,), daemon=True) for c in self.clients]
 
     def run(self, client) -> None:
@@ -274,11 +274,11 @@ class Load:
     def __exit__(self, *exc) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(timeout=300)
+            t.join(timeout=PATIENCE_S + 30)
         for c in self.clients:
             c.close()
 
-    def wait(self, n: int, timeout: float = 600) -> None:
+    def wait(self, n: int, timeout: float = 2 * PATIENCE_S) -> None:
         target, deadline = len(self.ok) + n, time.monotonic() + timeout
         while len(self.ok) < target:
             assert time.monotonic() < deadline, f"load: {len(self.ok)} of {target} requests in {timeout} s"

@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, ROOT, rel_err, served
+from conftest import FIXTURES, PATIENCE_S, ROOT, rel_err, served
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.clients.plain import PLAIN_MODELS, PlainPipeline
@@ -143,14 +143,14 @@ def _url(server, protocol):
 @pytest.fixture(scope="module")
 def plain_out(plain_server, speech, serving_assets):
     src, ssr, prm, psr = speech
-    with PlainPipeline(plain_server.http_url, model_dir=serving_assets["model_dir"], timeout_s=120) as plain:
+    with PlainPipeline(plain_server.http_url, model_dir=serving_assets["model_dir"], timeout_s=PATIENCE_S) as plain:
         return plain.convert(src, ssr, prm, psr, seed=SEED)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_plain_pipeline_converts(plain_server, speech, plain_out, protocol):
     src, ssr, prm, psr = speech
-    with PlainPipeline(_url(plain_server, protocol), protocol=protocol, timeout_s=120) as plain:
+    with PlainPipeline(_url(plain_server, protocol), protocol=protocol, timeout_s=PATIENCE_S) as plain:
         assert plain.is_ready()
         wave, rate = plain.convert(src, ssr, prm, psr, seed=SEED)
         assert set(plain.timings) == {"preprocess", "speech_tokenizer_source", "speech_tokenizer_prompt",
@@ -165,7 +165,7 @@ def test_plain_pipeline_converts(plain_server, speech, plain_out, protocol):
 def test_plain_equals_the_ensemble_of_the_same_server(plain_server, speech, plain_out):
     """The client chains the stages exactly as cosyvoice_vc does: the same server's ensemble, bit for bit."""
     src, ssr, prm, psr = speech
-    with VCClient(plain_server.http_url, timeout=120) as c:
+    with VCClient(plain_server.http_url, timeout=PATIENCE_S) as c:
         served = c.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED)
     np.testing.assert_array_equal(plain_out[0], served.waveform)
 
@@ -175,7 +175,7 @@ def test_plain_equals_the_integrated_ensemble_and_the_in_process_pipeline(triton
     from cosyvoice_triton.pipeline import CosyVoice2
 
     src, ssr, prm, psr = speech
-    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=120) as c:  # onnxruntime, dynamic batching
+    with VCClient(triton_server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:  # onnxruntime, dynamic batching
         integrated = c.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED)
     ref = CosyVoice2.from_pretrained(serving_assets["model_dir"]).convert(src, prm, source_sr=ssr, prompt_sr=psr,
                                                                           seed=SEED)
@@ -225,8 +225,8 @@ def test_no_batching_under_concurrent_clients(plain_server, speech):
     def worker(i):
         protocol = ("http", "grpc")[i % 2]
         try:
-            with PlainPipeline(_url(plain_server, protocol), protocol=protocol, timeout_s=120) as plain:
-                start.wait(timeout=60)
+            with PlainPipeline(_url(plain_server, protocol), protocol=protocol, timeout_s=PATIENCE_S) as plain:
+                start.wait(timeout=PATIENCE_S)
                 results[i] = plain.convert(src[: int(ssr * (1.0 + 0.2 * i))], ssr, prm, psr, seed=i)
         except Exception as exc:  # reported below
             results[i] = exc
@@ -235,7 +235,7 @@ def test_no_batching_under_concurrent_clients(plain_server, speech):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=300)
+        t.join(timeout=PATIENCE_S + 60)
     assert all(isinstance(r, tuple) for r in results), results
     assert len({len(r[0]) for r in results}) == n
     with PlainPipeline(plain_server.grpc_url, protocol="grpc") as probe:

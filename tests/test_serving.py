@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, rel_err
+from conftest import FIXTURES, PATIENCE_S, rel_err
 
 from cosyvoice_triton.clients.client import AsyncVCClient, VCClient, VCError, build_inputs
 
@@ -30,13 +30,13 @@ def speech():
 @pytest.fixture(scope="module", params=["http", "grpc"])
 def client(request, triton_server):
     url = triton_server.http_url if request.param == "http" else triton_server.grpc_url
-    with VCClient(url, protocol=request.param, timeout=120) as c:
+    with VCClient(url, protocol=request.param, timeout=PATIENCE_S) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def http(triton_server):
-    with VCClient(triton_server.http_url, timeout=120) as c:
+    with VCClient(triton_server.http_url, timeout=PATIENCE_S) as c:
         yield c
 
 
@@ -100,7 +100,7 @@ def _counts(client, model):
 
 def test_dynamic_batching_forms_batches_of_different_lengths(triton_server, speech):
     src, ssr, prm, psr = speech
-    with VCClient(triton_server.http_url, timeout=300, concurrency=8) as c:
+    with VCClient(triton_server.http_url, timeout=PATIENCE_S, concurrency=8) as c:
         before = {m: _counts(c, m) for m in ("preprocess", "flow", "hift", "speech_tokenizer")}
         pairs = [{"source": src[: int(ssr * (0.8 + 0.15 * i))], "prompt": prm, "source_sr": ssr, "prompt_sr": psr}
                  for i in range(8)]
@@ -123,7 +123,7 @@ def test_async_clients(triton_server, speech, served):
     src, ssr, prm, psr = speech
 
     async def go(url, protocol):
-        async with AsyncVCClient(url, protocol=protocol, timeout=120) as c:
+        async with AsyncVCClient(url, protocol=protocol, timeout=PATIENCE_S) as c:
             one = await c.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=3)
             many = await c.convert_many([{"source": src, "prompt": prm, "source_sr": ssr, "prompt_sr": psr},
                                          {"source": src[:5], "prompt": prm, "source_sr": ssr, "prompt_sr": psr}])
@@ -216,7 +216,7 @@ def test_good_request_batched_with_bad_ones_succeeds(triton_server, speech, serv
     good = {"source": src, "prompt": prm, "source_sr": ssr, "prompt_sr": psr, "seed": 3}
     bad_nan = {**good, "source": np.where(np.arange(len(src)) == 3, np.nan, src)}
     bad_rate = {**good, "prompt_sr": 3}
-    with VCClient(triton_server.http_url, timeout=120, concurrency=6) as c:
+    with VCClient(triton_server.http_url, timeout=PATIENCE_S, concurrency=6) as c:
         before = _counts(c, "preprocess")
         res = c.convert_many([bad_nan, good, bad_rate, good, bad_nan, good])
         after = _counts(c, "preprocess")

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, ROOT, rel_err, served
+from conftest import FIXTURES, PATIENCE_S, ROOT, rel_err, served
 
 from cosyvoice_triton.export.quality import BAR, DB_PER_NEPER, logmel_db
 from cosyvoice_triton.export.speech_corpus import espeak_available
@@ -148,7 +148,7 @@ def _infer(server, model: str, inputs: dict[str, np.ndarray], output: str) -> np
     import tritonclient.http as http
 
     dtypes = {np.dtype(np.float32): "FP32", np.dtype(np.int32): "INT32", np.dtype(np.int64): "INT64"}
-    with http.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=120) as client:
+    with http.InferenceServerClient(server.http_url.removeprefix("http://"), network_timeout=PATIENCE_S) as client:
         tensors = []
         for name, arr in inputs.items():
             t = http.InferInput(name, list(arr.shape), dtypes[arr.dtype])
@@ -207,7 +207,7 @@ def test_served_int8_ensemble_equals_in_process_int8_and_stays_near_fp32(int8_se
 
     src, ssr, prm, psr = speech
     fp32, int8 = pipelines
-    with VCClient(int8_server.http_url, timeout=120) as client:
+    with VCClient(int8_server.http_url, timeout=PATIENCE_S) as client:
         served = client.convert(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED).waveform
     same_graphs = int8.convert(src, ssr, prm, psr, seed=SEED)
     assert served.shape == same_graphs.shape

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES
+from conftest import FIXTURES, PATIENCE_S
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.errors import CosyVoiceError
@@ -105,7 +105,7 @@ def test_refusals_name_the_input(serving_assets, tmp_path, tensors, message):
 @pytest.fixture(scope="module", params=["http", "grpc"])
 def client(request, triton_server):
     url = triton_server.http_url if request.param == "http" else triton_server.grpc_url
-    with VCClient(url, protocol=request.param, timeout=120) as c:
+    with VCClient(url, protocol=request.param, timeout=PATIENCE_S) as c:
         yield c
 
 
@@ -149,23 +149,23 @@ def test_served_speaker_survives_a_server_restart(serving_assets, tmp_path_facto
     text = TRANSCRIPT if (serving_assets["model_dir"] / "CosyVoice-BlankEN").is_dir() else None
 
     def speak(server):
-        with VCClient(server.http_url, timeout=300) as c:
+        with VCClient(server.http_url, timeout=PATIENCE_S) as c:
             listed = c.list_speakers()
             tts = c.tts("Good morning to you.", speaker_id="kept_voice", seed=3).waveform
-        with VCClient(server.grpc_url, protocol="grpc", timeout=300) as c:
+        with VCClient(server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
             vc = np.concatenate([ch.waveform for ch in c.convert_stream(src, source_sr=ssr, speaker_id="kept_voice",
                                                                         seed=3)])
         return listed, tts, vc
 
     with served(repo) as first:
-        with VCClient(first.http_url, timeout=300) as c:
+        with VCClient(first.http_url, timeout=PATIENCE_S) as c:
             registered = c.register_speaker("kept_voice", prm, prompt_sr=psr, prompt_text=text)
         listed, tts_before, vc_before = speak(first)
         first_pid = first.process.pid
     assert listed == ["kept_voice"] and (folder / "kept_voice.npz").is_file()
     with served(repo) as second:
         assert second.process.pid != first_pid
-        with VCClient(second.http_url, timeout=300) as c:
+        with VCClient(second.http_url, timeout=PATIENCE_S) as c:
             kept = c.get_speaker("kept_voice")
         listed, tts_after, vc_after = speak(second)
     assert listed == ["kept_voice"]

@@ -18,7 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, rel_err, served
+from conftest import FIXTURES, PATIENCE_S, rel_err, served
 
 from cosyvoice_triton.clients.client import PriorityError, VCClient, VCError, config_priority_levels
 from cosyvoice_triton.errors import AudioError
@@ -184,7 +184,7 @@ def _wav(wave, sr, fmt="WAV") -> bytes:
 def test_warm_up_reaches_both_models(server):
     from cosyvoice_triton.serving.warmup import warm_up
 
-    results = warm_up(server, timeout=300)
+    results = warm_up(server, timeout=PATIENCE_S)
     for name in PUBLIC:
         assert isinstance(results.get(name), float), results
 
@@ -193,7 +193,7 @@ def test_warm_up_reaches_both_models(server):
 def test_served_equals_the_in_process_library(server, library, speech, protocol):
     tokens_of, embedding_of = library
     src, ssr, prm, psr = speech
-    with VCClient(_url(server, protocol), protocol=protocol, timeout=120) as c:
+    with VCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S) as c:
         tokens = c.speech_tokens(src, sample_rate=ssr)
         embedding = c.speaker_embedding(prm, sample_rate=psr)
         assert tokens.dtype == np.int32 and tokens.shape == (50,)  # 2 s at 25 Hz
@@ -230,7 +230,7 @@ def test_hostile_audio_is_refused_by_name_and_the_server_goes_on(server, speech,
     tokens_of, _ = library
     src, ssr, prm, psr = speech
     status = "400" if protocol == "http" else "StatusCode.INVALID_ARGUMENT"
-    with VCClient(_url(server, protocol), protocol=protocol, timeout=120) as c:
+    with VCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S) as c:
         for call, which in ((c.speech_tokens, "source"), (c.speaker_embedding, "prompt")):
             for wave, sr, words in _hostile(speech):
                 kw = {"encoded": True} if sr is None else {"sample_rate": sr}
@@ -277,7 +277,7 @@ def test_raw_requests_with_missing_or_doubled_audio(server, speech):
 
 def test_metrics_carry_the_new_models(server, speech):
     src, ssr, prm, psr = speech
-    with VCClient(server.grpc_url, protocol="grpc", timeout=120) as c:
+    with VCClient(server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
         c.speech_tokens(src, sample_rate=ssr)
         c.speaker_embedding(prm, sample_rate=psr)
     body = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
@@ -293,7 +293,7 @@ def test_metrics_carry_the_new_models(server, speech):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_priority_one_and_two_are_served(server, speech, protocol):
     src, ssr, prm, psr = speech
-    with VCClient(_url(server, protocol), protocol=protocol, timeout=300) as c:
+    with VCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S) as c:
         assert c.priority_levels(SPEECH_TOKENS_MODEL) == LEVELS  # read from its steps' configs (admin key)
         assert c.priority_levels("cosyvoice_tts") == LEVELS
         for level in (1, 2):
@@ -314,7 +314,7 @@ def test_priority_beyond_the_levels(server, speech, protocol):
     """Triton 2.51 does not refuse priority 3 on 2 levels: it serves the request at the model's default level
     (an ensemble passes the priority on; each step falls back to its own default). The client refuses it."""
     src, ssr, prm, psr = speech
-    with VCClient(_url(server, protocol), protocol=protocol, timeout=300) as c:
+    with VCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S) as c:
         for call, audio_ in ((c.speech_tokens, src), (c.speaker_embedding, prm)):
             with pytest.raises(PriorityError, match=f"beyond the {LEVELS} priority levels"):
                 call(audio_, sample_rate=ssr, priority=LEVELS + 1)
@@ -327,7 +327,7 @@ def test_priority_beyond_the_levels(server, speech, protocol):
         rate.set_data_from_numpy(np.array([[ssr]], np.int32))
         answer = c._client.infer(SPEECH_TOKENS_MODEL, [raw, rate], priority=LEVELS + 1)
         assert answer.as_numpy("speech_tokens").shape == (1, 50)
-    with VCClient(_url(server, protocol), protocol=protocol, timeout=300, check_priority=False) as c:
+    with VCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S, check_priority=False) as c:
         assert c.speech_tokens(src, sample_rate=ssr, priority=LEVELS + 7).shape == (50,)
 
 
@@ -341,7 +341,7 @@ def test_asyncio_client(server, library, speech, protocol):
     src, ssr, prm, psr = speech
 
     async def run():
-        async with AsyncVCClient(_url(server, protocol), protocol=protocol, timeout=300) as c:
+        async with AsyncVCClient(_url(server, protocol), protocol=protocol, timeout=PATIENCE_S) as c:
             tokens = await c.speech_tokens(src, sample_rate=ssr, priority=1)
             embedding = await c.speaker_embedding(prm, sample_rate=psr, priority=2)
             assert await c.priority_levels(SPEAKER_EMBEDDING_MODEL) == LEVELS

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import rel_err, served, speech_pair
+from conftest import PATIENCE_S, rel_err, served, speech_pair
 
 from cosyvoice_triton.clients.client import StreamStats, TTSClient, VCClient
 from cosyvoice_triton.serving.postprocess import Postprocessor, integrated_loudness
@@ -113,7 +113,7 @@ def server(serving_assets, tmp_path_factory):
 def vc_grpc_chunks(server, speech):
     src, ssr, prm, psr = speech
     stats = StreamStats()
-    with VCClient(server.grpc_url, protocol="grpc", timeout=240) as c:
+    with VCClient(server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
         return list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED, stats=stats)), stats
 
 
@@ -132,7 +132,7 @@ def test_vc_stream_at_16k_over_grpc(vc_grpc_chunks, vc_reference):
 def test_vc_stream_at_16k_over_http_equals_grpc(server, speech, vc_grpc_chunks):
     src, ssr, prm, psr = speech
     want, _ = vc_grpc_chunks
-    with VCClient(server.http_url, protocol="http", timeout=240) as c:
+    with VCClient(server.http_url, protocol="http", timeout=PATIENCE_S) as c:
         got = list(c.convert_stream(src, prm, source_sr=ssr, prompt_sr=psr, seed=SEED))
     assert [c.index for c in got] == [c.index for c in want] and all(c.sample_rate == RATE for c in got)
     for a, b in zip(got, want, strict=True):
@@ -151,7 +151,7 @@ def test_tts_stream_at_16k(server, speech, tts_reference, protocol):
     _, _, prm, psr = speech
     url = server.grpc_url if protocol == "grpc" else server.http_url
     stats = StreamStats()
-    with TTSClient(url, protocol=protocol, timeout=300) as c:
+    with TTSClient(url, protocol=protocol, timeout=PATIENCE_S) as c:
         chunks = list(c.tts_stream(TEXT, prompt=prm, prompt_sr=psr, prompt_text=PROMPT_TEXT, seed=SEED, stats=stats))
     assert len(chunks) >= 2 and all(c.sample_rate == RATE for c in chunks)
     assert stats.first_chunk_s is not None and stats.first_chunk_s < stats.total_s
@@ -163,7 +163,7 @@ def test_tts_stream_at_16k(server, speech, tts_reference, protocol):
 
 def test_whole_tts_answer_is_resampled_and_normalised(server, speech, tts_reference):
     _, _, prm, psr = speech
-    with TTSClient(server.http_url, protocol="http", timeout=300) as c:
+    with TTSClient(server.http_url, protocol="http", timeout=PATIENCE_S) as c:
         res = c.tts(TEXT, prompt=prm, prompt_sr=psr, prompt_text=PROMPT_TEXT, seed=SEED)
     assert res.sample_rate == RATE
     _, whole = tts_reference

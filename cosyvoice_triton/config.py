@@ -185,7 +185,7 @@ class ModelConfig:
 
     @classmethod
     def tiny(cls) -> ModelConfig:
-        """The small dims of ``shared/reference/cosyvoice2-tiny`` (same tensor interfaces as full)."""
+        """The small dims of the flow / HiFT test oracle (same tensor interfaces as full)."""
         return cls(
             flow=FlowConfig(
                 encoder=EncoderConfig(attention_heads=2, linear_units=64, num_blocks=1),

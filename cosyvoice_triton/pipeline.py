@@ -23,7 +23,7 @@ import torch
 
 from . import longform
 from .config import ModelConfig
-from .errors import CheckpointError, LLMError, TextError
+from .errors import CheckpointError, ConfigError, LLMError, TextError
 from .frontend import audio, features
 from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
@@ -32,7 +32,7 @@ from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
 from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speakers import SpeakerPrompt, SpeakerStore
-from .streaming import MEL_CACHE, stream_chunk_ends, stream_chunks
+from .streaming import MEL_CACHE, StreamSchedule, stream_chunk_ends, stream_chunks
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,9 @@ class CosyVoice2:
         self.text = text
         self.speakers = speakers if speakers is not None else SpeakerStore()
         self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
+        self.lm_precision = "fp32"  # of the LM that from_pretrained loads (cosyvoice_triton.models.lm_quant)
+        #: the streaming hops of token2wav_stream / tokens2wav_stream / tts_stream (default: the official ones)
+        self.stream_schedule = StreamSchedule(chunk=config.flow.encoder.static_chunk_size)
         self.prompt_cache = prompt_cache
         #: streaming: non-final chunks compute only their new frames (:mod:`~.models.incremental`, equal to the
         #: recomputing path up to float rounding); a stream whose cached state would pass
@@ -110,14 +113,21 @@ class CosyVoice2:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
                         tts: bool | None = None, speaker_dir: str | Path | None = None,
-                        prompt_cache: PromptCache | bool = True) -> CosyVoice2:
+                        prompt_cache: PromptCache | bool = True, lm_precision: str = "fp32",
+                        stream_schedule: StreamSchedule | None = None) -> CosyVoice2:
         """Load an official CosyVoice2 model folder (or a demo folder of the same layout).
 
         ``tts``: the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``): ``None`` loads them on the first
         text-to-speech call when the folder has them (voice conversion never pays for them), ``True`` requires and
         loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist. ``prompt_cache``: a
         :class:`~.prompt_cache.PromptCache`, ``True`` for a new one with its default bounds, ``False`` for none.
+        ``lm_precision``: ``fp32`` or ``int8`` (:mod:`~.models.lm_quant`, CPU). ``stream_schedule``: the streaming
+        hops (:class:`~.streaming.StreamSchedule`; ``None``: the official ones).
         """
+        from .models.lm_quant import LM_PRECISIONS
+
+        if lm_precision not in LM_PRECISIONS:
+            raise ConfigError(f"lm_precision must be one of {', '.join(LM_PRECISIONS)}, got {lm_precision!r}")
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise CheckpointError(f"{model_dir}: model folder not found")
@@ -149,6 +159,9 @@ class CosyVoice2:
         prompt_cache = PromptCache() if prompt_cache is True else (None if prompt_cache is False else prompt_cache)
         model = cls(config, flow, hift, tokenizer, speaker, device=device, speakers=SpeakerStore(speaker_dir),
                     prompt_cache=prompt_cache)
+        model.lm_precision = lm_precision
+        if stream_schedule is not None:
+            model.stream_schedule = model._schedule(stream_schedule)
         if not missing_tts and tts is not False:
             model._tts_dir = model_dir
             if tts:
@@ -240,8 +253,8 @@ class CosyVoice2:
         return speech[0].float().cpu().numpy()
 
     def token2wav_stream(self, inputs: VCInputs, *, seed: int | None = 0,
-                         hift_noise: Sequence[np.ndarray] | None = None,
-                         timer: StageTimer = _NO_TIMER) -> Iterator[np.ndarray]:
+                         hift_noise: Sequence[np.ndarray] | None = None, timer: StageTimer = _NO_TIMER,
+                         schedule: StreamSchedule | None = None) -> Iterator[np.ndarray]:
         """Official streaming ``tts(stream=True)`` for VC: yields float32 chunks at 24 kHz.
 
         Chunks of 25, 50, then 100 tokens (the first padded so that prompt + chunk is a multiple of 25),
@@ -249,17 +262,18 @@ class CosyVoice2:
         source samples of context and crossfades 3840 samples with a Hamming window. The hop schedule
         restarts for every call (the official instance keeps doubling across requests; the official
         references use a fresh instance, as here). ``hift_noise``: one array per HiFT call, in order.
+        ``schedule``: other hops (:class:`~.streaming.StreamSchedule`; ``None``: :attr:`stream_schedule`).
         """
-        ends = self.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens))
+        ends = self.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens), schedule=schedule)
         if hift_noise is not None and len(hift_noise) <= len(ends):
             raise ValueError(f"hift_noise: {len(hift_noise)} arrays for a stream of {len(ends) + 1} HiFT calls; "
                              "pass one per chunk")
         yield from self.tokens2wav_stream(inputs, inputs.source_tokens.tolist(), seed=seed, hift_noise=hift_noise,
-                                          timer=timer)
+                                          timer=timer, schedule=schedule)
 
     def tokens2wav_stream(self, inputs: VCInputs, tokens: Iterable[int], *, seed: int | None = 0,
-                          hift_noise: Sequence[np.ndarray] | None = None,
-                          timer: StageTimer = _NO_TIMER) -> Iterator[np.ndarray]:
+                          hift_noise: Sequence[np.ndarray] | None = None, timer: StageTimer = _NO_TIMER,
+                          schedule: StreamSchedule | None = None) -> Iterator[np.ndarray]:
         """:meth:`token2wav_stream` over speech tokens that arrive one by one (the LM's, in streaming TTS).
 
         A chunk runs as soon as its hop plus the look-ahead tokens have arrived, so the chunks are those of
@@ -270,15 +284,27 @@ class CosyVoice2:
         noises = iter(hift_noise) if hift_noise is not None else None
         cache = None
         state = FlowStreamState(self.incremental_cache_bytes) if self.incremental_stream else None
-        for chunk in stream_chunks(tokens, len(inputs.prompt_tokens), lookahead=self.flow.pre_lookahead_len):
+        for chunk in stream_chunks(tokens, len(inputs.prompt_tokens), lookahead=self.flow.pre_lookahead_len,
+                                   schedule=self._schedule(schedule)):
             mel = self._stream_flow(inputs, chunk, state, timer)[:, :, chunk.offset * ratio:]
             speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=chunk.final)
             yield speech
 
-    def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int) -> list[int]:
+    def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int, *,
+                          schedule: StreamSchedule | None = None) -> list[int]:
         """Where the non-final chunks of :meth:`token2wav_stream` end, in source tokens
         (:func:`~cosyvoice_triton.streaming.stream_chunk_ends` with the flow's look-ahead)."""
-        return stream_chunk_ends(n_tokens, n_prompt_tokens, lookahead=self.flow.pre_lookahead_len)
+        return stream_chunk_ends(n_tokens, n_prompt_tokens, lookahead=self.flow.pre_lookahead_len,
+                                 schedule=self._schedule(schedule))
+
+    def _schedule(self, schedule: StreamSchedule | None) -> StreamSchedule:
+        if schedule is None:
+            return self.stream_schedule
+        chunk = self.config.flow.encoder.static_chunk_size
+        if schedule.chunk != chunk:
+            raise ConfigError(f"stream schedule: aligned to {schedule.chunk}-token chunks, the flow's attention "
+                              f"chunk is {chunk} (static_chunk_size)")
+        return schedule
 
     @torch.inference_mode()
     def _stream_flow(self, inputs: VCInputs, chunk, state: FlowStreamState | None, timer: StageTimer) -> torch.Tensor:
@@ -400,7 +426,7 @@ class CosyVoice2:
             from .frontend.text import TextFrontend
             from .models.llm import QWEN_DIR, load_llm  # transformers: only for TTS
 
-            self.llm = load_llm(self._tts_dir, self.config, device=self.device)
+            self.llm = load_llm(self._tts_dir, self.config, device=self.device, precision=self.lm_precision)
             self.text = TextFrontend(self._tts_dir / QWEN_DIR)
             self._tts_dir = None
         if self.text is None or self.llm is None:
@@ -448,12 +474,14 @@ class CosyVoice2:
                                  np.array(request.lm_prompt_speech_tokens), draws=draws)
 
     def tts_stream(self, text: str | bytes, *, stream: bool = True, seed: int | None = 0, draws=None,
-                   timer: StageTimer = _NO_TIMER, **prompt) -> Iterator[np.ndarray]:
+                   timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None,
+                   **prompt) -> Iterator[np.ndarray]:
         """Text to speech, yielded as float32 chunks at 24 kHz: with ``stream=True`` the official streaming
         schedule (the first audio after 25 + 3 speech tokens), else one array per text segment.
 
         ``prompt``: the keywords of :meth:`tts_requests`. ``seed`` seeds the LM's sampling and HiFT's noise
         (``None``: PyTorch's global generator); ``draws`` overrides the LM's (parity with injected draws).
+        ``schedule``: other streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: :attr:`stream_schedule`).
         """
         requests = self.tts_requests(text, timer=timer, **prompt)
         if draws is None and seed is not None:
@@ -463,7 +491,7 @@ class CosyVoice2:
             tokens = self.speech_tokens(request, draws=draws)
             timed = _timed(tokens, timer, "llm")
             if stream:
-                yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer)
+                yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer, schedule=schedule)
             else:
                 inputs.source_tokens = np.asarray(list(timed), dtype=np.int32)
                 if not len(inputs.source_tokens):
@@ -474,10 +502,10 @@ class CosyVoice2:
                             tokens.max_len, request.text)
 
     def tts(self, text: str | bytes, *, stream: bool = False, seed: int | None = 0, draws=None,
-            timer: StageTimer = _NO_TIMER, **prompt) -> np.ndarray:
+            timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, **prompt) -> np.ndarray:
         """Text to speech: float32 [N] at 24 kHz, the segments' audio concatenated (see :meth:`tts_stream`)."""
         return np.concatenate(list(self.tts_stream(text, stream=stream, seed=seed, draws=draws, timer=timer,
-                                                   **prompt)))
+                                                   schedule=schedule, **prompt)))
 
 
 def lm_prompt(front, speaker: SpeakerPrompt, *, mode: str | None, instruct: str | bytes | None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,20 @@ def test_bench_tts_figures(demo_dir, tmp_path, capsys):
     assert r["project"]["prefill_s"] > 0 and r["project"]["ttft_s"] > 0
     assert r["rtf"]["tokens"] == 10 and r["rtf"]["audio_s"] == pytest.approx(0.4)
     assert r["rtf"]["rtf"] > 0 and r["official"] is None
+    # the int8 LM's rows, its distance from fp32 and the targets, met or missed
+    int8 = r["int8"]
+    assert {k: v["tokens"] for k, v in int8["decode"].items()} == {"1": 5, "3": 15}
+    q = int8["quality"]
+    assert q["steps"] == 7 and 0 <= q["mean_tv"] <= q["max_tv"] <= 1 and 0 <= q["same_token"] <= 1
+    assert isinstance(q["meets_bar"], bool)
+    assert "int8 LM: decode tokens/s, batch 3" in text
+    assert re.search(r"target int8 batch-1 decode >= 25 tokens/s within the bar: (met|missed)", text)
+    assert re.search(r"target int8 batch 3 >= 3.0x batch 1: (met|missed)", text)
+
+
+def test_bench_tts_fp32_only(demo_dir, tmp_path, capsys):
+    r = _run(demo_dir, tmp_path, "--lm-precisions", "fp32", "--utterance-s", "0")
+    assert r["int8"] is None and "int8 LM" not in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not os.environ.get("COSYVOICE_OFFICIAL"),

@@ -8,7 +8,10 @@ the LM's prefill time, time to first token and decode tokens/s at batch 1, 4 and
 ``--utterance-s`` seconds through the whole path (LM tokens -> flow -> HiFT). With ``--official`` (a checkout of
 FunAudioLLM/CosyVoice) the official ``Qwen2LM.inference`` runs on the same weights in the same process for the
 LM figures. The two sides run in interleaved rounds, so that load from other processes affects both alike, and
-the best round is reported. Figures, not assertions: nothing here fails on a slow machine.
+the best round is reported. With ``--lm-precisions fp32,int8`` (the default) the same LM figures follow for the
+INT8 LM (:mod:`~cosyvoice_triton.models.lm_quant`), with its distance from fp32 on one request (teacher-forced,
+:func:`~cosyvoice_triton.models.lm_quant.compare`) and the targets: batch-1 decode >= 25 tokens/s (real time)
+within the quality bar, batch 8 >= 3x batch 1. Figures, not assertions: nothing here fails on a slow machine.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ TOKEN_RATE = 25  # speech tokens per second of audio
 TEXT_TOKENS, PROMPT_TEXT_TOKENS, PROMPT_SPEECH_TOKENS = 30, 20, 75
 TARGET_BATCH1_VS_OFFICIAL = 1.0
 TARGET_BATCH8_VS_BATCH1 = 3.0
+TARGET_INT8_BATCH1 = float(TOKEN_RATE)  # tokens/s: real time at batch 1
 
 
 def ensure_model(model_dir: Path) -> Path:
@@ -185,6 +189,40 @@ def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[
     return out
 
 
+def int8_quality(lm, lm8, n_tokens: int, seed: int = 5) -> dict:
+    """The int8 LM's distance from fp32 on one bench request of ``n_tokens`` (teacher-forced on fp32's tokens)."""
+    from ..models.lm_quant import BAR, compare
+
+    text, prompt_text, prompt_speech = _inputs(lm, seed)
+    draws = np.random.default_rng(seed).random(4 * n_tokens + 8).tolist()
+    ratio = _ratio(n_tokens, len(text))
+    tokens = list(lm.generate(text, prompt_text, prompt_speech, draws=list(draws), min_token_text_ratio=ratio,
+                              max_token_text_ratio=ratio))
+    report = compare(lm, lm8, text, prompt_text, prompt_speech, tokens, draws, min_len=len(tokens))
+    return {**report.summary(), "meets_bar": report.meets(BAR), "bar": dataclasses.asdict(BAR)}
+
+
+def _int8_lines(int8: dict, batches: tuple[int, ...]) -> list[str]:
+    decode, q = int8["decode"], int8["quality"]
+    lines = [f"int8 LM: decode tokens/s, batch {b}: {decode[b]['tokens_per_s']:.1f} ({decode[b]['tokens']} tok)"
+             for b in batches]
+    lines.append(f"int8 LM vs fp32 ({q['steps']} steps, teacher-forced): TV max {q['max_tv']:.3f} mean "
+                 f"{q['mean_tv']:.3f}, same token {q['same_token']:.0%}; quality bar (TV max <= {q['bar']['max_tv']}, "
+                 f"mean <= {q['bar']['mean_tv']}, same token >= {q['bar']['min_same_token']:.0%}): "
+                 f"{'met' if q['meets_bar'] else 'missed'}")
+    b1 = decode.get(1, {}).get("tokens_per_s")
+    if b1:
+        fast = b1 >= TARGET_INT8_BATCH1
+        lines.append(f"target int8 batch-1 decode >= {TARGET_INT8_BATCH1:.0f} tokens/s within the bar: "
+                     f"{'met' if fast and q['meets_bar'] else 'missed'} ({b1:.1f} tokens/s, "
+                     f"{'fast enough' if fast else 'too slow'}, bar {'met' if q['meets_bar'] else 'missed'})")
+        b8 = decode.get(max(batches), {}).get("tokens_per_s")
+        if b8 and max(batches) > 1:
+            lines.append(f"target int8 batch {max(batches)} >= {TARGET_BATCH8_VS_BATCH1}x batch 1: "
+                         f"{'met' if b8 >= TARGET_BATCH8_VS_BATCH1 * b1 else 'missed'} ({b8 / b1:.2f}x)")
+    return lines
+
+
 @torch.inference_mode()
 def bench_rtf(model_dir: Path, lm, *, utterance_s: float) -> dict:
     """One utterance through the whole path: LM tokens (``utterance_s`` x 25), then the non-streaming token2wav."""
@@ -251,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utterance-s", type=float, default=10.0, help="0 skips the whole-path RTF")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the LM figures (best reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--lm-precisions", default="fp32,int8", help="fp32 and/or int8: the LM figures of each")
     ap.add_argument("--out-json", type=Path, default=Path("build/bench-tts.json"))
     args = ap.parse_args(argv)
     if args.decode_tokens < 2 or args.repeats < 1:
@@ -258,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = tuple(int(b) for b in args.batches.split(","))
+    precisions = [p for p in args.lm_precisions.split(",") if p]
+    if not precisions or set(precisions) - {"fp32", "int8"} or precisions[0] != "fp32":
+        ap.error("--lm-precisions: fp32 first, then int8 if wanted (fp32 is the reference of the int8 quality)")
 
     from ..models.llm import load_llm
 
@@ -273,13 +315,27 @@ def main(argv: list[str] | None = None) -> int:
     figures = bench_lm(ProjectLM(lm, args.decode_tokens), off, batches=batches, rounds=args.repeats)
     project, official = figures["project"], figures.get("official")
     del off
+    int8 = None
+    if "int8" in precisions:
+        import copy
+
+        from ..models.lm_quant import quantize_lm
+
+        lm8 = quantize_lm(copy.deepcopy(lm), "int8")
+        print("int8 LM:", flush=True)
+        int8 = bench_lm(ProjectLM(lm8, args.decode_tokens), None, batches=batches, rounds=args.repeats)["project"]
+        int8["quality"] = int8_quality(lm, lm8, args.decode_tokens)
+        del lm8
     rtf = bench_rtf(model_dir, lm, utterance_s=args.utterance_s) if args.utterance_s > 0 else None
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(_table(project, official, rtf, batches))
+    if int8 is not None:
+        print("\n".join(_int8_lines(int8, batches)))
     print(f"peak RSS {peak_gb:.1f} GB")
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps({"project": project, "official": official, "rtf": rtf, "peak_rss_gb": peak_gb,
-                                         "threads": torch.get_num_threads()}, indent=1, default=str) + "\n")
+    args.out_json.write_text(json.dumps({"project": project, "official": official, "int8": int8, "rtf": rtf,
+                                         "peak_rss_gb": peak_gb, "threads": torch.get_num_threads()},
+                                        indent=1, default=str) + "\n")
     return 0
 
 

@@ -594,8 +594,14 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------- loading
 
 
-def load_llm(model_dir: str | Path, config: ModelConfig, device: str | torch.device = "cpu") -> Qwen2LM:
-    """``llm.pt`` of a CosyVoice2 model folder, read safely and strictly, on ``device`` in eval mode."""
+def load_llm(model_dir: str | Path, config: ModelConfig, device: str | torch.device = "cpu", *,
+             precision: str = "fp32") -> Qwen2LM:
+    """``llm.pt`` of a CosyVoice2 model folder, read safely and strictly, on ``device`` in eval mode;
+    ``precision``: ``fp32`` or ``int8`` (:func:`.lm_quant.quantize_lm`)."""
+    from .lm_quant import LM_PRECISIONS, quantize_lm
+
+    if precision not in LM_PRECISIONS:
+        raise ConfigError(f"lm_precision must be one of {', '.join(LM_PRECISIONS)}, got {precision!r}")
     model_dir = Path(model_dir)
     if config.llm is None:
         raise ConfigError(f"{model_dir}/cosyvoice2.yaml has no llm section (is this a CosyVoice2 folder?)")
@@ -605,7 +611,7 @@ def load_llm(model_dir: str | Path, config: ModelConfig, device: str | torch.dev
     if not llm_path.is_file():
         raise CheckpointError(f"{llm_path}: file not found (a CosyVoice2 model folder has llm.pt)")
     load_into(model, read_state_dict(llm_path), llm_path)
-    return model.to(device).eval()
+    return quantize_lm(model.to(device).eval(), precision)
 
 
 # ---------------------------------------------------------------------------------------- demo model

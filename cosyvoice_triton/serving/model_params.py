@@ -23,6 +23,13 @@ _PROMPT_CACHE = (
     Param("prompt_cache_entries", int, 256, "prompts kept by content hash (cosyvoice_triton.prompt_cache; 0: off)"),
     Param("prompt_cache_mb", float, 64.0, "most MiB of arrays the prompt cache keeps (0: off)"),
 )
+#: The streaming hops (cosyvoice_triton.streaming.StreamSchedule; the defaults are the official schedule).
+_STREAM_SCHEDULE = (
+    Param("stream_first_hop", int, 25, "speech tokens of the first streamed chunk, before the pad that ends it on a "
+          "25-token boundary of the flow's chunk-causal attention"),
+    Param("stream_hop_growth", int, 2, "factor of each next hop (every later hop must be a multiple of 25)"),
+    Param("stream_max_hop", int, 100, "largest hop in speech tokens (a multiple of 25)"),
+)
 #: The output options of ``postprocess``, also read by the pipelines that answer audio without it (the streaming
 #: models apply what a stream can: the rate; ``cosyvoice_tts`` the loudness of the whole answer).
 _OUTPUT = (
@@ -90,6 +97,10 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("wait_timeout_s", float, 60.0, "a request that waits longer for an LM row is refused"),
         Param("max_text_chars", int, 2000, "longest accepted text"),
         Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
+        Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
+              "cosyvoice_triton.models.lm_quant: about 4x the decode rate, outside the fp32 quality bar)",
+              ("fp32", "int8")),
+        *_STREAM_SCHEDULE,
         Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
         Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
         *_PROMPT_CACHE,
@@ -128,6 +139,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("speakers_model", str, "speakers", "the Triton model that holds the registered speakers"),
         Param("max_streams", int, 4, "streams running at once (worker threads)"),
         Param("max_waiting", int, 4, "streams waiting for a worker; beyond, refused at once (UNAVAILABLE)"),
+        *_STREAM_SCHEDULE,
         *_OUTPUT,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,

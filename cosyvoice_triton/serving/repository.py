@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..export.trt import EXCLUDED
 from ..export.trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
 from ..export.trt import PRECISIONS as TRT_PRECISIONS
@@ -78,6 +79,7 @@ from ..shapes import (
     VC_OUTPUTS,
     TensorSpec,
 )
+from ..streaming import StreamSchedule
 from .model_params import MODEL_PARAMS
 from .rollout import MANIFEST_NAME as VERSION_MANIFEST
 from .rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
@@ -179,6 +181,14 @@ class Tunables:
     speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
     vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
     vc_max_waiting: int = 4  # cosyvoice_vc_stream: streams waiting for a worker; beyond, refused at once (UNAVAILABLE)
+    #: TTS: the LM's Linear layers in fp32 or int8 (PyTorch's dynamic INT8 on the CPU: about 4x the decode rate,
+    #: outside the quality bar of cosyvoice_triton.models.lm_quant, hence not the default)
+    lm_precision: str = "fp32"
+    #: The streaming hops of cosyvoice_tts_stream and cosyvoice_vc_stream (cosyvoice_triton.streaming.StreamSchedule;
+    #: the defaults are the official schedule): the first hop, the growth factor of the next ones, the largest
+    stream_first_hop: int = 25
+    stream_hop_growth: int = 2
+    stream_max_hop: int = 100
     #: Several tasks on one server (README "Sharing the machine"). ``priority_levels`` >= 2: every dynamic batcher
     #: gets that many levels (1 highest; a request's own ``priority`` overrides), each model's default level from
     #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
@@ -230,6 +240,12 @@ class Tunables:
             raise RenderError(f"tunable lm_backend must be python or tensorrtllm, got {self.lm_backend!r}")
         if self.tts not in ("auto", "on", "off"):
             raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
+        if self.lm_precision not in ("fp32", "int8"):
+            raise RenderError(f"tunable lm_precision must be fp32 or int8, got {self.lm_precision!r}")
+        try:
+            self.stream_schedule()
+        except ConfigError as exc:
+            raise RenderError(f"tunables stream_*: {exc}") from exc
         for name in ("max_active_requests", "max_text_chars"):
             if int(getattr(self, name)) < 1:
                 raise RenderError(f"tunable {name} must be >= 1, got {getattr(self, name)}")
@@ -265,6 +281,14 @@ class Tunables:
                     raise RenderError(f"tunable {tunable}: unknown model {model!r}")
                 if not 1 <= int(n) <= limit:
                     raise RenderError(f"tunable {tunable}[{model!r}] must be in 1..{limit}, got {n}")
+
+
+    def stream_schedule(self) -> StreamSchedule:
+        return StreamSchedule(self.stream_first_hop, self.stream_hop_growth, self.stream_max_hop)
+
+    def stream_params(self) -> dict[str, int]:
+        return {"stream_first_hop": self.stream_first_hop, "stream_hop_growth": self.stream_hop_growth,
+                "stream_max_hop": self.stream_max_hop}
 
 
 #: The "plain" deployment: what a team that wraps the official code would serve. No dynamic batching (one request
@@ -747,7 +771,8 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
             "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
             "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx),
-            "stage_suffix": TASK_SUFFIX if tun.task_isolation else ""}
+            "stage_suffix": TASK_SUFFIX if tun.task_isolation else "", "lm_precision": tun.lm_precision,
+            **tun.stream_params()}
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
@@ -823,7 +848,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "default_seed": ctx.tunables.default_seed, "min_seconds": ctx.tunables.min_seconds,
                     "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
                     "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting,
-                    **_output_params(ctx), **_prompt_cache_params(ctx)},
+                    **ctx.tunables.stream_params(), **_output_params(ctx), **_prompt_cache_params(ctx)},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
     ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from ..models.llm import QWEN_DIR, LMRequest, load_llm
 from ..pipeline import lm_prompt
 from ..prompt_cache import PromptCache
 from ..speakers import SpeakerPrompt
+from ..streaming import StreamSchedule
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
@@ -111,6 +112,8 @@ class TTSService:
         prompt_cache: a prompt recording seen before skips the front end and both graphs (:func:`.compute_prompt`).
         output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
             ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
+        lm_precision: ``fp32`` or ``int8`` (:mod:`~..models.lm_quant`).
+        stream_schedule: the streaming hops (:class:`~..streaming.StreamSchedule`; None: the official ones).
     """
 
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
@@ -118,7 +121,8 @@ class TTSService:
                  max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
                  n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
                  prompt_cache: PromptCache | None = None,
-                 device: str = "cpu", output: Mapping[str, Any] | None = None):
+                 device: str = "cpu", output: Mapping[str, Any] | None = None, lm_precision: str = "fp32",
+                 stream_schedule: StreamSchedule | None = None):
         from ..frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
@@ -128,7 +132,7 @@ class TTSService:
         #: the rate of the answered chunks (the output rate)
         self.sample_rate = self.post.output_sample_rate
         self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars)
-        self.lm = load_llm(model_dir, self.config, device=device)
+        self.lm = load_llm(model_dir, self.config, device=device, precision=lm_precision)
         self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
         self.pre = Preprocessor(self.config.mel, sample_rate=self.config.sample_rate, min_seconds=min_seconds,
                                 max_seconds=max_seconds, prompt_cache=prompt_cache, model_id=str(model_dir.resolve()))
@@ -140,7 +144,9 @@ class TTSService:
         self.speakers = speakers
         self.ratio = self.config.token_mel_ratio
         self.lookahead = self.config.flow.pre_lookahead_len
-        self.streamer = StreamingToken2Wav(self.solver, graphs, lookahead=self.lookahead)
+        if stream_schedule is not None:  # aligned to this model's attention chunk (checked again)
+            stream_schedule = replace(stream_schedule, chunk=self.config.flow.encoder.static_chunk_size)
+        self.streamer = StreamingToken2Wav(self.solver, graphs, lookahead=self.lookahead, schedule=stream_schedule)
         self.stats = {"streams_started": 0, "streams_finished": 0, "streams_cancelled": 0}
         self._lock = threading.Lock()
 

@@ -17,6 +17,7 @@ from cosyvoice_triton.serving.metrics import METRIC_LOCK, SpeechMetrics, streami
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.params import read_parameters, set_niceness
 from cosyvoice_triton.serving.tts import TTSService, error_response, stage_callables
+from cosyvoice_triton.serving.vc_stream import stream_schedule
 from cosyvoice_triton.shapes import GRAPHS, TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
 
 INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
@@ -36,7 +37,8 @@ class TritonPythonModel:
                               max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
                               wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
                               n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
-                              max_seconds=p["max_seconds"], output=p,
+                              max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
+                              stream_schedule=stream_schedule(p),
                               prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))
         self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
             name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "

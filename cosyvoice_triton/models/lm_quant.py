@@ -22,10 +22,13 @@ than the TV rises.
 0.16, mean 0.07, same token 48 %; at tiny dims 0.065, 0.027, 64 %. fp32 therefore stays the default
 (``lm_precision``); int8 is there for a deployment that accepts that drift for ~4x the decode rate on a VNNI CPU.
 
-Runtimes measured on the loaded 2-core development machine (AVX-512 VNNI), Qwen2-0.5B trunk + head, batch 1,
-2 threads: fp32 7-8 tokens/s; PyTorch's dynamic INT8 29-30 (the ``x86`` engine; ``fbgemm`` the same kernels,
-``onednn`` no faster; per-channel weights and 8-bit instead of 7-bit activations moved the distances a little:
-mean TV 0.083 per tensor, 0.077 per channel, 0.070 per channel with full-range activations); bf16 autocast 15.
+Runtimes, measured on the loaded 2-core development machine (AVX-512 VNNI, 2 threads, Qwen2-0.5B trunk + head,
+decode steps after a 130-position prompt, best of 3 rounds; indicative only): fp32 10 tokens/s at batch 1, 40 at
+batch 8; bf16 autocast 8.5 / 20; this module's int8 (``x86`` engine) 27 / 144; the ``fbgemm`` engine the same;
+int8 with the head quantised too was slower (6 / 32; not investigated). Per-channel weights and 8-bit instead of
+PyTorch's 7-bit (``reduce_range``) activations moved the distances only a little (mean TV 0.083 per tensor, 0.077
+per channel, 0.070 per channel with full-range activations, at full dims). ``torch.ao.quantization`` is deprecated
+in favour of torchao, whose CPU int8 path was not tried; neither were onnxruntime's integer MatMul nor OpenVINO.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_text_chars", int, 2000, "longest accepted text"),
         Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
         Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
-              "cosyvoice_triton.models.lm_quant: about 4x the decode rate, outside the fp32 quality bar)",
+              "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar)",
               ("fp32", "int8")),
         *_STREAM_SCHEDULE,
         Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),

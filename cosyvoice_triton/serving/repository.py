@@ -181,7 +181,7 @@ class Tunables:
     speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
     vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
     vc_max_waiting: int = 4  # cosyvoice_vc_stream: streams waiting for a worker; beyond, refused at once (UNAVAILABLE)
-    #: TTS: the LM's Linear layers in fp32 or int8 (PyTorch's dynamic INT8 on the CPU: about 4x the decode rate,
+    #: TTS: the LM's Linear layers in fp32 or int8 (PyTorch's dynamic INT8 on the CPU: about 3-4x the decode rate,
     #: outside the quality bar of cosyvoice_triton.models.lm_quant, hence not the default)
     lm_precision: str = "fp32"
     #: The streaming hops of cosyvoice_tts_stream and cosyvoice_vc_stream (cosyvoice_triton.streaming.StreamSchedule;

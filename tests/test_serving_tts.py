@@ -19,7 +19,7 @@ import urllib.request
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, rel_err, served
+from conftest import FIXTURES, PATIENCE_S, rel_err, served, wait_until
 
 TEXT = "Hello there, this is a test of the served pipeline."
 LONG_TEXT = ("This is a much longer sentence that keeps the language model busy for a good while, so that a "
@@ -41,7 +41,7 @@ def server(serving_assets, tmp_path_factory):
     repo = tmp_path_factory.mktemp("tts") / "model_repository"
     report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
                                onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=5000, max_active_requests=2,
-                               max_waiting_requests=1, tts_wait_timeout_s=60.0)
+                               max_waiting_requests=1, tts_wait_timeout_s=PATIENCE_S)
     assert report.models["cosyvoice_tts_stream"] == "python (decoupled)"
     with served(repo) as s:
         yield s
@@ -80,7 +80,7 @@ def _bytes(s):
     return np.array([[s]], object)
 
 
-def _stream(server, inputs_fn, *, model="cosyvoice_tts_stream", cancel_after=None, timeout=240):
+def _stream(server, inputs_fn, *, model="cosyvoice_tts_stream", cancel_after=None, timeout=PATIENCE_S):
     """Run one gRPC stream: (chunks, error, final_seen)."""
     import tritonclient.grpc as grpcclient
 
@@ -117,13 +117,25 @@ def _stream(server, inputs_fn, *, model="cosyvoice_tts_stream", cancel_after=Non
 
 
 def _metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
     out: dict[str, float] = {}
     for m in re.finditer(r'^cosyvoice_llm\{([^}]*)\} (\S+)$', text, re.M):
         what = re.search(r'what="([^"]+)"', m.group(1)).group(1)
         out[what] = out.get(what, 0.0) + float(m.group(2))
     assert out, "no cosyvoice_llm metrics on the metrics port"
     return out
+
+
+def _quiet_metrics(server) -> dict[str, float]:
+    """The LM gauges once nothing is active and they hold still across several of the model's 0.1 s refreshes (a
+    busy machine delays a refresh: one read may still miss a stream that has ended)."""
+    def quiet():
+        first = _metrics(server)
+        time.sleep(0.5)
+        second = _metrics(server)
+        return second if second == first and second["active"] == 0 else None
+
+    return wait_until(quiet, "the LM gauges quiet (nothing active, no change across 0.5 s)", interval=0.1)
 
 
 # ----------------------------------------------------------------------------------------------- parity
@@ -133,13 +145,14 @@ def test_non_streaming_http_and_grpc_equal_in_process(server, prompt, reference)
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient
 
-    with httpclient.InferenceServerClient(server.http_url, network_timeout=240) as c:
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=PATIENCE_S) as c:
         res = c.infer("cosyvoice_tts", _inputs(httpclient, prompt))
     wave = res.as_numpy("waveform").reshape(-1)
     assert int(res.as_numpy("sample_rate").reshape(-1)[0]) == 24000
     g = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        wave_grpc = g.infer("cosyvoice_tts", _inputs(grpcclient, prompt), client_timeout=240).as_numpy("waveform")
+        res_grpc = g.infer("cosyvoice_tts", _inputs(grpcclient, prompt), client_timeout=PATIENCE_S)
+        wave_grpc = res_grpc.as_numpy("waveform")
     finally:
         g.close()
     np.testing.assert_array_equal(wave_grpc.reshape(-1), wave)
@@ -180,7 +193,7 @@ def test_overlapping_streams_decode_in_the_same_lm_steps(server, prompt):
     # other joins: up to 3 rounds of 3 concurrent requests, and one round must show shared steps.
     rounds = []
     for _ in range(3):
-        before = _metrics(server)
+        before = _quiet_metrics(server)
         out: list = [None] * 3
         start = threading.Barrier(3)
 
@@ -192,10 +205,11 @@ def test_overlapping_streams_decode_in_the_same_lm_steps(server, prompt):
         for t in threads:
             t.start()
         for t in threads:
-            t.join(300)
+            t.join(PATIENCE_S + 60)
         assert all(o is not None and o[1] is None and o[2] for o in out), out
-        time.sleep(0.5)  # the metrics are refreshed every 0.1 s
-        after = _metrics(server)
+        # the metrics are refreshed every 0.1 s: wait for the refresh that has the three streams finished
+        after = wait_until(lambda before=before: (now := _metrics(server))["streams_finished"]
+                           >= before["streams_finished"] + 3 and now, "the three streams counted as finished")
         steps = after["steps"] - before["steps"]
         request_steps = after["request_steps"] - before["request_steps"]
         rounds.append((steps, request_steps))
@@ -210,17 +224,11 @@ def test_cancelled_stream_frees_its_lm_row(server, prompt, reference):
     text = LONG_TEXT * 3
     segments = len(reference._text().tts_segments(text))
     assert segments >= 2
-    before = _metrics(server)
+    before = _quiet_metrics(server)
     chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt, text=text), cancel_after=1)
     assert error is None and len(chunks) == 1 and not final
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = _metrics(server)
-        if now["streams_cancelled"] > before["streams_cancelled"] and now["active"] == 0:
-            break
-        time.sleep(0.2)
-    else:
-        raise AssertionError(f"the cancelled stream did not stop: {before} -> {now}")
+    now = wait_until(lambda: (m := _metrics(server))["streams_cancelled"] > before["streams_cancelled"]
+                     and m["active"] == 0 and m, f"the cancelled stream stopped (before: {before})", interval=0.2)
     assert now["streams_finished"] == before["streams_finished"]  # it stopped before its natural end
     # its LM work stopped too: the segment decoding at the time left the batch, or the next ones never joined
     left_early = now["cancelled"] - before["cancelled"]
@@ -238,7 +246,7 @@ def test_lm_engine_cancel_and_queue_policy(serving_assets):
 
     md = serving_assets["model_dir"]
     lm = load_llm(md, ModelConfig.from_yaml(md / "cosyvoice2.yaml"))
-    engine = LMEngine(lm, max_active=1, max_waiting=1, wait_timeout_s=30)
+    engine = LMEngine(lm, max_active=1, max_waiting=1, wait_timeout_s=PATIENCE_S)
     try:
         long = LMRequest(list(range(1, 60)), draws=1, min_token_text_ratio=20)  # at least 1180 tokens
         job = engine.submit(long)
@@ -264,13 +272,13 @@ def test_too_many_streams_are_refused_not_hung(server, prompt):
 
     def run(i):
         out[i] = _stream(server, lambda mod: _inputs(mod, prompt, text=LONG_TEXT, seed=np.array([[i]], np.int64)),
-                         timeout=300)
+                         timeout=2 * PATIENCE_S)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(5)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(320)
+        t.join(2 * PATIENCE_S + 30)
     errors = [str(o[1]) for o in out if o[1] is not None]
     assert all(o is not None for o in out)
     assert errors and all("too many concurrent TTS requests" in e for e in errors), errors
@@ -299,7 +307,7 @@ def test_bad_input_http(server, prompt, extra, words):
     import tritonclient.http as httpclient
     from tritonclient.utils import InferenceServerException
 
-    with httpclient.InferenceServerClient(server.http_url, network_timeout=120) as c:
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=PATIENCE_S) as c:
         with pytest.raises(InferenceServerException) as info:
             c.infer("cosyvoice_tts", _inputs(httpclient, prompt, **extra))
         assert info.value.status() == "400", (info.value.status(), info.value.message())
@@ -309,7 +317,7 @@ def test_bad_input_http(server, prompt, extra, words):
 
 @pytest.mark.parametrize("extra, words", BAD, ids=[w for _, w in BAD])
 def test_bad_input_grpc_stream(server, prompt, extra, words):
-    chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt, **extra), timeout=120)
+    chunks, error, _ = _stream(server, lambda mod: _inputs(mod, prompt, **extra), timeout=PATIENCE_S)
     assert error is not None and not chunks
     assert words in str(error), str(error)
 
@@ -333,14 +341,14 @@ def test_wrong_protocol_for_the_model_kind(server, prompt):
     body = {"text": TEXT, "prompt_audio": prompt[0].tolist(), "prompt_sample_rate": prompt[1], "seed": SEED}
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/cosyvoice_tts_stream/generate",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=240) as r:  # Triton 2.51 answers this error with status 200
+    with urllib.request.urlopen(req, timeout=PATIENCE_S) as r:  # Triton 2.51 answers this error with status 200
         assert "use generate stream" in json.loads(r.read())["error"]
     # the reverse: Triton serves a non-decoupled model over a stream, as one final response, on both protocols
     chunks, error, final = _stream(server, lambda mod: _inputs(mod, prompt), model="cosyvoice_tts")
     assert error is None and final and len(chunks) == 1 and chunks[0][1].size > 0
     from cosyvoice_triton.clients.client import TTSClient
 
-    with TTSClient(server.http_url, protocol="http", timeout=240) as c:
+    with TTSClient(server.http_url, protocol="http", timeout=PATIENCE_S) as c:
         http_chunks = list(c.tts_stream(TEXT, prompt=prompt[0], prompt_sr=prompt[1], prompt_text=PROMPT_TEXT,
                                         seed=SEED, model="cosyvoice_tts"))
     assert len(http_chunks) == 1
@@ -355,7 +363,7 @@ def test_http_generate_stream_serves_the_decoupled_model(server, prompt):
             "seed": SEED}
     req = urllib.request.Request(f"http://{server.http_url}/v2/models/cosyvoice_tts_stream/generate_stream",
                                  data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=240) as r:
+    with urllib.request.urlopen(req, timeout=PATIENCE_S) as r:
         events = [json.loads(line[len("data: "):]) for line in r.read().decode().splitlines()
                   if line.startswith("data: ")]
     chunks = [e for e in events if "waveform" in e]
@@ -371,7 +379,7 @@ def test_registered_speaker_equals_its_prompt(server, prompt):
     from cosyvoice_triton.clients.client import VCClient
 
     wave, sr = prompt
-    with VCClient(server.http_url, timeout=240) as c:
+    with VCClient(server.http_url, timeout=PATIENCE_S) as c:
         c.register_speaker("tts_alice", wave, prompt_sr=sr, prompt_text=PROMPT_TEXT)
         try:
             by_id = c.tts(TEXT, speaker_id="tts_alice", seed=SEED)

@@ -197,8 +197,10 @@ def test_text_to_waveform_matches_official(lm, oracle_model, stream, monkeypatch
     wave, mels = _token2wav(oracle_model, z, tokens, stream, int(z["seed"]), monkeypatch)
     assert len(mels) == int(z["n_hift_calls"])
     for i, mel in enumerate(mels):
-        assert rel_err(mel, z[f"hift{i}_mel"]) <= FEAT_BAR, f"HiFT call {i}"  # measured 0 (bit-identical) here
-    assert rel_err(wave, z["speech"][0]) <= _wave_bar()  # measured ~1e-6 here
+        # measured 0 (bit-identical) non-streaming; 2.9e-7 (one ulp at a few elements) in both stream calls
+        assert rel_err(mel, z[f"hift{i}_mel"]) <= FEAT_BAR, f"HiFT call {i}"
+    # measured 1.2e-6 non-streaming; 6.1e-4 streaming: that one ulp of the mel, amplified by HiFT's phase
+    assert rel_err(wave, z["speech"][0]) <= _wave_bar()
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -448,6 +448,14 @@ class CosyVoice2:
         and embedding.
         """
         front = self._text()
+        speaker = self._speaker(prompt_audio, prompt_sr, prompt_text, speaker_id, timer)
+        with timer.stage("frontend"):
+            segments = front.tts_segments(text)
+        mode, lm_text, lm_speech = lm_prompt(front, speaker, mode=mode, instruct=instruct)
+        return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
+                           lm_prompt_speech_tokens=lm_speech, prompt=speaker) for segment, ids in segments]
+
+    def _speaker(self, prompt_audio, prompt_sr, prompt_text, speaker_id, timer: StageTimer) -> SpeakerPrompt:
         if prompt_audio is None and speaker_id is None:
             raise TextError("prompt text without prompt audio: give the prompt audio (or a registered speaker_id)"
                             if prompt_text is not None else
@@ -460,11 +468,7 @@ class CosyVoice2:
             speaker = self.speakers.get(speaker_id)
         else:
             speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
-        with timer.stage("frontend"):
-            segments = front.tts_segments(text)
-        mode, lm_text, lm_speech = lm_prompt(front, speaker, mode=mode, instruct=instruct)
-        return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
-                           lm_prompt_speech_tokens=lm_speech, prompt=speaker) for segment, ids in segments]
+        return speaker
 
     def speech_tokens(self, request: TTSRequest, *, draws=None):
         """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an
@@ -500,6 +504,38 @@ class CosyVoice2:
             if tokens.hit_max_len:
                 log.warning("the LM reached its maximum of %d speech tokens without end-of-speech for %r",
                             tokens.max_len, request.text)
+
+    def tts_live(self, text_pieces: Iterable[str | bytes], *, seed: int | None = 0, draws=None,
+                 max_token_text_ratio: float = 20, timer: StageTimer = _NO_TIMER, prompt_audio=None,
+                 prompt_sr: int | None = None, prompt_text: str | bytes | None = None,
+                 instruct: str | bytes | None = None, speaker_id: str | None = None,
+                 mode: str | None = None) -> LiveAudio:
+        """Text to speech while the text arrives (official ``inference_zero_shot`` / ``inference_cross_lingual`` /
+        ``inference_instruct2`` with a text generator): float32 chunks at 24 kHz on the streaming schedule of
+        :meth:`tts_stream`, the first as soon as the LM has its speech tokens, before the text ends.
+
+        ``text_pieces``: an iterable of ``str`` / UTF-8 ``bytes`` pieces; it may block (a
+        :class:`~.frontend.text.live.LiveText` is fed from another thread and ends with what it has). Each piece
+        is tokenized on its own and not normalised (:func:`~.frontend.text.live.piece_tokens`); the prompt
+        text is normalised as in :meth:`tts_stream`. The LM decodes with :class:`~.models.bistream.LiveDecode`
+        (its stop reason: :attr:`LiveAudio.stop_reason`). Prompt keywords, ``seed`` and ``draws``: as
+        :meth:`tts_stream`.
+        """
+        from .frontend.text.live import piece_tokens
+        from .models.bistream import live_decode
+
+        front = self._text()
+        speaker = self._speaker(prompt_audio, prompt_sr, prompt_text, speaker_id, timer)
+        _, lm_text, lm_speech = lm_prompt(front, speaker, mode=mode, instruct=instruct)
+        if draws is None and seed is not None:
+            draws = torch.Generator().manual_seed(int(seed))
+        tokens = piece_tokens(front.tokenizer, text_pieces, max_chars=front.max_chars, strict_tags=front.strict_tags)
+        decode = live_decode(self.llm, tokens, lm_text, lm_speech, draws=draws,
+                             max_token_text_ratio=max_token_text_ratio)
+        inputs = TTSRequest(text="", text_tokens=np.zeros(0, np.int32), lm_prompt_text_tokens=lm_text,
+                            lm_prompt_speech_tokens=lm_speech, prompt=speaker).flow_inputs()
+        return LiveAudio(self.tokens2wav_stream(inputs, _timed(decode, timer, "llm"), seed=seed, timer=timer),
+                         decode)
 
     def tts(self, text: str | bytes, *, stream: bool = False, seed: int | None = 0, draws=None,
             timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, **prompt) -> np.ndarray:
@@ -548,6 +584,26 @@ class TTSRequest:
         return VCInputs(source_tokens=np.zeros(0, np.int32) if tokens is None else tokens,
                         prompt_tokens=np.array(p.prompt_tokens), prompt_mel=np.array(p.prompt_mel),
                         embedding=np.array(p.embedding))
+
+
+class LiveAudio(Iterator[np.ndarray]):
+    """The audio chunks of :meth:`CosyVoice2.tts_live`; :attr:`decode` is the LM's
+    :class:`~.models.bistream.LiveDecode` (speech tokens, stop reason)."""
+
+    def __init__(self, chunks: Iterator[np.ndarray], decode):
+        self._chunks, self.decode = chunks, decode
+
+    def __next__(self) -> np.ndarray:
+        return next(self._chunks)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the LM stopped (:data:`~.models.bistream.STOP_REASONS`); None while it runs."""
+        return self.decode.stop_reason
+
+    def close(self) -> None:
+        self._chunks.close()
+        self.decode.close()
 
 
 def _timed(tokens: Iterator[int], timer: StageTimer, name: str) -> Iterator[int]:

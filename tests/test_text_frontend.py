@@ -60,9 +60,24 @@ def test_prompt_and_instruct_tokens_match_official(frontend):
         assert frontend.prompt_tokens(prompt["text"]).tolist() == prompt["tokens"]
     for instruct in REF["instructs"]:
         assert frontend.instruct_tokens(instruct["text"]).tolist() == instruct["tokens"]
-    # Without the marker it is appended, giving the ids of the text that has it.
+
+
+
+def test_instruct_tokens_as_given_by_default(frontend, caplog):
+    # Official frontend_instruct2 tokenizes the instruction as given: without the marker, nothing is appended
+    # (a warning says so); append_endofprompt=True gives the ids of the text that has it.
     first = REF["instructs"][0]
-    assert frontend.instruct_tokens(first["text"].removesuffix(ENDOFPROMPT)).tolist() == first["tokens"]
+    bare = first["text"].removesuffix(ENDOFPROMPT)
+    assert bare != first["text"]
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.frontend.text.frontend"):
+        ids = frontend.instruct_tokens(bare).tolist()
+    assert ids == frontend.tokenizer.encode(bare).tolist() != first["tokens"]
+    assert any(ENDOFPROMPT in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="cosyvoice_triton.frontend.text.frontend"):
+        assert frontend.instruct_tokens(first["text"]).tolist() == first["tokens"]
+    assert not caplog.records
+    assert frontend.instruct_tokens(bare, append_endofprompt=True).tolist() == first["tokens"]
 
 
 def test_special_tokens_have_official_ids_and_stay_single(frontend):

@@ -19,6 +19,10 @@ does, with the served pieces:
   configured output rate, resampled continuously across chunks and segments; loudness normalisation, which needs
   the whole utterance, is left to ``cosyvoice_tts``).
 
+Live requests (:meth:`TTSService.live`: the text arrives in pieces while audio is answered) decode with
+:class:`~..models.bistream.LiveDecode` in the caller's thread, outside the engine's batch, and stream their chunks the
+same way.
+
 The stages keep no per-request state, which a stream needs (the HiFT cache, the noise generator, the chunk
 offsets): that state lives here, and the graphs it calls still batch across requests (dynamic batching).
 """
@@ -48,12 +52,12 @@ from .frontend import Preprocessor
 from .lm_engine import LMEngine
 from .postprocess import Postprocessor
 from .speakers import compute_prompt
-from .vc_stream import StreamingToken2Wav, StreamPrompt, stream_postprocessor
+from .vc_stream import StreamCancelled, StreamingToken2Wav, StreamPrompt, stream_postprocessor
 from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TTSPlan", "TTSService", "bytes_input"]
+__all__ = ["LiveResponses", "TTSPlan", "TTSService", "bytes_input"]
 
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
@@ -161,6 +165,13 @@ class TTSService:
         if t.get("text") is None:
             raise TextError("text: missing input (the text to speak, UTF-8)")
         text = self.text.check(bytes_input(t["text"], "text"))
+        plan = self.prepare_live(t)
+        plan.segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
+        return plan
+
+    def prepare_live(self, t: Mapping[str, np.ndarray | None]) -> TTSPlan:
+        """:meth:`prepare` without the text (a live request's text comes in pieces): the prompt, the mode, the
+        seed; ``segments`` is empty."""
         prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
         instruct = bytes_input(t.get("instruct_text"), "instruct_text")
         speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
@@ -182,9 +193,8 @@ class TTSService:
             speaker = self.speakers(speaker_id)
         else:
             speaker = self.prompt(t, prompt_text)
-        segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
         mode, lm_text, lm_speech = lm_prompt(self.text, speaker, mode=mode, instruct=instruct)
-        return TTSPlan(segments, lm_text, lm_speech, speaker, seed, mode)
+        return TTSPlan([], lm_text, lm_speech, speaker, seed, mode)
 
     def prompt(self, t: Mapping[str, np.ndarray | None], prompt_text: str | None) -> SpeakerPrompt:
         """``CosyVoice2.prompt`` with the graphs: tokens, mel (cut to 2 frames per token), embedding, transcript."""
@@ -247,6 +257,56 @@ class TTSService:
             raise
         self._count("streams_finished")
 
+    def live(self, t: Mapping[str, np.ndarray | None], text_pieces: Iterable[str | bytes], *,
+             cancelled: Callable[[], bool] = lambda: False, max_token_text_ratio: float = 20.0) -> LiveResponses:
+        """A live request: the text arrives as ``text_pieces`` (``str`` / UTF-8 ``bytes``, possibly blocking; a
+        :class:`~..frontend.text.live.LiveText` ends with what it has) while audio is answered, as the response
+        tensors of :meth:`responses` on the streaming schedule (``t``: its inputs without ``text``).
+
+        The pieces are tokenized one by one, not normalised, as the official front end does with a text
+        generator; the LM decodes them live (:class:`~..models.bistream.LiveDecode`: the official
+        ``inference_bistream`` with a step limit of ``max_token_text_ratio`` speech tokens per text token and
+        a stop reason, :attr:`LiveResponses.stop_reason`). That decode runs in the calling thread on its own KV
+        cache, outside the engine's in-flight batch (the batch takes whole texts). Raises
+        :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true; bad pieces raise
+        :class:`~..errors.TextError` when they are read."""
+        from ..frontend.text.live import piece_tokens
+        from ..models.bistream import live_decode
+
+        plan = self.prepare_live(t)
+        tokens = piece_tokens(self.text.tokenizer, text_pieces, max_chars=self.text.max_chars,
+                              strict_tags=self.text.strict_tags)
+        decode = live_decode(self.lm, tokens, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
+                             draws=torch.Generator().manual_seed(plan.seed), cancelled=cancelled,
+                             max_token_text_ratio=max_token_text_ratio)
+        return LiveResponses(self._live(plan, decode, cancelled), decode)
+
+    def _live(self, plan: TTSPlan, decode, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
+        from .lm_engine import JobCancelled
+
+        rate = np.array([[self.sample_rate]], np.int32)
+        self._count("streams_started")
+
+        def stop() -> bool:
+            return decode.stop_reason == "cancelled" or cancelled()
+
+        try:
+            pairs = self.streamer.chunks(StreamPrompt.from_speaker(plan.prompt), decode, seed=plan.seed,
+                                         cancelled=stop)
+            for i, chunk in enumerate(self.post.stream().run(pairs)):
+                if stop():
+                    raise JobCancelled("the client went away")
+                yield {"waveform": chunk[None], "sample_rate": rate, "chunk_index": np.array([[i]], np.int32)}
+        except StreamCancelled:
+            self._count("streams_cancelled")
+            raise JobCancelled("the client went away") from None
+        except JobCancelled:
+            self._count("streams_cancelled")
+            raise
+        finally:
+            decode.close()
+        self._count("streams_finished")
+
     def _count(self, what: str) -> None:
         with self._lock:
             self.stats[what] += 1
@@ -275,6 +335,24 @@ class TTSService:
         """Non-streaming (``CosyVoice2.token2wav``): the ``flow`` then the ``hift`` stage."""
         mel = self.flow(self._item(prompt, tokens, streaming=False, lookahead=0))
         return np.asarray(self.hift(mel, seed), np.float32).reshape(-1)
+
+
+class LiveResponses(Iterator[dict[str, np.ndarray]]):
+    """The response tensors of :meth:`TTSService.live`; after the last, :attr:`stop_reason` says why the LM
+    stopped (:data:`~..models.bistream.STOP_REASONS`) and :attr:`decode` holds its tokens."""
+
+    def __init__(self, responses: Iterator[dict[str, np.ndarray]], decode):
+        self._responses, self.decode = responses, decode
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._responses)
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.decode.stop_reason
+
+    def close(self) -> None:
+        self._responses.close()
 
 
 def error_response(pb, exc: BaseException):

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import shutil
 import sys
@@ -177,14 +178,17 @@ def pick(probs: torch.Tensor, u: float) -> int:
 
 
 @contextlib.contextmanager
-def injected_multinomial(draws: Iterator[float], log: list):
-    """Replace ``Tensor.multinomial`` / ``torch.multinomial`` (1 sample) by :func:`pick` on the next draw."""
+def injected_multinomial(draws: Iterator[float], log: list, before=None):
+    """Replace ``Tensor.multinomial`` / ``torch.multinomial`` (1 sample) by :func:`pick` on the next draw
+    (``before(probs)``: called first, e.g. to choose that draw)."""
     original_method, original_fn = torch.Tensor.multinomial, torch.multinomial
 
     def multinomial(probs, num_samples, replacement=False, *, generator=None, out=None):
         if num_samples != 1 or probs.dim() != 1:
             raise AssertionError(f"oracle draw injection handles one sample from a 1-D tensor, got {num_samples} "
                                  f"from {tuple(probs.shape)}")
+        if before is not None:
+            before(probs)
         u = next(draws)
         index = pick(probs, u)
         log.append((u, index, probs.numel()))
@@ -372,6 +376,139 @@ def make_tts_references(model, out: Path) -> dict:
     return summary
 
 
+# ------------------------------------------------------------------------------------------- bistream (live text)
+# (name, mode, text chunk sizes, prompt text length, prompt speech count, stop id to aim the first full-distribution
+# draw of the text phase at (None: plain draws)). The official front end hands inference_bistream one text token at a
+# time; the LM also takes chunks of several tokens (its loop body then runs once per chunk).
+BISTREAM_CASES = [
+    ("bistream_runout", "zero_shot", [1] * 24, 5, 20, None),  # prompt speech used up mid-text
+    ("bistream_left", "zero_shot", [1] * 8, 4, 60, None),  # prompt speech left when the text ends (dropped)
+    ("bistream_cross_lingual", "cross_lingual", [1] * 17, 0, 0, None),
+    ("bistream_instruct", "instruct", [1] * 13, 6, 0, None),
+    ("bistream_chunks", "zero_shot", [7, 1, 12, 3, 9, 2], 5, 23, None),  # pieces of many tokens
+    ("bistream_sampled_fill", "zero_shot", [1] * 22, 5, 20, 6563),  # a fill token sampled, not forced
+    ("bistream_raises", "cross_lingual", [1] * 15, 0, 0, 6562),  # official: ValueError mid-stream
+]
+BISTREAM_LOGP_STEPS = 4  # per-step log-probabilities kept per bistream case (the first sampled steps)
+
+
+def run_official_bistream(llm, chunks: list[np.ndarray], prompt_text, prompt_speech, draws: np.ndarray,
+                          target: int | None) -> dict:
+    """One official ``Qwen2LM.inference_bistream`` run, the text a generator of int32 [1, n] chunks, injected draws.
+
+    ``target``: the first full-distribution draw (the repetition fallback) while the text is read picks this id
+    (its ``u`` is the midpoint of the id's CDF interval); the ``draws`` returned are those actually used."""
+    steps: list[dict] = []
+    used: list[float] = []
+    state = {"ignore_eos": None, "aimed": target is None}
+    original = llm.sampling_ids
+    plain = iter(draws.tolist())
+
+    def sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=True):
+        state["ignore_eos"] = bool(ignore_eos)
+        steps.append({"logp": weighted_scores.detach().clone(), "ignore_eos": bool(ignore_eos), "n_draws": len(used),
+                      "step": len(decoded_tokens)})
+        steps[-1]["sampled"] = top = original(weighted_scores, decoded_tokens, sampling, ignore_eos=ignore_eos)
+        return top
+
+    class Draws:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            u = next(plain)
+            used.append(u)
+            return u
+
+    def aim(probs):  # called by the injected multinomial before it reads the next draw
+        if state["aimed"] or probs.numel() != SPEECH_TOKEN_SIZE + 3 or not state["ignore_eos"]:
+            return
+        c = torch.cumsum(probs.detach().flatten().to(torch.float64), 0)
+        lo = float(c[target - 1]) if target else 0.0
+        u = (lo + float(c[target])) / 2 / float(c[-1])
+        if pick(probs, u) != target:
+            raise AssertionError(f"cannot aim a draw at {target}")
+        state["aimed"] = True
+        nonlocal plain
+        plain = iter([u, *plain])
+
+    def text_gen():
+        for c in chunks:
+            yield torch.as_tensor(c, dtype=torch.int32)[None]
+
+    t = lambda a: torch.as_tensor(a, dtype=torch.int32)[None]
+    log: list = []
+    tokens: list[int] = []
+    error = ""
+    llm.sampling_ids = sampling_ids
+    try:
+        with injected_multinomial(Draws(), log, before=aim):
+            try:
+                for tok in llm.inference_bistream(
+                        text=text_gen(), prompt_text=t(prompt_text),
+                        prompt_text_len=torch.tensor([len(prompt_text)], dtype=torch.int32),
+                        prompt_speech_token=t(prompt_speech),
+                        prompt_speech_token_len=torch.tensor([len(prompt_speech)], dtype=torch.int32),
+                        embedding=torch.zeros(1, 0), sampling=25):
+                    tokens.append(int(tok))
+            except ValueError as exc:
+                error = str(exc)
+    finally:
+        del llm.sampling_ids
+    if target is not None and not state["aimed"]:
+        raise AssertionError(f"no full-distribution draw to aim at {target} while the text was read")
+    bounds = [s["n_draws"] for s in steps] + [len(used)]
+    sampled = np.asarray([s["sampled"] for s in steps], np.int32)
+    return {
+        "tokens": np.asarray(tokens, np.int32), "draws": np.asarray(used, np.float64),
+        "draws_used": np.int32(len(used)), "step_draws": np.diff(bounds).astype(np.int32),
+        "sampled": sampled, "sampled_at": np.asarray([s["step"] for s in steps], np.int32),
+        "ignore_eos": np.asarray([s["ignore_eos"] for s in steps], bool),
+        "logp": torch.stack([s["logp"] for s in steps[:BISTREAM_LOGP_STEPS]]).float().numpy(),
+        "error": np.array(error),
+    }
+
+
+def make_bistream_references(model, out: Path) -> dict:
+    config = qwen_config("tiny")
+    rng = np.random.default_rng(INPUT_SEED + 300)
+    summary = {}
+    for i, (name, mode, sizes, n_ptext, n_pspeech, target) in enumerate(BISTREAM_CASES):
+        text, prompt_text, prompt_speech = lm_inputs(rng, config["vocab_size"], sum(sizes), n_ptext, n_pspeech)
+        bounds = np.cumsum([0, *sizes])
+        chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
+        draws = case_draws(INPUT_SEED + 400 + i, 4000)
+        start = time.perf_counter()
+        r = run_official_bistream(model.llm, chunks, prompt_text, prompt_speech, draws, target)
+        seconds = time.perf_counter() - start
+        np.savez(out / f"{name}.npz", mode=np.array(mode), text=text, chunk_sizes=np.asarray(sizes, np.int32),
+                 prompt_text=prompt_text, prompt_speech_token=prompt_speech, target=np.int32(target or -1), **r)
+        summary[name] = {"mode": mode, "text_len": int(sum(sizes)), "chunks": len(sizes), "prompt_text_len": n_ptext,
+                         "prompt_speech_len": n_pspeech, "tokens": len(r["tokens"]),
+                         "sampled_steps": len(r["sampled"]), "draws_used": int(r["draws_used"]),
+                         "fallback_draws": int((r["step_draws"] == 2).sum()), "aimed_at": target,
+                         "ended_by": r["error"].item() or "eos", "seconds": round(seconds, 3)}
+        print(f"  {name}: {summary[name]}", flush=True)
+    return summary
+
+
+def bistream_only(args) -> int:
+    """Add the bistream references to an existing tiny oracle folder (its llm.pt, checked against the meta)."""
+    meta_path = args.out / "oracle_meta.json"
+    meta = json.loads(meta_path.read_text())
+    if meta.get("size") != "tiny":
+        raise SystemExit(f"{args.out}: --bistream-only needs the tiny oracle folder")
+    model = build_official(args.official, args.out, "tiny", None)
+    if state_digest(dict(model.llm.state_dict())) != meta["weights"]["state_sha256"]:
+        raise AssertionError(f"{args.out}/llm.pt is not the weights the meta records")
+    print("Qwen2LM.inference_bistream references", flush=True)
+    meta["bistream_cases"] = make_bistream_references(model, args.out)
+    meta["bistream_versions"] = _versions(args.official, args.official_commit)
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
 def _resolve_flow_hift(args) -> dict | None:
     """Turn ``--flow-hift`` into a weights folder (regenerated when no folder is given); the meta entry."""
     if args.flow_hift is None:
@@ -441,7 +578,12 @@ def main(argv: list[str] | None = None) -> int:
                          "make_flow_oracle.write_weights, or the flow.pt/hift.pt/cosyvoice2.yaml of WEIGHTS_DIR")
     ap.add_argument("--tts-only", action="store_true",
                     help="only re-make the text -> waveform references of the existing tiny oracle in --out")
+    ap.add_argument("--bistream-only", action="store_true",
+                    help="only add the inference_bistream references to the existing tiny oracle in --out")
     args = ap.parse_args(argv)
+    if args.bistream_only:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        return bistream_only(args)
     if args.flow_hift is not None and args.size != "tiny":
         ap.error("--flow-hift is for --size tiny (the flow/HiFT oracle is at tiny dims)")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the project, for cosyvoice_triton.bench.official

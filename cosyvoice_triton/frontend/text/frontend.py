@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import Literal, overload
@@ -11,6 +12,8 @@ import numpy as np
 from ...errors import TextError
 from . import normalize as tn
 from .tokenizer import CONTROL_TAGS, ENDOFPROMPT, KNOWN_TAGS, QwenTextTokenizer
+
+log = logging.getLogger(__name__)
 
 # Longest accepted text, in characters (after UTF-8 decoding). The official code has no limit; this one bounds the
 # work of one request: about 40 segments of 80-100 characters, i.e. several minutes of speech.
@@ -135,10 +138,16 @@ class TextFrontend:
         """Zero-shot prompt text (the transcript of the prompt audio): normalised unsplit, then tokenized."""
         return self.tokenizer.encode(self.normalize(prompt_text, split=False, text_frontend=text_frontend))
 
-    def instruct_tokens(self, instruct_text: str | bytes) -> np.ndarray:
-        """CosyVoice2 instruct text (``inference_instruct2``): not normalised; ``<|endofprompt|>`` is appended
-        unless the text already ends with it (the official code expects the caller to write it)."""
+    def instruct_tokens(self, instruct_text: str | bytes, *, append_endofprompt: bool = False) -> np.ndarray:
+        """CosyVoice2 instruct text (``inference_instruct2``), tokenized as given (not normalised), as officially.
+
+        The official examples end the instruction with ``<|endofprompt|>``; without it a warning is logged, and
+        with ``append_endofprompt=True`` it is appended (then the ids are those of the text that has it)."""
         text = self.check(instruct_text, what="instruct text")
         if not text.rstrip().endswith(ENDOFPROMPT):
-            text += ENDOFPROMPT
+            if append_endofprompt:
+                text += ENDOFPROMPT
+            else:
+                log.warning("instruct text does not end with %s (the official examples end it so); tokenized as "
+                            "given: %r", ENDOFPROMPT, text[:60])
         return self.tokenizer.encode(text)

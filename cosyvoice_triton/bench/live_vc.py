@@ -1,0 +1,176 @@
+"""The cost of going live: live voice conversion (source in pieces, :mod:`cosyvoice_triton.serving.live_vc`)
+against offline conversion of the same whole source, in process over the ONNX graphs.
+
+For each source it prints: the share of live speech tokens equal to the whole-utterance tokenizer's, the log-mel
+distance of the live output to the offline output (mean absolute difference of the 80-bin CosyVoice log-mel) beside
+two yardsticks (the official streaming schedule on the whole source against offline, and offline with another NSF
+seed against offline), and the seams between live chunks (largest sample step in each crossfade against the 99.9th
+percentile elsewhere; 20 ms RMS in each crossfade against the median around it).
+
+    python -m cosyvoice_triton.bench.live_vc --model-dir DIR --onnx-dir DIR/fp32 [--piece-seconds 0.2]
+
+With the demo model the tokenizer is a stand-in with random weights whose every token depends on the mean over the
+whole utterance (``cosyvoice_triton.models.standins``): its token agreement says how much the window edges move that
+mean, not how the real tokenizer behaves (its attention context is also the whole utterance, but it was trained on
+speech). The log-mel figures of a random-weight model compare noise with noise; they bound the machinery's effect,
+not the audible quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..frontend import features
+from ..serving.live_vc import LiveSettings, LiveVC, LiveVCSession
+from ..streaming import MEL_CACHE
+
+CROSSFADE = MEL_CACHE * 480  # HiFT's crossfade at 24 kHz
+
+__all__ = ["live_tokens", "log_mel_distance", "measure", "seams"]
+
+
+def live_tokens(live: LiveVC, first: Mapping[str, np.ndarray], pieces: Sequence[np.ndarray]
+                ) -> tuple[list[np.ndarray], np.ndarray]:
+    """(output chunks, every committed source token) of one live session over ``pieces``."""
+    session = live.open(first)
+    committed: list[np.ndarray] = []
+    commit = LiveVCSession._commit
+
+    def recording(self, upto):
+        before = self.committed
+        commit(self, upto)
+        committed.append(np.array(self.tokens[before - self.tokens_base:]))
+
+    session._commit = recording.__get__(session)
+    out = []
+    for i, p in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out.extend(live.piece(session, {"source_audio": np.asarray(p, np.float32)[None]}, first=i == 0, last=last))
+    return out, np.concatenate(committed) if committed else np.zeros(0, np.int32)
+
+
+def log_mel_distance(a: np.ndarray, b: np.ndarray, sample_rate: int = 24000) -> float:
+    """Mean absolute difference of the CosyVoice log-mel of two waveforms (the shorter length)."""
+    n = min(len(a), len(b))
+    ma = features.cosyvoice_mel(np.asarray(a[:n], np.float32), sample_rate=sample_rate)
+    mb = features.cosyvoice_mel(np.asarray(b[:n], np.float32), sample_rate=sample_rate)
+    return float(np.mean(np.abs(ma - mb)))
+
+
+def seams(y: np.ndarray, chunk_lengths: Sequence[int]) -> list[dict[str, float]]:
+    """Per seam between chunks: the largest sample step in the crossfade over the 99.9th percentile of the steps
+    elsewhere (``click``; the test's bar is 1.5), and the lowest / highest 20 ms RMS in the crossfade over the median
+    RMS of the second around it (``level_low`` / ``level_high``; the bar is 0.5 / 2)."""
+    import librosa
+
+    y = np.asarray(y, np.float64)
+    step = np.abs(np.diff(y))
+    starts = np.cumsum(chunk_lengths)[:-1]
+    mask = np.zeros(len(step), bool)
+    for lo in starts:
+        mask[max(lo - 1, 0): lo + CROSSFADE] = True
+    bound = np.percentile(step[~mask], 99.9) if (~mask).any() else np.inf
+    frame = 480
+    rms = librosa.feature.rms(y=y, frame_length=frame, hop_length=frame, center=False)[0]
+    out = []
+    for lo in starts:  # a chunk's first CROSSFADE samples are crossfaded with the previous chunk's held-back tail
+        a, b = lo, min(lo + CROSSFADE, len(y) - 1)
+        around = np.concatenate([rms[max(a // frame - 50, 0): a // frame], rms[b // frame + 1: b // frame + 51]])
+        level = float(np.median(around))
+        inside = rms[a // frame: max(b // frame, a // frame + 1)]
+        out.append({"at": int(lo), "click": float(step[max(a - 1, 0): b + 1].max() / bound),
+                    "level_low": float(inside.min() / level), "level_high": float(inside.max() / level)})
+    return out
+
+
+def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, prompt_sr: int, *,
+            piece_seconds: float = 0.2, settings: LiveSettings | None = None, seed: int = 0) -> dict:
+    """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.local.LocalPipeline`)."""
+    from ..serving.vc_stream import VCStreamer
+
+    graphs = {k: v.run for k, v in pipeline.graphs.items()}
+    streamer = VCStreamer(pipeline.pre, pipeline.flow, graphs)
+    live = LiveVC(streamer, settings)
+    first = {"source_sample_rate": np.array([[source_sr]], np.int32), "prompt_audio": prompt[None],
+             "prompt_sample_rate": np.array([[prompt_sr]], np.int32), "seed": np.array([[seed]], np.int64)}
+    step = max(1, int(piece_seconds * source_sr))
+    pieces = [source[i: i + step] for i in range(0, len(source), step)]
+    chunks, tokens = live_tokens(live, first, pieces)
+    y = np.concatenate(chunks)
+    whole = streamer.tokens(pipeline.pre.source_features(source, source_sr))
+    offline = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed)
+    other_seed = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed + 1)
+    req = {"source_audio": source[None], "source_sample_rate": np.array([[source_sr]], np.int32), **first}
+    streamed = np.concatenate(list(streamer.stream(req)))
+    n = min(len(tokens), len(whole))
+    found = seams(y, [len(c) for c in chunks])
+    return {
+        "source_seconds": len(source) / source_sr, "piece_seconds": piece_seconds, "chunks": len(chunks),
+        "tokens_live": len(tokens), "tokens_whole": len(whole),
+        "tokens_equal_pct": float(100 * np.mean(tokens[:n] == whole[:n])) if n else 0.0,
+        "samples_live": len(y), "samples_offline": len(offline),
+        "log_mel_live_vs_offline": log_mel_distance(y, offline),
+        "log_mel_streamed_vs_offline": log_mel_distance(streamed, offline),
+        "log_mel_other_seed_vs_offline": log_mel_distance(other_seed, offline),
+        "seam_click_max": max((s["click"] for s in found), default=0.0),
+        "seam_level_min": min((s["level_low"] for s in found), default=1.0),
+        "seam_level_max": max((s["level_high"] for s in found), default=1.0),
+        "latency_s": live.settings.latency_seconds,
+    }
+
+
+def _read(path: str) -> tuple[np.ndarray, int]:
+    import soundfile as sf
+
+    y, sr = sf.read(path, dtype="float32", always_2d=True)
+    return np.ascontiguousarray(y.mean(axis=1), np.float32), int(sr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cosyvoice_triton.bench.live_vc", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--onnx-dir", required=True, help="the fp32 graphs (<export>/fp32)")
+    fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+    ap.add_argument("--source", action="append", help="source wav (repeatable; default: the bundled speech)")
+    ap.add_argument("--prompt", default=str(fixtures / "prompt_en_3s.wav"))
+    ap.add_argument("--piece-seconds", type=float, default=0.2)
+    ap.add_argument("--chunk-tokens", type=int, default=LiveSettings.chunk_tokens)
+    ap.add_argument("--tokenizer-context-tokens", type=int, default=LiveSettings.tokenizer_context_tokens)
+    ap.add_argument("--tokenizer-lookahead-tokens", type=int, default=LiveSettings.tokenizer_lookahead_tokens)
+    ap.add_argument("--flow-context-tokens", type=int, default=LiveSettings.flow_context_tokens)
+    ap.add_argument("--json", action="store_true", help="one JSON object per source instead of the table")
+    ns = ap.parse_args(argv)
+    from ..serving.local import LocalPipeline
+
+    settings = LiveSettings(chunk_tokens=ns.chunk_tokens, tokenizer_context_tokens=ns.tokenizer_context_tokens,
+                            tokenizer_lookahead_tokens=ns.tokenizer_lookahead_tokens,
+                            flow_context_tokens=ns.flow_context_tokens)
+    pipeline = LocalPipeline(ns.model_dir, ns.onnx_dir)
+    prompt, prompt_sr = _read(ns.prompt)
+    sources = ns.source or [str(fixtures / "source_en_5s.wav"), str(fixtures / "speech_engb_16k.wav")]
+    best, worst = settings.latency_seconds
+    print(f"live settings: {settings} (algorithmic latency {best:.2f}-{worst:.2f} s)")
+    for path in sources:
+        src, sr = _read(path)
+        r = measure(pipeline, src, sr, prompt, prompt_sr, piece_seconds=ns.piece_seconds, settings=settings)
+        if ns.json:
+            print(json.dumps({"source": path, **r}))
+            continue
+        print(f"{Path(path).name}: {r['source_seconds']:.2f} s in {ns.piece_seconds:g} s pieces, {r['chunks']} chunks")
+        print(f"  tokens equal to the whole-utterance tokenizer: {r['tokens_equal_pct']:.1f}% "
+              f"({r['tokens_live']} live, {r['tokens_whole']} whole)")
+        print(f"  log-mel distance to offline: live {r['log_mel_live_vs_offline']:.3f}, official streaming "
+              f"{r['log_mel_streamed_vs_offline']:.3f}, offline with another seed "
+              f"{r['log_mel_other_seed_vs_offline']:.3f}")
+        print(f"  seams: largest step {r['seam_click_max']:.2f}x the 99.9th percentile elsewhere (bar 1.5), RMS "
+              f"{r['seam_level_min']:.2f}-{r['seam_level_max']:.2f}x around (bar 0.5-2)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -165,6 +165,12 @@ loadtest-prompt-cache: $(VENV)/.installed ## repeated speakers: 4 prompts drawn 
 	$(PY) loadtest/run.py --config tiny --mode prompt-cache --speakers 4 --requests 32 --users 4 \
 		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(LOADTEST_ARGS)
 
+.PHONY: bench-live
+BENCH_LIVE_ARGS ?=
+bench-live: $(VENV)/.installed ## live sessions: concurrent live VC streams held at real time (latency p50/p95, margin, underruns at 1/2/4/8), one stream's RTF, live TTS first audio (DEMO_SIZE=full: one stream) -> build/loadtest/$(DEMO_SIZE)-live/report.md
+	$(PY) -m cosyvoice_triton.loadtest.live --config $(DEMO_SIZE) \
+		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(BENCH_LIVE_ARGS)
+
 .PHONY: rollout-demo
 rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
 	$(PY) -m cosyvoice_triton.loadtest.rollout $(ROLLOUT_ARGS)

@@ -84,7 +84,8 @@ class FakeLiveModel:
         if request["sequence_start"] and inputs.get("speaker_id", [[b""]])[0][0] == b"nobody":
             from tritonclient.utils import InferenceServerException
 
-            return [(None, InferenceServerException("unknown speaker 'nobody'", status="StatusCode.INVALID_ARGUMENT"))]
+            # over a gRPC stream an error carries its message only: the live models put the code in front
+            return [(None, InferenceServerException("INVALID_ARGUMENT: unknown speaker 'nobody'"))]
         if self.delay_s:
             time.sleep(self.delay_s)
         if self.kind == "vc":
@@ -119,6 +120,7 @@ class FakeGrpc:
     def __init__(self, model: FakeLiveModel):
         self.model, self.stops, self.callback = model, [], None
         self._work: queue.Queue | None = None
+        self.waiting = self.most_waiting = 0  # requests sent and not yet answered
 
     def start_stream(self, callback, **kw):
         assert self.callback is None, "one stream at a time"
@@ -127,11 +129,15 @@ class FakeGrpc:
 
     def _serve(self, callback, work):
         while (request := work.get()) is not None:
-            for result, error in self.model.handle(request):
+            answers = self.model.handle(request)
+            self.waiting -= 1
+            for result, error in answers:
                 callback(result, error)
 
     def async_stream_infer(self, model_name, inputs, *, enable_empty_final_response=False, **kw):
         assert self.callback is not None and enable_empty_final_response
+        self.waiting += 1
+        self.most_waiting = max(self.most_waiting, self.waiting)
         self._work.put({"model_name": model_name, "inputs": inputs, **kw})
 
     def stop_stream(self, cancel_requests=False):
@@ -300,12 +306,14 @@ def test_play_out_margin_and_underruns():
     assert chunks[0].margin_s is None
     assert [round(c.margin_s, 6) for c in chunks[1:]] == [0.1, 0.1, -0.1, 0.4]
     assert stats.underruns == 1 and math.isclose(stats.stall_s, 0.1) and math.isclose(stats.margin_s, -0.1)
+    assert math.isclose(stats.needed_buffer_s, 0.1)  # chunk 3 came 0.1 s after 1.5 s of audio from 1.0
     assert stats.first_audio_s == 0.5 and stats.total_s == 2.2 and math.isclose(stats.audio_seconds, 2.5)
     assert math.isclose(stats.rtf, 2.2 / 2.5)
     buffered = LiveStats(buffer_s=0.2)
     for (arrival, seconds), _ in zip(arrivals, chunks, strict=True):
         buffered.add(_chunk(seconds, arrival - 0.5), arrival)
     assert buffered.underruns == 0 and math.isclose(buffered.margin_s, 0.1)
+    assert math.isclose(buffered.needed_buffer_s, stats.needed_buffer_s)  # whatever the buffer
     assert "1 underruns" in stats.summary() and "margin -100 ms" in stats.summary()
 
 
@@ -330,10 +338,37 @@ def test_server_error_raises_with_its_message_and_ends_the_stream(source):
     client, fake = _live_client(model)
     with pytest.raises(VCError, match="unknown speaker 'nobody'") as info:
         list(client.convert_live([wave[:800], wave[800:]], speaker_id="nobody", sample_rate=sr))
-    assert info.value.invalid_argument
+    assert info.value.invalid_argument and info.value.message == "unknown speaker 'nobody'"
     assert model.requests[-1]["sequence_end"]  # the end of the sequence still went
     assert fake.stops == [True]
     assert list(client.convert_live([wave], speaker_id="alice", sample_rate=sr))  # usable again
+
+
+def test_error_codes_from_the_message():
+    from tritonclient.utils import InferenceServerException
+
+    from cosyvoice_triton.clients.live import live_error
+    from cosyvoice_triton.clients.retry import is_retryable
+
+    busy = live_error(InferenceServerException("UNAVAILABLE: cosyvoice_vc_live: too many live sessions (4)"))
+    assert busy.status == "StatusCode.UNAVAILABLE" and busy.message == "cosyvoice_vc_live: too many live sessions (4)"
+    assert is_retryable(busy) and not busy.invalid_argument
+    unknown = live_error(InferenceServerException("inference request for sequence 7 to model 'cosyvoice_vc_live' "
+                                                  "must specify the START flag on the first request of the sequence"))
+    assert unknown.invalid_argument and "sequence 7" in unknown.message
+    plain = live_error(InferenceServerException("Something: else"))
+    assert plain.status is None and plain.message == "Something: else"
+
+
+def test_pieces_wait_while_the_server_is_behind(source):
+    wave, sr = source
+    model = FakeLiveModel(delay_s=0.02)
+    client, fake = _live_client(model)
+    pieces = [wave[i : i + 400] for i in range(0, len(wave), 400)]  # all at once, faster than the server
+    chunks = list(client.convert_live(pieces, speaker_id="alice", sample_rate=sr))
+    assert len(model.requests) == len(pieces) + 1 and sum(len(c.waveform) for c in chunks) == OUT_SR
+    # never more waiting than max_in_flight: the server's back-pressure refusal (8 waiting) cannot come
+    assert fake.most_waiting == LiveClient.max_in_flight
 
 
 def test_closing_early_sends_the_end_and_stops(source):
@@ -609,3 +644,30 @@ def test_live_tts_against_the_server(triton_server, tmp_path):
                           capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr.decode()
     assert "first audio after" in proc.stderr.decode() and sf.info(tmp_path / "t.wav").frames > 0
+
+
+# ------------------------------------------------------------------------------------ the live figures' report
+
+
+def test_live_figures_summary_and_report():
+    from cosyvoice_triton.loadtest.live import commit, render_markdown, summarize_level
+
+    good = {"source_s": 10.0, "audio_s": 10.0, "chunks": 10, "latencies_s": [0.5] * 9 + [1.5],
+            "first_audio_s": 1.2, "margin_s": 0.05, "underruns": 0, "stall_s": 0.0, "needed_buffer_s": 0.1}
+    late = {**good, "margin_s": -0.3, "underruns": 2, "stall_s": 0.5, "needed_buffer_s": 0.6}
+    one = summarize_level(1, [good])
+    assert one["held"] and one["chunks"] == 10 and one["latency_p50_ms"] == 500.0 and one["min_margin_ms"] == 50.0
+    two = summarize_level(2, [good, late])
+    assert not two["held"] and two["underruns"] == 2 and two["min_margin_ms"] == -300.0
+    assert two["needed_buffer_max_ms"] == 600.0 and two["latency_p95_ms"] > two["latency_p50_ms"]
+    failed = summarize_level(2, [good, {"error": "VCError: at capacity"}])
+    assert not failed["held"] and failed["failed"] == 1 and failed["errors"] == ["VCError: at capacity"]
+    report = {"setup": {"commit": commit(), "load average at start": "1.00"}, "levels": [one, two, failed],
+              "held_streams": 1, "tried": [1, 2, 2], "fast": {"source_s": 10.0, "total_s": 4.0, "rtf": 0.4,
+                                                              "p50_ms": 300.0, "p95_ms": 900.0},
+              "tts": [{"text": "Hi there.", "pieces": 2, "first_audio_ms": 640.0, "audio_s": 1.0, "total_s": 2.0}]}
+    md = render_markdown(report)
+    assert "Held at real time (no underrun, no failed stream): 1 concurrent" in md
+    assert "| 2 | 20 | 500 |" in md and "VCError: at capacity" in md and "real-time factor 0.400" in md
+    assert "| Hi there. | 2 | 640 |" in md and report["setup"]["commit"] in md
+    assert "Live TTS: skipped: x." in render_markdown({**report, "tts": "skipped: x"})

@@ -18,10 +18,13 @@ One session is one Triton sequence on one gRPC stream: a random sequence id (bel
 request carries it as int64), each piece one request (the first with ``sequence_start`` and the voice: prompt audio,
 an encoded prompt file, or a registered ``speaker_id``, and the seed), and when the pieces run out one more request
 with no audio (empty text) and ``sequence_end``. Pieces are sent as they come, while the chunks they cause arrive;
-empty pieces are skipped. The session ends when every request has its final response. A refusal raises
-:class:`~.client.VCError` with the server's message (``UNAVAILABLE`` when the server is at capacity: live sessions
-are never sent again); closing the iteration early sends the end of the sequence, waits ``close_wait_s`` for its
-answer, then cancels what is left.
+empty pieces are skipped. At most ``max_in_flight`` requests wait for their answer at once (below the server's
+per-session queue, so its back-pressure refusal never comes: a server that falls behind holds the pieces back here).
+The session ends when every request has its final response. A refusal raises :class:`~.client.VCError` with the
+server's message and the code its message starts with (``status`` ``StatusCode.INVALID_ARGUMENT`` for bad input,
+``StatusCode.UNAVAILABLE`` at capacity: a live session is never sent again); the end of the sequence still goes,
+so the server frees the session at once. Closing the iteration early sends the end of the sequence, waits
+``close_wait_s`` for the answers, then cancels what is left.
 
 Timing (:class:`LiveStats`): each chunk is charged to the piece whose arrival let the server compute it (VC: the
 piece that brought the source sent to the chunk's ``source_seconds``; TTS: piece ``text_pieces``); its latency is
@@ -62,7 +65,7 @@ from .client import (
 )
 
 __all__ = ["TTS_LIVE_MODEL", "VC_LIVE_MODEL", "AsyncLiveClient", "LiveChunk", "LiveClient", "LiveStats",
-           "PacedPieces", "new_sequence_id", "pcm_pieces", "text_pieces"]
+           "PacedPieces", "live_error", "new_sequence_id", "pcm_pieces", "text_pieces"]
 
 VC_LIVE_MODEL = "cosyvoice_vc_live"
 TTS_LIVE_MODEL = "cosyvoice_tts_live"
@@ -176,7 +179,9 @@ class LiveStats:
     margin_s: float | None = None  # the smallest chunk margin (negative: at least one underrun)
     underruns: int = 0
     stall_s: float = 0.0  # playback time lost waiting for late chunks
+    needed_buffer_s: float = 0.0  # the smallest buffer_s with no underrun in this session
     _play_end: float | None = field(default=None, repr=False)
+    _played: tuple[float, float] | None = field(default=None, repr=False)  # first arrival, audio seconds before
 
     def add(self, chunk: LiveChunk, arrival: float) -> None:
         """Count ``chunk``, which arrived at ``arrival`` (``time.perf_counter``), and set its margin."""
@@ -190,6 +195,9 @@ class LiveStats:
             self.latencies_s.append(chunk.latency_s)
         if not len(chunk.waveform):
             return
+        first, before = self._played or (arrival, 0.0)
+        self.needed_buffer_s = max(self.needed_buffer_s, arrival - first - before)
+        self._played = (first, before + chunk.seconds)
         if self._play_end is None:
             self._play_end = arrival + self.buffer_s + chunk.seconds
             return
@@ -224,7 +232,8 @@ class LiveStats:
         return (f"{self.pieces} pieces{source}, {self.chunks} chunks ({self.audio_seconds:.2f} s of audio at "
                 f"{self.sample_rate} Hz); first audio after {first}; latency p50 {self.latency_ms(50):.0f} ms, "
                 f"p95 {self.latency_ms(95):.0f} ms; real-time margin {margin} ({self.underruns} underruns, "
-                f"{self.stall_s:.2f} s stalled); {self.total_s:.2f} s in all")
+                f"{self.stall_s:.2f} s stalled; gap-free from a {self.needed_buffer_s * 1000:.0f} ms buffer); "
+                f"{self.total_s:.2f} s in all")
 
 
 # ---------------------------------------------------------------------------------------------- framing
@@ -243,9 +252,8 @@ class _Session:
         self.sequence_id = new_sequence_id()
         self.sent_at: list[float] = []  # perf_counter of each request
         self.ends: list[float] = []  # VC: source seconds sent after each request
-        self.finals = 0
+        self.finals = self.errors = 0  # each request gets one of the two
         self.ended = False  # the end of the sequence has been sent
-        self.end_answered = False  # ... and its final answer has come
         self.t0: float | None = None
         self.last_event = time.perf_counter()
 
@@ -256,6 +264,17 @@ class _Session:
     @property
     def done(self) -> bool:
         return self.ended and self.finals >= len(self.sent_at)
+
+    @property
+    def settled(self) -> bool:
+        """Every request sent, the end included, has been answered (a final response or an error)."""
+        return self.ended and self.finals + self.errors >= len(self.sent_at)
+
+    def refusal(self, error) -> VCError:
+        """Account for an error answer; the :class:`VCError` to raise."""
+        self.errors += 1
+        self.last_event = time.perf_counter()
+        return live_error(error)
 
     def _source(self, samples: np.ndarray) -> list:
         return [_tensor(self.module, "source_audio", np.ascontiguousarray(samples, np.float32)[None], "FP32"),
@@ -328,8 +347,25 @@ class _Session:
             self.stats.add(chunk, arrival)
         if final:
             self.finals += 1
-            self.end_answered = self.end_answered or (self.ended and response.id == str(len(self.sent_at) - 1))
         return chunk
+
+
+#: The codes a live model's error message starts with (``"UNAVAILABLE: ..."``): a gRPC stream carries no code.
+_CODES = ("INVALID_ARGUMENT", "UNAVAILABLE", "CANCELLED", "INTERNAL")
+
+
+def live_error(error) -> VCError:
+    """A live session's error answer as :class:`VCError`, its status read from the code the message starts with;
+    Triton's refusal of a piece of a sequence it does not know counts as ``INVALID_ARGUMENT``."""
+    exc = VCError.from_exception(error)
+    if exc.status is not None:
+        return exc
+    code, sep, rest = exc.message.partition(": ")
+    if sep and code in _CODES:
+        return VCError(rest, f"StatusCode.{code}")
+    if "must specify the START flag" in exc.message:
+        return VCError(exc.message, "StatusCode.INVALID_ARGUMENT")
+    return exc
 
 
 def _scalar(result, name: str):
@@ -383,6 +419,7 @@ class LiveClient(VCClient):
     at a time per client (one gRPC stream); a client per session for several at once."""
 
     close_wait_s = 5.0  # closing early: how long the end of the sequence may take to be answered
+    max_in_flight = 4  # requests waiting for their answers at once (the server keeps 8 waiting per session)
 
     def __init__(self, url: str | None = None, *, protocol: str = "grpc", model: str = VC_LIVE_MODEL, **kw):
         if protocol != "grpc":
@@ -414,8 +451,13 @@ class LiveClient(VCClient):
 
     def _run(self, session: _Session, pieces: Iterable) -> Iterator[LiveChunk]:
         inbox: queue.Queue = queue.Queue()  # (result, error) from the stream's thread and the feeder
-        lock, closed = threading.Lock(), threading.Event()
-        client = self._client
+        lock, closed = threading.Condition(), threading.Event()  # lock: sending; notified as answers come
+        client, window = self._client, max(1, int(self.max_in_flight))
+
+        def room() -> bool:  # called with the lock held
+            while session.outstanding >= window and not closed.is_set():
+                lock.wait(0.25)
+            return not closed.is_set()
 
         def send(request: dict[str, Any]) -> None:
             request = dict(request)
@@ -429,13 +471,13 @@ class LiveClient(VCClient):
             try:
                 for piece in pieces:
                     with lock:
-                        if closed.is_set():
+                        if not room():
                             return
                         request = session.request(piece)
                         if request is not None:
                             send(request)
                 with lock:
-                    if not closed.is_set():
+                    if room():
                         send(session.end())
             except BaseException as exc:  # the consumer raises it and ends the session
                 inbox.put((None, _PiecesFailed(exc)))
@@ -456,24 +498,30 @@ class LiveClient(VCClient):
                 if isinstance(error, _PiecesFailed):
                     raise error.exc
                 if error is not None:
-                    raise VCError.from_exception(error)
+                    raise session.refusal(error)
                 chunk = session.receive(result)
+                with lock:
+                    lock.notify_all()
                 if chunk is not None:
                     yield chunk
         finally:  # done, failed or closed early: the end of the sequence goes (once), then a short wait for it
             with lock:
                 closed.set()
+                lock.notify_all()
                 if not session.ended:
                     with contextlib.suppress(Exception):
                         send(session.end())
             deadline = time.perf_counter() + self.close_wait_s
-            while not session.done and not session.end_answered and time.perf_counter() < deadline:
+            while not session.settled and time.perf_counter() < deadline:
                 try:
                     result, error = inbox.get(timeout=0.05)
                 except queue.Empty:
                     continue
+                if isinstance(error, _PiecesFailed):
+                    continue
                 if error is not None:
-                    break
+                    session.refusal(error)
+                    continue
                 with contextlib.suppress(Exception):
                     session.receive(result)
             client.stop_stream(cancel_requests=not session.done)
@@ -496,6 +544,7 @@ class AsyncLiveClient(AsyncVCClient):
     pieces: an async iterable, or a plain one that does not block (a list)."""
 
     close_wait_s = LiveClient.close_wait_s
+    max_in_flight = LiveClient.max_in_flight
 
     def __init__(self, url: str | None = None, *, protocol: str = "grpc", model: str = VC_LIVE_MODEL, **kw):
         if protocol != "grpc":
@@ -528,13 +577,21 @@ class AsyncLiveClient(AsyncVCClient):
         outbox: asyncio.Queue = asyncio.Queue()  # the stream's requests; None closes it
         inbox: asyncio.Queue = asyncio.Queue()  # (result, error) from the reader and the feeder
         final = {"triton_enable_empty_final_response": True}  # tritonclient.grpc.aio has no argument for it
+        answered = asyncio.Condition()  # notified as answers come
+        window = max(1, int(self.max_in_flight))
+
+        async def room() -> None:
+            async with answered:
+                await answered.wait_for(lambda: session.outstanding < window)
 
         async def feed() -> None:
             try:
                 async for piece in _aiter(pieces):
+                    await room()
                     request = session.request(piece)
                     if request is not None:
                         outbox.put_nowait({**request, "parameters": final})
+                await room()
                 outbox.put_nowait({**session.end(), "parameters": final})
             except asyncio.CancelledError:
                 raise
@@ -568,8 +625,10 @@ class AsyncLiveClient(AsyncVCClient):
                 if isinstance(error, _PiecesFailed):
                     raise error.exc
                 if error is not None:
-                    raise VCError.from_exception(error)
+                    raise session.refusal(error)
                 chunk = session.receive(result)
+                async with answered:
+                    answered.notify_all()
                 if chunk is not None:
                     yield chunk
         finally:  # as LiveClient._run: the end of the sequence (once), a short wait for it, then cancel the rest
@@ -579,13 +638,16 @@ class AsyncLiveClient(AsyncVCClient):
             if not session.ended:
                 outbox.put_nowait({**session.end(), "parameters": final})
             deadline = time.perf_counter() + self.close_wait_s
-            while not session.done and not session.end_answered and time.perf_counter() < deadline:
+            while not session.settled and time.perf_counter() < deadline:
                 try:
                     result, error = await asyncio.wait_for(inbox.get(), timeout=0.05)
                 except asyncio.TimeoutError:
                     continue
+                if isinstance(error, _PiecesFailed):
+                    continue
                 if error is not None:
-                    break
+                    session.refusal(error)
+                    continue
                 with contextlib.suppress(Exception):
                     session.receive(result)
             outbox.put_nowait(None)

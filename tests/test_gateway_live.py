@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import io
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -217,6 +218,22 @@ def test_too_many_requests_of_one_key(client):
             break
     assert limited is not None, "no probe ever arrived while the long request was in flight"
     assert limited.body["code"] == "concurrency_limit_exceeded" and limited.response.headers["retry-after"]
+    _innocent(client)
+
+
+def _llm_metric(server, what: str) -> float:
+    text = urllib.request.urlopen(server.metrics_url, timeout=30).read().decode()
+    pattern = rf'^cosyvoice_llm{{[^}}]*what="{what}"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def test_a_client_that_leaves_cancels_tritons_stream(client, triton_server):
+    before = _llm_metric(triton_server, "streams_cancelled")
+    with client.audio.speech.with_streaming_response.create(
+            model="cosyvoice2", voice=VOICE, input=LONG_TEXT, response_format="pcm", stream_format="audio") as r:
+        assert next(r.iter_bytes())
+    wait_until(lambda: _llm_metric(triton_server, "streams_cancelled") > before,
+               "Triton's cosyvoice_llm streams_cancelled to count the stream the client left")
     _innocent(client)
 
 

@@ -119,6 +119,22 @@ def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096) 
     out.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(out))  # vocab.json + merges.txt ("#version: 0.2" header), the Qwen2 layout
     n_bpe = tok.get_vocab_size()
+    write_tokenizer_config(out, n_bpe)
+    (out / STANDIN_README).write_text(
+        "# Stand-in tokenizer (not the real CosyVoice-BlankEN)\n\n"
+        f"A byte-level BPE of {n_bpe} entries in the Qwen2 tokenizer format, trained by cosyvoice_triton on a small "
+        "built-in Chinese and English text, then Qwen2's special tokens "
+        f"({', '.join(f'{t} = {n_bpe + i}' for i, t in enumerate(QWEN_SPECIAL_TOKENS))}). "
+        f"CosyVoice2 adds its 17 tokens after these, so every id is below {vocab_size}. The ids are not the real "
+        "Qwen2.5 ids: use the release's CosyVoice-BlankEN folder for real speech.\n"
+    )
+    return out
+
+
+def write_tokenizer_config(out_dir: str | os.PathLike, n_bpe: int) -> Path:
+    """``tokenizer_config.json`` of a Qwen2 tokenizer folder whose byte-level BPE has ``n_bpe`` entries: Qwen2's
+    three special tokens follow it (ids ``n_bpe`` ...), as in the release's ``CosyVoice-BlankEN``."""
+    out = Path(out_dir)
     added = {
         str(n_bpe + i): {
             "content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True
@@ -140,12 +156,4 @@ def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096) 
         "unk_token": None,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    (out / STANDIN_README).write_text(
-        "# Stand-in tokenizer (not the real CosyVoice-BlankEN)\n\n"
-        f"A byte-level BPE of {n_bpe} entries in the Qwen2 tokenizer format, trained by cosyvoice_triton on a small "
-        "built-in Chinese and English text, then Qwen2's special tokens "
-        f"({', '.join(f'{t} = {n_bpe + i}' for i, t in enumerate(QWEN_SPECIAL_TOKENS))}). "
-        f"CosyVoice2 adds its 17 tokens after these, so every id is below {vocab_size}. The ids are not the real "
-        "Qwen2.5 ids: use the release's CosyVoice-BlankEN folder for real speech.\n"
-    )
-    return out
+    return out / "tokenizer_config.json"

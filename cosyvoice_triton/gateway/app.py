@@ -31,7 +31,9 @@ from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
 
-ENDOFPROMPT = "<|endofprompt|>"  # CosyVoice 2's end of an instruction (appended when missing, as the official code)
+# CosyVoice 2's end of an instruction. OpenAI clients send plain `instructions`; the official frontend_instruct2
+# tokenizes its text as given and expects the caller to end it with this marker, so the gateway appends it.
+ENDOFPROMPT = "<|endofprompt|>"
 SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", "/v1/audio/voices"
 ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics"})
 

@@ -23,6 +23,12 @@ _PROMPT_CACHE = (
     Param("prompt_cache_entries", int, 256, "prompts kept by content hash (cosyvoice_triton.prompt_cache; 0: off)"),
     Param("prompt_cache_mb", float, 64.0, "most MiB of arrays the prompt cache keeps (0: off)"),
 )
+#: The session limits of the live models (``cosyvoice_vc_live``, ``cosyvoice_tts_live``: serving/live.py).
+_LIVE_SESSIONS = (
+    Param("max_sessions", int, 4, "live sessions held at once; a stream beyond is refused at its start (UNAVAILABLE)"),
+    Param("max_queued", int, 8, "pieces waiting per session; a faster sender's next piece is refused (UNAVAILABLE)"),
+    Param("idle_timeout_s", float, 30.0, "a session without a new piece for this long is freed"),
+)
 #: The streaming hops (cosyvoice_triton.streaming.StreamSchedule; the defaults are the official schedule).
 _STREAM_SCHEDULE = (
     Param("stream_first_hop", int, 25, "speech tokens of the first streamed chunk, before the pad that ends it on a "
@@ -140,6 +146,26 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_streams", int, 4, "streams running at once (worker threads)"),
         Param("max_waiting", int, 4, "streams waiting for a worker; beyond, refused at once (UNAVAILABLE)"),
         *_STREAM_SCHEDULE,
+        *_OUTPUT,
+        _BLS_TIMEOUT,
+        *_PROMPT_CACHE,
+    ),
+    "cosyvoice_vc_live": (
+        Param("model_dir", str, None, "the CosyVoice2 folder (its cosyvoice2.yaml: mel and CFM settings)"),
+        Param("n_timesteps", int, 0, "Euler steps (0: the model's, 10)"),
+        Param("default_seed", int, 0, "seed of the NSF noise when a stream gives none"),
+        Param("min_seconds", float, 0.1, "shortest accepted prompt"),
+        Param("max_seconds", float, 30.0, "longest accepted prompt"),
+        Param("speakers_model", str, "speakers", "the Triton model that holds the registered speakers"),
+        *_LIVE_SESSIONS,
+        Param("chunk_tokens", int, 25, "speech tokens (40 ms each) per converted chunk; a multiple of 25 keeps the "
+              "flow's chunk-causal blocks aligned"),
+        Param("tokenizer_context_tokens", int, 75, "tokens of audio before the new ones in each tokenizer window"),
+        Param("tokenizer_lookahead_tokens", int, 5, "tokens of audio after the new ones in each tokenizer window "
+              "(adds to the latency)"),
+        Param("flow_context_tokens", int, 100, "source tokens before a chunk that the flow still sees (bounds the "
+              "state and the cost per chunk of a long stream)"),
+        Param("max_piece_seconds", float, 5.0, "longest accepted piece of source audio"),
         *_OUTPUT,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,

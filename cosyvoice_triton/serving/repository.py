@@ -80,6 +80,7 @@ from ..shapes import (
     TensorSpec,
 )
 from ..streaming import StreamSchedule
+from .live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from .model_params import MODEL_PARAMS
 from .rollout import MANIFEST_NAME as VERSION_MANIFEST
 from .rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
@@ -189,6 +190,18 @@ class Tunables:
     stream_first_hop: int = 25
     stream_hop_growth: int = 2
     stream_max_hop: int = 100
+    #: The live models (``cosyvoice_vc_live``; serving/live.py, live_vc.py): sessions held at once (a stream beyond
+    #: is refused at its start with UNAVAILABLE), pieces waiting per session (a faster sender's next piece is
+    #: refused), the idle timeout that frees a session, and live VC's chunk, tokenizer window and flow window in
+    #: speech tokens (40 ms each) and its largest piece
+    live_max_sessions: int = 4
+    live_max_queued: int = 8
+    live_idle_timeout_s: float = 30.0
+    live_chunk_tokens: int = 25
+    live_tokenizer_context_tokens: int = 75
+    live_tokenizer_lookahead_tokens: int = 5
+    live_flow_context_tokens: int = 100
+    live_max_piece_seconds: float = 5.0
     #: Several tasks on one server (README "Sharing the machine"). ``priority_levels`` >= 2: every dynamic batcher
     #: gets that many levels (1 highest; a request's own ``priority`` overrides), each model's default level from
     #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
@@ -797,6 +810,44 @@ def _trtllm_values(ctx: RenderContext) -> dict[str, Any]:
             "inputs": _io_block("input", inputs, optional=[t.name for t in TRTLLM_INPUTS[2:]])}
 
 
+def _live_sessions(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    return {"max_sessions": tun.live_max_sessions, "max_queued": tun.live_max_queued,
+            "idle_timeout_s": tun.live_idle_timeout_s}
+
+
+def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    try:
+        settings = LiveSettings(chunk_tokens=tun.live_chunk_tokens,
+                                tokenizer_context_tokens=tun.live_tokenizer_context_tokens,
+                                tokenizer_lookahead_tokens=tun.live_tokenizer_lookahead_tokens,
+                                flow_context_tokens=tun.live_flow_context_tokens,
+                                max_piece_seconds=tun.live_max_piece_seconds)
+    except ValueError as exc:
+        raise RenderError(f"tunables live_*: {exc}") from exc
+    if tun.live_max_sessions < 1 or tun.live_max_queued < 1 or not tun.live_idle_timeout_s > 0:
+        raise RenderError("tunables live_max_sessions and live_max_queued must be >= 1, live_idle_timeout_s > 0")
+    return {"model_dir": str(ctx.model_dir), "n_timesteps": tun.n_timesteps, "default_seed": tun.default_seed,
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_live_sessions(ctx),
+            "chunk_tokens": settings.chunk_tokens, "tokenizer_context_tokens": settings.tokenizer_context_tokens,
+            "tokenizer_lookahead_tokens": settings.tokenizer_lookahead_tokens,
+            "flow_context_tokens": settings.flow_context_tokens, "max_piece_seconds": settings.max_piece_seconds,
+            "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx)}
+
+
+def _live_values(ctx: RenderContext) -> dict[str, str]:
+    """The sequence batcher of a live model: Triton routes each stream's pieces in order; it holds up to twice the
+    model's sessions (a refused stream keeps its slot until its END or the idle timeout) and forgets a sequence a
+    little after the model's idle timeout (the model's own message about it comes first)."""
+    tun = ctx.tunables
+    idle_us = int((tun.live_idle_timeout_s + 5.0) * 1e6)
+    return {"dynamic_batching": "# no dynamic_batching: the sequence batcher routes each stream's pieces",
+            "sequence_batching": f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n  oldest {{\n"
+                                 f"    max_candidate_sequences: {2 * tun.live_max_sessions}\n"
+                                 "    max_queue_delay_microseconds: 0\n  }\n}"}
+
+
 def _tts(ctx: RenderContext) -> bool:
     return ctx.has_tts
 
@@ -851,6 +902,11 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     **ctx.tunables.stream_params(), **_output_params(ctx), **_prompt_cache_params(ctx)},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
+    ServedModel(LIVE_VC_MODEL, f"ensemble/{LIVE_VC_MODEL}", LIVE_VC_INPUTS, LIVE_VC_OUTPUTS,
+                frozenset(t.name for t in LIVE_VC_INPUTS), template=f"ensemble/{LIVE_VC_MODEL}/config.pbtxt.in",
+                decoupled=True, parameters=lambda ctx: _live_vc_params(ctx), values=lambda ctx: _live_values(ctx),
+                doc="live voice conversion (decoupled BLS orchestrator, sequence batcher): one request per piece of "
+                    "source audio as it is recorded, converted chunks as soon as they can be computed"),
     ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",
                 (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
                 frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)), max_batch_size=8,
@@ -1112,7 +1168,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
             "outputs": _io_block("output", outputs), "parameters": _parameters_block(params),
             "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.decoupled else ""),
-            "warmup": warmup}
+            "warmup": warmup, **(entry.values(ctx) if entry.values else {})}
         write(name, entry.template, values)
         python_code(name, src_dir)
         if versions and name in VERSIONED:
@@ -1197,8 +1253,8 @@ def _model_sample_rate(model_dir: Path) -> int:
 #: Models left out of a versioned render: they call the graphs without a version (by BLS, or as ensemble steps of
 #: ``model_version: -1``), so they would reach the newest loaded version (a staged candidate) whatever the router's
 #: split says.
-NOT_VERSIONED = (VC_STREAM_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm", SPEECH_TOKENS_MODEL,
-                 SPEAKER_EMBEDDING_MODEL)
+NOT_VERSIONED = (VC_STREAM_MODEL, LIVE_VC_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm",
+                 SPEECH_TOKENS_MODEL, SPEAKER_EMBEDDING_MODEL)
 
 
 def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any]

@@ -1,0 +1,33 @@
+"""Triton Python-backend adapter of ``cosyvoice_vc_live`` (decoupled, sequence batcher): each request is one piece
+of a live stream's source audio; ``LiveSessions`` keeps the sessions by correlation id, each running
+``live_vc.serve_session`` in its own worker (BLS calls to the graphs), answers on the piece's sender."""
+
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice_triton.serving import triton_io
+from cosyvoice_triton.serving.live import LiveSessions, SessionGauge
+from cosyvoice_triton.serving.live_vc import LIVE_VC_INPUTS, build_live, serve_session
+from cosyvoice_triton.serving.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.speakers import BlsSpeakers
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_vc_live"], model=args["model_name"])
+        timeout = p["bls_timeout_us"]
+        live = build_live(p, lambda model, graph: triton_io.BlsGraph(pb_utils, model, graph, timeout_us=timeout),
+                          BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=timeout))
+        self.sessions = LiveSessions(pb_utils, lambda ctx: serve_session(live, ctx), [t.name for t in LIVE_VC_INPUTS],
+                                     max_sessions=p["max_sessions"], max_queued=p["max_queued"],
+                                     idle_timeout_s=p["idle_timeout_s"], advance="pull", on_idle="close",
+                                     name=args["model_name"],
+                                     on_change=SessionGauge(pb_utils, args["model_name"], args["model_version"]))
+
+    def execute(self, requests):
+        for request in requests:
+            self.sessions.submit(request)
+        return None
+
+    def finalize(self):
+        self.sessions.close()

@@ -51,7 +51,8 @@ def _models(server) -> list[dict]:
         cfg = json.loads(body)
         out.append({"name": cfg["name"], "inputs": {i["name"] for i in cfg.get("input", [])},
                     "outputs": {o["name"] for o in cfg.get("output", [])},
-                    "decoupled": bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))})
+                    "decoupled": bool(cfg.get("model_transaction_policy", {}).get("decoupled", False)),
+                    "sequence": "sequence_batching" in cfg})
     return out
 
 
@@ -64,6 +65,8 @@ def plan(models: list[dict]) -> list[tuple[str, str]]:
     out = []
     for m in models:
         inputs, outputs = m["inputs"], m.get("outputs", set())
+        if m.get("sequence"):  # a live model (sequence batcher) takes sequences only; its callees are warmed anyway
+            continue
         if "action" in inputs and "speaker_id" in inputs:
             how = "speakers"
         elif "text" in inputs and "waveform" in outputs:

@@ -90,6 +90,7 @@ class LiveContext:
         self.ended_by = ""  # "end" | "idle" | "cancelled" | "closed" once the pieces stop
         self.last_activity = time.monotonic()
         self.busy = False
+        self.worker: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------ handler side
     def pieces(self) -> Iterator[tuple[Mapping[str, np.ndarray | None], bool]]:
@@ -120,13 +121,16 @@ class LiveContext:
                     self.ended_by = self.ended_by or "end"
                 return
 
-    def send(self, tensors: Mapping[str, np.ndarray]) -> None:
-        """One response on the current sender."""
+    def send(self, tensors: Mapping[str, np.ndarray], *, received_as: str | None = None) -> None:
+        """One response on the current sender; ``received_as``: also an INT32 [1, 1] output of that name, the
+        pieces received so far (read with the sender, so the count names the piece whose sender carries it)."""
         pb = self.owner.pb
         with self.cond:
             sender = self.sender
             if sender is None:
                 return
+            if received_as is not None:
+                tensors = {**tensors, received_as: np.array([[self.received]], np.int32)}
             sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, np.ascontiguousarray(v))
                                                              for k, v in tensors.items()]))
 
@@ -258,7 +262,8 @@ class LiveSessions:
             n = len(self.sessions)
         self.counts["started"] += 1
         self.on_change(n)
-        threading.Thread(target=self._run, args=(ctx,), name=f"{self.name}-{key}", daemon=True).start()
+        ctx.worker = threading.Thread(target=self._run, args=(ctx,), name=f"{self.name}-{key}", daemon=True)
+        ctx.worker.start()
 
     def _queue(self, key, request, sender, tensors, end: bool) -> None:
         with self.lock:
@@ -367,8 +372,9 @@ class LiveSessions:
                 return False
         return False
 
-    def close(self) -> None:
-        """Stop every session (``finalize()``)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop every session (``finalize()``): their pieces end (``ended_by`` "closed"); then wait up to
+        ``wait_s`` seconds for their workers to return (each closes its senders)."""
         self.stopping.set()
         with self.lock:
             sessions = list(self.sessions.values())
@@ -376,6 +382,10 @@ class LiveSessions:
             with ctx.cond:
                 ctx.ended_by = ctx.ended_by or "closed"
                 ctx.cond.notify_all()
+        deadline = time.monotonic() + wait_s
+        for ctx in sessions:
+            if ctx.worker is not None and wait_s > 0:
+                ctx.worker.join(max(0.0, deadline - time.monotonic()))
 
     def snapshot(self) -> dict[str, Any]:
         """Counts and the live sessions (for logs and tests)."""

@@ -44,6 +44,30 @@ _OUTPUT = (
     Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
 )
 
+#: What builds a served TTSService (``cosyvoice_tts_stream``, ``cosyvoice_tts_live``: serving/tts.py build_service).
+_TTS_SERVICE = (
+    Param("model_dir", str, None, "the CosyVoice2 folder (llm.pt, CosyVoice-BlankEN/, cosyvoice2.yaml)"),
+    Param("max_active_requests", int, 8, "rows of the in-flight LM batch (one decode loop per instance)"),
+    Param("max_waiting_requests", int, 16, "requests waiting for an LM row; more are refused (UNAVAILABLE)"),
+    Param("wait_timeout_s", float, 60.0, "a request that waits longer for an LM row is refused"),
+    Param("max_text_chars", int, 2000, "longest accepted text"),
+    Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
+    Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
+          "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar)",
+          ("fp32", "int8")),
+    *_STREAM_SCHEDULE,
+    Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
+    Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
+    *_PROMPT_CACHE,
+    Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
+    Param("stage_suffix", str, "", "appended to the names of the graphs and of flow / hift it calls ('_tts': "
+          "the TTS task's own copies, tunable task_isolation)"),
+    *_OUTPUT,
+    _BLS_TIMEOUT,
+    _TORCH_THREADS,
+    _NICE,
+)
+
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "graph": (
         Param("graph", str, None, "the graph of cosyvoice_triton.shapes.GRAPHS this model runs"),
@@ -96,28 +120,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
               ("", "wav", "flac")),
         _NICE,
     ),
-    "cosyvoice_tts_stream": (
-        Param("model_dir", str, None, "the CosyVoice2 folder (llm.pt, CosyVoice-BlankEN/, cosyvoice2.yaml)"),
-        Param("max_active_requests", int, 8, "rows of the in-flight LM batch (one decode loop per instance)"),
-        Param("max_waiting_requests", int, 16, "requests waiting for an LM row; more are refused (UNAVAILABLE)"),
-        Param("wait_timeout_s", float, 60.0, "a request that waits longer for an LM row is refused"),
-        Param("max_text_chars", int, 2000, "longest accepted text"),
-        Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
-        Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
-              "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar)",
-              ("fp32", "int8")),
-        *_STREAM_SCHEDULE,
-        Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
-        Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
-        *_PROMPT_CACHE,
-        Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
-        Param("stage_suffix", str, "", "appended to the names of the graphs and of flow / hift it calls ('_tts': "
-              "the TTS task's own copies, tunable task_isolation)"),
-        *_OUTPUT,
-        _BLS_TIMEOUT,
-        _TORCH_THREADS,
-        _NICE,
-    ),
+    "cosyvoice_tts_stream": _TTS_SERVICE,
     "cosyvoice_tts": (
         Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model each request is sent to"),
         Param("model_sample_rate", int, 24000, "rate of the stream model's waveform before post-processing"),
@@ -169,5 +172,13 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         *_OUTPUT,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,
+    ),
+    "cosyvoice_tts_live": (
+        *_TTS_SERVICE,
+        *_LIVE_SESSIONS[:2],
+        Param("text_timeout_s", float, 10.0, "a session whose text stops arriving this long ends with what it has "
+              "(its audio is finished and sent)"),
+        Param("max_token_text_ratio", float, 20.0, "the LM's step limit: most speech tokens per text token of a "
+              "session (stop reason max_len beyond)"),
     ),
 })

@@ -80,6 +80,7 @@ from ..shapes import (
     TensorSpec,
 )
 from ..streaming import StreamSchedule
+from .live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from .live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from .model_params import MODEL_PARAMS
 from .rollout import MANIFEST_NAME as VERSION_MANIFEST
@@ -202,6 +203,14 @@ class Tunables:
     live_tokenizer_lookahead_tokens: int = 5
     live_flow_context_tokens: int = 100
     live_max_piece_seconds: float = 5.0
+    #: ``cosyvoice_tts_live`` (serving/live_tts.py; rendered with the TTS models): sessions held at once (each runs
+    #: its own LM decode), text pieces waiting per session (text comes faster than it is spoken; the text's
+    #: max_text_chars bounds it too), the wait for the next piece after which a session ends with what it has, and
+    #: the LM's step limit in speech tokens per text token
+    live_tts_max_sessions: int = 2
+    live_tts_max_queued: int = 512
+    live_text_timeout_s: float = 10.0
+    live_tts_max_token_text_ratio: float = 20.0
     #: Several tasks on one server (README "Sharing the machine"). ``priority_levels`` >= 2: every dynamic batcher
     #: gets that many levels (1 highest; a request's own ``priority`` overrides), each model's default level from
     #: ``task_priority`` (model -> level; unlisted models: the TTS entry models 1, the rest the lowest level)
@@ -836,15 +845,27 @@ def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
             "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx)}
 
 
-def _live_values(ctx: RenderContext) -> dict[str, str]:
+def _live_tts_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    if tun.live_tts_max_sessions < 1 or tun.live_tts_max_queued < 1 or not tun.live_text_timeout_s > 0 \
+            or not tun.live_tts_max_token_text_ratio > 0:
+        raise RenderError("tunables live_tts_max_sessions and live_tts_max_queued must be >= 1, live_text_timeout_s "
+                          "and live_tts_max_token_text_ratio > 0")
+    return {**_tts_params(ctx), "max_sessions": tun.live_tts_max_sessions, "max_queued": tun.live_tts_max_queued,
+            "text_timeout_s": tun.live_text_timeout_s, "max_token_text_ratio": tun.live_tts_max_token_text_ratio}
+
+
+def _live_values(ctx: RenderContext, sessions: int | None = None, idle_s: float | None = None) -> dict[str, str]:
     """The sequence batcher of a live model: Triton routes each stream's pieces in order; it holds up to twice the
     model's sessions (a refused stream keeps its slot until its END or the idle timeout) and forgets a sequence a
-    little after the model's idle timeout (the model's own message about it comes first)."""
+    little after the model's idle timeout (the model's own message about it comes first). ``sessions`` /
+    ``idle_s``: the model's (default: ``live_max_sessions`` / ``live_idle_timeout_s``)."""
     tun = ctx.tunables
-    idle_us = int((tun.live_idle_timeout_s + 5.0) * 1e6)
+    sessions = tun.live_max_sessions if sessions is None else sessions
+    idle_us = int(((tun.live_idle_timeout_s if idle_s is None else idle_s) + 5.0) * 1e6)
     return {"dynamic_batching": "# no dynamic_batching: the sequence batcher routes each stream's pieces",
             "sequence_batching": f"sequence_batching {{\n  max_sequence_idle_microseconds: {idle_us}\n  oldest {{\n"
-                                 f"    max_candidate_sequences: {2 * tun.live_max_sessions}\n"
+                                 f"    max_candidate_sequences: {2 * sessions}\n"
                                  "    max_queue_delay_microseconds: 0\n  }\n}"}
 
 
@@ -914,6 +935,13 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 doc="streaming TTS (BLS orchestrator, decoupled): text front end, prompt features "
                     "(speech_tokenizer, speaker_encoder or the speakers model), ONE in-flight batched LM loop per "
                     "instance, token2wav per chunk (flow_encoder / flow_estimator / hift_source / hift_decoder)"),
+    ServedModel(LIVE_TTS_MODEL, f"ensemble/{LIVE_TTS_MODEL}", LIVE_TTS_INPUTS, LIVE_TTS_OUTPUTS,
+                frozenset(t.name for t in LIVE_TTS_INPUTS), template=f"ensemble/{LIVE_TTS_MODEL}/config.pbtxt.in",
+                decoupled=True, parameters=lambda ctx: _live_tts_params(ctx), when=_tts,
+                values=lambda ctx: _live_values(ctx, ctx.tunables.live_tts_max_sessions,
+                                                ctx.tunables.live_text_timeout_s),
+                doc="live TTS (decoupled BLS orchestrator, sequence batcher): one request per piece of text as it is "
+                    "written, audio as soon as the LM has its speech tokens (its own LM decode per session)"),
     ServedModel(TTS_MODEL, f"ensemble/{TTS_MODEL}", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS), TTS_OUTPUTS,
                 frozenset(t.name for t in TTS_OPTIONAL_INPUTS), max_batch_size=8, parameters=_tts_front_params,
                 when=_tts, doc=f"non-streaming TTS: each request of a batch sent on to {TTS_STREAM_MODEL} "

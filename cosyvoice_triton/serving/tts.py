@@ -57,7 +57,7 @@ from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LiveResponses", "TTSPlan", "TTSService", "bytes_input"]
+__all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_input"]
 
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
@@ -435,3 +435,27 @@ def stage_callables(pb, *, flow_model: str = "flow", hift_model: str = "hift", s
                              prompt_text=text.decode() if isinstance(text, bytes) else str(text))
 
     return flow, hift, speaker
+
+
+def build_service(pb, p: Mapping[str, Any]) -> TTSService:
+    """The :class:`TTSService` of a served TTS model from its config parameters (``MODEL_PARAMS``' TTS service
+    keys): the graphs, ``flow`` / ``hift`` and the speakers model by BLS (``pb``: ``triton_python_backend_utils``),
+    the instance's niceness and torch threads set first (before it starts its threads)."""
+    from ..shapes import GRAPHS
+    from .params import set_niceness
+    from .triton_io import BlsGraph
+    from .vc_stream import stream_schedule
+
+    set_niceness(p["nice"])
+    torch.set_num_threads(p["torch_threads"])
+    sfx, timeout = p["stage_suffix"], p["bls_timeout_us"]  # task_isolation: the TTS task's own copies
+    graphs = {g: BlsGraph(pb, g + sfx, g, timeout_us=timeout) for g in GRAPHS}
+    flow, hift, speakers = stage_callables(pb, flow_model="flow" + sfx, hift_model="hift" + sfx,
+                                           speakers_model=p["speakers_model"], timeout_us=timeout)
+    return TTSService(p["model_dir"], graphs, flow=flow, hift=hift, speakers=speakers,
+                      max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
+                      wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
+                      n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
+                      max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
+                      stream_schedule=stream_schedule(p),
+                      prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))

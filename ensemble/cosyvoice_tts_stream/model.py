@@ -7,18 +7,15 @@ Triton custom metrics."""
 import contextlib
 import threading
 
-import torch
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.prompt_cache import PromptCache
 from cosyvoice_triton.serving import triton_io
 from cosyvoice_triton.serving.lm_engine import JobCancelled
 from cosyvoice_triton.serving.metrics import METRIC_LOCK, SpeechMetrics, streaming
 from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
-from cosyvoice_triton.serving.tts import TTSService, error_response, stage_callables
-from cosyvoice_triton.serving.vc_stream import stream_schedule
-from cosyvoice_triton.shapes import GRAPHS, TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
+from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.tts import build_service, error_response
+from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
 
 INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -27,19 +24,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts_stream"], model=args["model_name"])
-        set_niceness(p["nice"])  # tunable task_nice: before this instance starts its threads
-        torch.set_num_threads(p["torch_threads"])
-        sfx = p["stage_suffix"]  # task_isolation: the TTS task's own copies of the graphs, flow and hift
-        graphs = {g: triton_io.BlsGraph(pb_utils, g + sfx, g, timeout_us=p["bls_timeout_us"]) for g in GRAPHS}
-        flow, hift, speakers = stage_callables(pb_utils, flow_model="flow" + sfx, hift_model="hift" + sfx,
-                                               speakers_model=p["speakers_model"], timeout_us=p["bls_timeout_us"])
-        self.tts = TTSService(p["model_dir"], graphs, flow=flow, hift=hift, speakers=speakers,
-                              max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
-                              wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
-                              n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
-                              max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
-                              stream_schedule=stream_schedule(p),
-                              prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))
+        self.tts = build_service(pb_utils, p)  # tunables task_nice, task_isolation, torch_threads
         self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
             name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "
             "load; label what)", kind=pb_utils.MetricFamily.GAUGE)

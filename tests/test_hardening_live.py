@@ -157,7 +157,11 @@ def test_every_model_is_warm_once_the_supervisor_has_started(supervised):
         assert {"cosyvoice_tts", "cosyvoice_tts_stream"} <= set(done), done
     assert all(isinstance(v, float) for v in done.values()), done
     executed = _statistics(server)
-    cold = sorted(name for name, n in executed.items() if n < 1)
+    # a live model (sequence batcher) takes sequences only and is not warmed itself; its callees are
+    from cosyvoice_triton.serving.warmup import loaded_models
+
+    live = {m["name"] for m in loaded_models(server) if m["sequence"]}
+    cold = sorted(name for name, n in executed.items() if n < 1 and name not in live)
     assert not cold, f"models never executed after the warm-up: {cold}"
     FIGURES["warm-up seconds per pipeline"] = done
     FIGURES["warm-up total (s)"] = round(warm[0].seconds, 2)

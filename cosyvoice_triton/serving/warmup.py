@@ -36,7 +36,7 @@ __all__ = ["WARM_TEXT", "plan", "warm_up"]
 WARM_TEXT = "Hello."
 
 
-def _models(server) -> list[dict]:
+def loaded_models(server) -> list[dict]:
     """``[{name, inputs, outputs, decoupled}]`` of the loaded models (repository index and configs: admin APIs)."""
     status, body = server.request("POST", "/v2/repository/index", body=b"{}", admin=True, timeout=30)
     if status != 200:
@@ -103,7 +103,7 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
 
     audio, sr = _sample(server)
     results: dict[str, float | str] = {}
-    todo = plan(_models(server))
+    todo = plan(loaded_models(server))
     # no retries: a warm-up that fails (a stage died meanwhile) is only logged; the next reload warms up again
     with VCClient(server.http_url, protocol="http", timeout=timeout, concurrency=1, retry=NO_RETRY) as http, \
             VCClient(server.grpc_url, protocol="grpc", timeout=timeout, retry=NO_RETRY) as grpc:

@@ -183,6 +183,7 @@ def test_text_that_stops_arriving_ends_after_the_timeout_with_what_it_has(server
     try:
         sent = time.monotonic()
         s.send({**_voice(prompt), **_text(text)}, start=True)  # and no END
+        wait_until(lambda: _sessions(server) == 1, "the session counted while it waits for text")
         outs, errors, finals = _collect(s, [], 1)
         late = s.send(_text(b""), end=True)
         _, late_errors, _ = _collect(s, [], 1)

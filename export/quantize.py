@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=10.0, help="longest corpus utterance (default 10 s)")
     p.add_argument("--sensitivity", action="store_true",
                    help="also run the per-layer-group sensitivity pass for the int8 graphs and print its table")
-    p.add_argument("--reduce-range", action="store_true",
-                   help="7-bit weights in int8_cpu (x86 CPUs without VNNI, where U8S8 products can saturate)")
+    p.add_argument("--reduce-range", action=argparse.BooleanOptionalAction, default=None,
+                   help="7-bit weights in int8_cpu (x86 CPUs without VNNI, where U8S8 products can saturate); "
+                        "default: on where this machine's CPU has no VNNI")
     p.add_argument("--threads", type=int, default=0, help="torch and onnxruntime threads (default 0: their defaults)")
     p.add_argument("--cache-dir", type=Path, default=Path("build/quantize"),
                    help="captured calibration / held-out inputs and calibrated ranges (default build/quantize)")

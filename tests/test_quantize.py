@@ -482,3 +482,16 @@ def test_cli_rejects_bad_arguments(tiny, capsys, args, message):
 def test_cli_missing_fp32_graphs(tmp_path, capsys, tiny):
     assert export_cli("quantize").main(["--model-dir", str(tiny.model_dir), "--onnx-root", str(tmp_path)]) == 2
     assert "export first" in capsys.readouterr().err
+
+
+def test_reduce_range_follows_the_cpu_flags(tmp_path):
+    def cpuinfo(flags: str) -> Path:
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        return path
+
+    assert q.cpu_lacks_vnni(cpuinfo("fpu sse sse2 avx avx2 fma"))
+    assert not q.cpu_lacks_vnni(cpuinfo("fpu sse sse2 avx avx2 avx512f avx512_vnni avx512_bf16"))
+    assert not q.cpu_lacks_vnni(cpuinfo("fpu sse sse2 avx avx2 avx_vnni"))
+    assert not q.cpu_lacks_vnni(cpuinfo("fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics asimddp"))  # not x86
+    assert not q.cpu_lacks_vnni(tmp_path / "absent")

@@ -323,6 +323,20 @@ class _Session:
                 return min(max(int(count) - 1, 0), n - 1)
         return int(rid) if rid.isdigit() and int(rid) < n else n - 1
 
+    def check_silence(self, timeout: float) -> None:
+        """Raise when requests wait for an answer and nothing came for ``timeout`` seconds."""
+        if self.outstanding and time.perf_counter() - self.last_event > timeout:
+            raise VCError(f"{self.model}: no answer within {timeout:g} s", "timeout")
+
+    def take(self, result, error) -> LiveChunk | None:
+        """One item of the stream's inbox: the pieces' failure or the server's refusal raised, else
+        :meth:`receive`."""
+        if isinstance(error, _PiecesFailed):
+            raise error.exc
+        if error is not None:
+            raise self.refusal(error)
+        return self.receive(result)
+
     def receive(self, result) -> LiveChunk | None:
         """Account for one answer; the chunk it carries, if any."""
         arrival = time.perf_counter()
@@ -492,14 +506,9 @@ class LiveClient(VCClient):
                 try:
                     result, error = inbox.get(timeout=0.25)
                 except queue.Empty:
-                    if session.outstanding and time.perf_counter() - session.last_event > self.timeout:
-                        raise VCError(f"{session.model}: no answer within {self.timeout:g} s", "timeout") from None
+                    session.check_silence(self.timeout)
                     continue
-                if isinstance(error, _PiecesFailed):
-                    raise error.exc
-                if error is not None:
-                    raise session.refusal(error)
-                chunk = session.receive(result)
+                chunk = session.take(result, error)
                 with lock:
                     lock.notify_all()
                 if chunk is not None:
@@ -619,14 +628,9 @@ class AsyncLiveClient(AsyncVCClient):
                 try:
                     result, error = await asyncio.wait_for(inbox.get(), timeout=0.25)
                 except asyncio.TimeoutError:
-                    if session.outstanding and time.perf_counter() - session.last_event > self.timeout:
-                        raise VCError(f"{session.model}: no answer within {self.timeout:g} s", "timeout") from None
+                    session.check_silence(self.timeout)
                     continue
-                if isinstance(error, _PiecesFailed):
-                    raise error.exc
-                if error is not None:
-                    raise session.refusal(error)
-                chunk = session.receive(result)
+                chunk = session.take(result, error)
                 async with answered:
                     answered.notify_all()
                 if chunk is not None:

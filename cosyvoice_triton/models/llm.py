@@ -39,7 +39,11 @@ import numpy as np
 import torch
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.modeling_utils import no_init_weights
+
+try:
+    from transformers.initialization import no_init_weights  # transformers >= 5
+except ImportError:
+    from transformers.modeling_utils import no_init_weights
 
 from ..config import LLMConfig, ModelConfig, SamplingConfig
 from ..errors import CheckpointError, ConfigError, LLMError

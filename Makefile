@@ -96,9 +96,10 @@ else
 	$(PY) -m cosyvoice_triton.bench.peer --model-dir models/cosyvoice2-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS) $(BENCH_PEER_ARGS)
 endif
 
-gpu-wheels: $(VENV)/.installed ## PyYAML wheels (CPython 3.10-3.13, x86-64) that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels
+gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cachetools wheels that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels
 	for v in 3.10 3.11 3.12 3.13; do $(VENV)/bin/pip download --quiet --only-binary=:all: --no-deps --platform manylinux2014_x86_64 \
 	  --python-version $$v --implementation cp -d build/gpu-wheels pyyaml==6.0.2; done
+	$(VENV)/bin/pip download --quiet --only-binary=:all: --no-deps -d build/gpu-wheels cachetools==8.0.2
 
 export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi

@@ -2,16 +2,26 @@
 # GPU figures, two modes (each sized to finish in under 8 minutes on a data-centre GPU):
 #
 #   loadtest/gpu.sh                    MODE=bench (default): the seed's scenario on a BARE GPU machine, no Triton:
-#                                      python -m cosyvoice_triton.bench.gpu (10 concurrent 5 s voice conversions at
-#                                      full dims, batched against one at a time, fp32 / bf16 / fp16: latency,
-#                                      throughput, peak GPU memory) -> $OUT_DIR/report.md (build/loadtest/gpu-bench)
-#   DRY_RUN=1 loadtest/gpu.sh          the same on the CPU at tiny dims, 2 requests (checks the set-up here)
+#                                      python -m cosyvoice_triton.bench.gpu, two parts at full dims (random weights):
+#                                      1. voice conversion: 10 concurrent 5 s conversions, batched against one at a
+#                                         time, fp32 / bf16 / fp16: latency, throughput, peak GPU memory;
+#                                      2. streaming text to speech: the LM, flow and HiFT on the GPU, 1, 4 and 10
+#                                         requests at once (decoded together), fp32 / bf16: first-chunk latency
+#                                         p50 / max and its parts (prefill, first hop's tokens, flow, HiFT), total
+#                                         time, RTF, peak GPU memory
+#                                      -> $OUT_DIR/report.md (build/loadtest/gpu-bench)
+#   DRY_RUN=1 loadtest/gpu.sh          the same on the CPU at tiny dims, 2 requests, TTS at 1 and 2 at once
+#                                      (checks the set-up here)
 #   MODE=triton loadtest/gpu.sh        the Triton load test below (needs `make install` with a CUDA torch)
 #
-# MODE=bench needs only python3 with torch (a CUDA build) and numpy (1 or 2); PyYAML, which the package's config
-# module imports, is installed from the wheels in $WHEELS (build/gpu-wheels: `make gpu-wheels` fills it, ~1 MB;
-# carry that folder) into $OUT_DIR/site when the interpreter lacks it. Nothing is downloaded. Triton itself is not
-# part of MODE=bench: the tritonserver wheel (nvidia-pytriton, ~100 MB+) does not fit the 64 MiB that can be carried.
+# MODE=bench needs python3 with torch (a CUDA build), numpy (1 or 2) and, for the TTS part, transformers (4.5x or
+# 5.x; without it the report says the TTS part did not run and the voice-conversion figures stand). PyYAML and
+# cachetools, which the package imports, are installed from the wheels in $WHEELS (build/gpu-wheels: `make
+# gpu-wheels` fills it, ~1 MB; carry that folder) into $OUT_DIR/site when the interpreter lacks them; the audio
+# front end's packages are not needed (the bench feeds token ids and features directly). Nothing is downloaded.
+# Time: the voice-conversion part starts no scenario after VC_TIME_LIMIT_S (180 s), the TTS part none after
+# TIME_LIMIT_S - 60 s; each prints its progress. PARTS=vc or PARTS=tts runs one part. Triton itself is not part of
+# MODE=bench: the tritonserver wheel (nvidia-pytriton, ~100 MB+) does not fit the 64 MiB that can be carried.
 #
 # MODE=triton: the load-test comparison on one CUDA GPU, for machines without TensorRT or onnxruntime-gpu: both
 # columns serve the four neural graphs (flow encoder/estimator, HiFT source/decoder) as the checkpoint's PyTorch
@@ -44,19 +54,26 @@ if [ "$MODE" = bench ]; then
   OUT_DIR=${OUT_DIR:-build/loadtest/gpu-bench}
   WHEELS=${WHEELS:-build/gpu-wheels}
   mkdir -p "$OUT_DIR"
-  if ! "$PY" -c "import yaml" 2>/dev/null; then
-    echo "loadtest/gpu.sh: installing PyYAML from $WHEELS into $OUT_DIR/site (no index)"
-    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$OUT_DIR/site" pyyaml
+  missing=()
+  "$PY" -c "import yaml" 2>/dev/null || missing+=(pyyaml)
+  "$PY" -c "import cachetools" 2>/dev/null || missing+=(cachetools)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "loadtest/gpu.sh: installing ${missing[*]} from $WHEELS into $OUT_DIR/site (no index)"
+    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" --target "$OUT_DIR/site" "${missing[@]}"
     export PYTHONPATH="$PWD/$OUT_DIR/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   if [ "$DRY_RUN" = 1 ]; then
     exec "$PY" -m cosyvoice_triton.bench.gpu --size tiny --device cpu --requests "${REQUESTS:-2}" --seconds 1 \
-      --prompt-seconds 1 --time-limit-s "$TIME_LIMIT_S" --out-dir "$OUT_DIR"
+      --prompt-seconds 1 --parts "${PARTS:-vc,tts}" --tts-concurrency "${TTS_CONCURRENCY:-1,2}" --tts-seconds 2 \
+      --tts-precisions "${TTS_PRECISIONS:-fp32,bf16}" --time-limit-s "$TIME_LIMIT_S" \
+      --vc-time-limit-s "${VC_TIME_LIMIT_S:-$TIME_LIMIT_S}" --out-dir "$OUT_DIR"
   fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   exec timeout --signal=INT --kill-after=30 "$TIME_LIMIT_S" "$PY" -m cosyvoice_triton.bench.gpu --device cuda \
     --requests "${REQUESTS:-10}" --seconds "${SECONDS_PER_REQUEST:-5}" --precisions "${PRECISIONS:-fp32,bf16,fp16}" \
-    --time-limit-s "$(( TIME_LIMIT_S - 60 ))" --out-dir "$OUT_DIR"
+    --parts "${PARTS:-vc,tts}" --tts-concurrency "${TTS_CONCURRENCY:-1,4,10}" \
+    --tts-precisions "${TTS_PRECISIONS:-fp32,bf16}" --tts-seconds "${TTS_SECONDS:-5}" \
+    --time-limit-s "$(( TIME_LIMIT_S - 60 ))" --vc-time-limit-s "${VC_TIME_LIMIT_S:-180}" --out-dir "$OUT_DIR"
 fi
 if [ "$MODE" != triton ]; then
   echo "loadtest/gpu.sh: MODE must be bench or triton, got $MODE" >&2

@@ -148,7 +148,8 @@ def test_tiny_run_library_and_official(tiny_model, tmp_path, capsys):
 
 
 def test_gpu_script_dry_run(tmp_path):
-    """loadtest/gpu.sh DRY_RUN=1: the bare-GPU benchmark at tiny dims on the CPU, one thread (never a GPU here)."""
+    """loadtest/gpu.sh DRY_RUN=1: the bare-GPU benchmark (voice conversion, then streaming TTS) at tiny dims on the
+    CPU, one thread (never a GPU here)."""
     env = {**os.environ, "DRY_RUN": "1", "PY": sys.executable, "OUT_DIR": str(tmp_path / "gpu"),
            "OMP_NUM_THREADS": "1", "TIME_LIMIT_S": "1200"}
     proc = subprocess.run(["bash", str(ROOT / "loadtest" / "gpu.sh")], env=env, capture_output=True, text=True,
@@ -164,4 +165,21 @@ def test_gpu_script_dry_run(tmp_path):
     for (prec, _), r in rows.items():
         if prec != "fp32":
             assert 0 < r["mel_rel_rms_vs_fp32"] < 0.5  # reduced precision: a different, still close output
-    assert "| fp32 | batched |" in (tmp_path / "gpu" / "report.md").read_text()
+    report = (tmp_path / "gpu" / "report.md").read_text()
+    assert "| fp32 | batched |" in report
+    # streaming TTS: the LM, flow and HiFT at 1 and 2 requests at once, fp32 and bf16
+    tts = result["tts"]
+    assert "error" not in tts, tts.get("error")
+    tts_rows = {(r["precision"], r["concurrency"]): r for r in tts["rows"]}
+    assert set(tts_rows) == {("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2)}, tts["skipped"]
+    for (prec, n), r in tts_rows.items():
+        assert r["lm_max_batch"] == n  # the requests were decoded together
+        assert 0 < r["first_chunk_p50_s"] <= r["first_chunk_max_s"] <= r["total_max_s"]
+        assert r["first_chunk_p50_s"] <= r["total_p50_s"]
+        assert r["tokens"] == 2 * 25 and r["audio_s"] > 1.5  # --tts-seconds 2: 50 speech tokens, ~2 s of audio
+        assert r["first_chunk_tokens"] < r["tokens"]  # the first chunk came before the last token
+        parts = [r["prefill_p50_s"], r["first_hop_p50_s"], r["flow_p50_s"], r["hift_p50_s"]]
+        assert all(x > 0 for x in parts) and sum(parts) <= r["first_chunk_max_s"] * 1.01 + 0.01
+        assert r["rtf_p50"] > 0 and r["peak_gpu_mb"] is None
+        assert f"| {prec} | {n} | {n} |" in report
+    assert "## Streaming TTS" in report

@@ -21,8 +21,17 @@ attention mask bias finite for fp16):
 Reported: mean / p50 / max latency, throughput (requests/s and audio seconds per second), peak GPU memory
 (``torch.cuda.max_memory_allocated``), and the output's error against fp32 one at a time (mel rel RMS, waveform
 rel RMS; the fp32 batched row shows that batching leaves the output as it was).
-Every scenario is warmed up once. ``--time-limit-s`` stops before a scenario that would start past it (named in
-the report). Figures, not assertions.
+Every scenario is warmed up once.
+
+Then streaming text-to-speech (:mod:`.gpu_tts`): the CosyVoice2 LM joins the flow and HiFT on the device, and
+``--tts-concurrency`` requests at once (1, 4 and 10 by default) per ``--tts-precisions`` (fp32, bf16) report the
+first audio chunk's latency (p50 / max), its breakdown (prefill, first hop's tokens, flow, HiFT), total time, RTF
+and peak GPU memory. The LM needs transformers (4.5x or 5.x); when it cannot run, the report says why and the
+voice-conversion figures stand.
+
+Time: the voice-conversion part stops starting scenarios past ``--vc-time-limit-s``, the TTS part past
+``--time-limit-s`` (both from the start; skipped scenarios are named in the report). ``--parts`` picks the
+parts. Figures, not assertions.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -122,12 +132,15 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_gpu_bench(*, size: str = "full", device: str = "cuda", requests: int = 10, seconds: float = 5.0,
                   prompt_seconds: float = 3.0, precisions: tuple[str, ...] = ("fp32", "bf16", "fp16"),
-                  time_limit_s: float = 450.0, out_dir: str | Path = "build/loadtest/gpu-bench") -> dict:
+                  time_limit_s: float = 450.0, vc_time_limit_s: float | None = None,
+                  parts: tuple[str, ...] = ("vc", "tts"), tts_precisions: tuple[str, ...] = ("fp32", "bf16"),
+                  tts_concurrency: tuple[int, ...] = (1, 4, 10), tts_seconds: float = 5.0,
+                  out_dir: str | Path = "build/loadtest/gpu-bench") -> dict:
     start = time.perf_counter()
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"bench-gpu: torch {torch.__version__} sees no CUDA device (use --device cpu for a dry run)")
-    unknown = [p for p in precisions if p not in PRECISIONS]
+    unknown = [p for p in (*precisions, *tts_precisions) if p not in PRECISIONS]
     if unknown:
         raise SystemExit(f"bench-gpu: unknown precision(s) {unknown}; known: {', '.join(PRECISIONS)}")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
@@ -136,14 +149,15 @@ def run_gpu_bench(*, size: str = "full", device: str = "cuda", requests: int = 1
     config, flow, hift = build_models(size, dev)
     reqs = make_requests(requests, seconds, prompt_seconds, config)
     audio_s = requests * seconds
+    vc_limit = time_limit_s if vc_time_limit_s is None else min(vc_time_limit_s, time_limit_s)
     rows, skipped, reference = [], [], None
-    for prec in precisions:
+    for prec in precisions if "vc" in parts else ():
         dtype = PRECISIONS[prec]
         flow.decoder.estimator.mask_bias = -1e4 if prec == "fp16" else -1e10  # -1e10 is -inf in fp16
         for mode in ("sequential", "batched"):
             elapsed = time.perf_counter() - start
-            if rows and elapsed + 2.5 * max(r["wall_s"] for r in rows) > time_limit_s:
-                skipped.append(f"{prec} {mode}: not started at {elapsed:.0f} s (time limit {time_limit_s:g} s)")
+            if rows and elapsed + 2.5 * max(r["wall_s"] for r in rows) > vc_limit:
+                skipped.append(f"{prec} {mode}: not started at {elapsed:.0f} s (time limit {vc_limit:g} s)")
                 print(f"  skipped {prec} {mode} (time limit)", flush=True)
                 continue
             run_scenario(flow, hift, reqs if mode == "batched" else reqs[:1], dev, dtype, mode)  # warm-up (same shapes)
@@ -167,12 +181,34 @@ def run_gpu_bench(*, size: str = "full", device: str = "cuda", requests: int = 1
               "size": size, "requests": requests, "seconds": seconds, "prompt_seconds": prompt_seconds,
               "rows": rows, "skipped": skipped, "total_s": time.perf_counter() - start}
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(result, indent=1))
-    (out / "report.md").write_text(format_report(result))
+    _write(result, out)  # the voice-conversion figures stand whatever happens to the TTS part
+    if "tts" in parts:
+        result["tts"] = _tts_part(size=size, device=dev, flow=flow, hift=hift, config=config,
+                                  precisions=tts_precisions, concurrency=tts_concurrency, seconds=tts_seconds,
+                                  prompt_seconds=prompt_seconds, deadline=start + time_limit_s)
+        result["total_s"] = time.perf_counter() - start
+        _write(result, out)
     print(format_report(result))
     print(f"written: {out / 'result.json'}, {out / 'report.md'}")
     return result
+
+
+def _tts_part(**kw) -> dict:
+    print(f"bench-gpu: streaming TTS, concurrency {', '.join(map(str, kw['concurrency']))}, "
+          f"{', '.join(kw['precisions'])}", flush=True)
+    try:
+        from .gpu_tts import run_tts_bench
+
+        return run_tts_bench(**kw, dtypes=PRECISIONS)
+    except Exception as exc:  # e.g. a transformers the LM cannot use: reported, the VC part stays
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": kw["seconds"]}
+
+
+def _write(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    (out / "report.md").write_text(format_report(result))
 
 
 def format_report(result: dict) -> str:
@@ -193,6 +229,10 @@ def format_report(result: dict) -> str:
                      f"{r['p50_latency_s']:.2f} / {r['max_latency_s']:.2f} | {r['requests_per_s']:.2f}{gain} | "
                      f"{r['audio_s_per_s']:.1f} | {peak} | {err} |")
     lines += [f"- skipped: {s}" for s in result["skipped"]]
+    if "tts" in result:
+        from .gpu_tts import format_tts
+
+        lines += format_tts(result["tts"])
     return "\n".join(lines) + "\n"
 
 
@@ -205,13 +245,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-seconds", type=float, default=3.0)
     p.add_argument("--precisions", default="fp32,bf16,fp16")
     p.add_argument("--time-limit-s", type=float, default=450.0)
+    p.add_argument("--vc-time-limit-s", type=float, default=None, help="default: 45%% of --time-limit-s")
+    p.add_argument("--parts", default="vc,tts")
+    p.add_argument("--tts-precisions", default="fp32,bf16")
+    p.add_argument("--tts-concurrency", default="1,4,10")
+    p.add_argument("--tts-seconds", type=float, default=5.0)
     p.add_argument("--out-dir", default="build/loadtest/gpu-bench")
     ns = p.parse_args(argv)
-    if ns.requests < 1 or ns.seconds <= 0 or ns.prompt_seconds <= 0:
-        p.error("--requests >= 1, --seconds and --prompt-seconds > 0")
+    if ns.requests < 1 or ns.seconds <= 0 or ns.prompt_seconds <= 0 or ns.tts_seconds <= 0:
+        p.error("--requests >= 1, --seconds, --prompt-seconds and --tts-seconds > 0")
+    parts = tuple(x for x in ns.parts.split(",") if x)
+    if not parts or set(parts) - {"vc", "tts"}:
+        p.error("--parts: vc, tts or both (comma-separated)")
+    try:
+        concurrency = tuple(int(x) for x in ns.tts_concurrency.split(",") if x)
+    except ValueError:
+        concurrency = ()
+    if not concurrency or min(concurrency) < 1:
+        p.error("--tts-concurrency: comma-separated integers >= 1")
     run_gpu_bench(size=ns.size, device=ns.device, requests=ns.requests, seconds=ns.seconds,
                   prompt_seconds=ns.prompt_seconds, precisions=tuple(x for x in ns.precisions.split(",") if x),
-                  time_limit_s=ns.time_limit_s, out_dir=ns.out_dir)
+                  time_limit_s=ns.time_limit_s,
+                  vc_time_limit_s=0.45 * ns.time_limit_s if ns.vc_time_limit_s is None else ns.vc_time_limit_s,
+                  parts=parts, tts_precisions=tuple(x for x in ns.tts_precisions.split(",") if x),
+                  tts_concurrency=concurrency, tts_seconds=ns.tts_seconds, out_dir=ns.out_dir)
     return 0
 
 

@@ -24,7 +24,7 @@ from starlette.testclient import TestClient
 
 from cosyvoice_triton.gateway import GatewayConfig, create_app
 from cosyvoice_triton.gateway import audio as gw_audio
-from cosyvoice_triton.gateway.backend import SpeechJob, backend_error
+from cosyvoice_triton.gateway.backend import ConversionJob, SpeechJob, backend_error
 from cosyvoice_triton.gateway.config import from_args
 from cosyvoice_triton.gateway.limits import json_depth
 
@@ -94,6 +94,17 @@ class FakeBackend:
                 if k == 1:
                     self._fault(job, "late")
                     await self._held()
+                yield _wave(4800, k), SR
+        finally:
+            self.closed_streams += 1
+
+    async def convert_stream(self, job: ConversionJob, request_id: str = ""):
+        self.jobs.append(job)
+        self.request_ids.append(request_id)
+        try:
+            if job.voice in ("unknown", "busy", "broken"):
+                self._fault(job, "start")
+            for k in range(self.CHUNKS):
                 yield _wave(4800, k), SR
         finally:
             self.closed_streams += 1
@@ -472,6 +483,128 @@ def test_unknown_routes_and_methods_in_openai_shape():
     client, _ = _client()
     _openai_error(client.get("/v1/nothing"), 404)
     _openai_error(client.get("/v1/audio/speech"), 405)
+
+
+# ------------------------------------------------------------------- CosyVoice's own API (official forms)
+
+
+def _pcm(r) -> np.ndarray:
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/pcm" and r.headers["x-sample-rate"] == str(SR)
+    return np.frombuffer(r.content, "<i2")
+
+
+def test_official_forms_reach_the_backend_as_their_modes():
+    client, backend = _client()
+    ref = FIXTURES / "prompt_en_3s.wav"
+    want, want_sr = sf.read(ref, dtype="float32")
+    upload = {"prompt_wav": ("prompt_wav", ref.read_bytes(), "application/octet-stream")}
+    pcm = gw_audio.pcm16(np.concatenate([_wave(4800, k) for k in range(3)]))
+    for method in ("GET", "POST"):  # the official client sends its forms with GET
+        np.testing.assert_array_equal(_pcm(client.request(method, "/inference_sft",
+                                                          data={"tts_text": "Hi.", "spk_id": "alice"})), pcm)
+        assert backend.jobs[-1] == SpeechJob(text="Hi.", voice="alice")
+    cases = [("/inference_zero_shot", {"prompt_text": "the prompt"}, "zero_shot"),
+             ("/inference_cross_lingual", {}, "cross_lingual"),
+             ("/inference_instruct2", {"instruct_text": "Speak slowly."}, "instruct")]
+    for path, fields, mode in cases:
+        np.testing.assert_array_equal(_pcm(client.request("GET", path, data={"tts_text": "Hi.", **fields},
+                                                          files=upload)), pcm)
+        job = backend.jobs[-1]
+        assert (job.text, job.mode, job.voice, job.reference_rate) == ("Hi.", mode, None, want_sr)
+        np.testing.assert_array_equal(job.reference_audio, want)  # decoded at the file's own rate
+        assert job.reference_text == fields.get("prompt_text")
+        assert job.instruct == ("Speak slowly.<|endofprompt|>" if mode == "instruct" else None)
+
+
+def test_voice_conversion_route():
+    client, backend = _client()
+    src, prompt = FIXTURES / "prompt_en_3s.wav", FIXTURES / "prompt_en_3s.wav"
+    files = {"source_wav": ("s.wav", src.read_bytes()), "prompt_wav": ("p.wav", prompt.read_bytes())}
+    assert len(_pcm(client.post("/inference_vc", files=files))) == 3 * 4800
+    job = backend.jobs[-1]
+    assert isinstance(job, ConversionJob) and job.voice is None and job.prompt is not None
+    assert job.source_rate == sf.info(src).samplerate and len(job.source) == sf.info(src).frames
+    assert len(_pcm(client.post("/inference_vc", files={"source_wav": files["source_wav"]},
+                                data={"spk_id": "alice"}))) == 3 * 4800
+    assert backend.jobs[-1].voice == "alice" and backend.jobs[-1].prompt is None
+    for extra in ({}, {"data": {"spk_id": "alice"}, "files": files}):  # neither voice, or both
+        _openai_error(client.post("/inference_vc", **({"files": {"source_wav": files["source_wav"]}} | extra)),
+                      400, param="prompt_wav")
+    _openai_error(client.post("/inference_vc", files={"source_wav": ("s", b"RIFF not really a wav")},
+                              data={"spk_id": "alice"}), 400, code="invalid_audio", param="source_wav")
+
+
+@pytest.mark.parametrize(("path", "data", "param"), [
+    ("/inference_sft", {"spk_id": "alice"}, "tts_text"),
+    ("/inference_sft", {"tts_text": "Hi."}, "spk_id"),
+    ("/inference_sft", {"tts_text": "   ", "spk_id": "alice"}, "tts_text"),
+    ("/inference_sft", {"tts_text": "x" * 5000, "spk_id": "alice"}, "tts_text"),
+    ("/inference_zero_shot", {"tts_text": "Hi.", "prompt_text": "p"}, "prompt_wav"),
+    ("/inference_zero_shot", {"tts_text": "Hi.", "prompt_wav": "a text field, not a file"}, "prompt_text"),
+    ("/inference_instruct2", {"tts_text": "Hi."}, "instruct_text"),
+])
+def test_official_forms_missing_or_bad_fields_are_400_naming_them(path, data, param):
+    client, backend = _client()
+    _openai_error(client.post(path, data=data), 400, param=param)
+    assert backend.jobs == []
+
+
+def test_uploads_that_are_not_audio_and_the_instruct_mode_cosyvoice2_lacks():
+    client, backend = _client()
+    for junk in (b"not audio at all" * 20, b""):
+        err = _openai_error(client.post("/inference_cross_lingual", data={"tts_text": "Hi."},
+                                        files={"prompt_wav": ("p.wav", junk)}), 400, param="prompt_wav")
+        assert err["code"] == "invalid_audio"
+    err = _openai_error(client.post("/inference_instruct", data={"tts_text": "Hi.", "spk_id": "alice",
+                                                                 "instruct_text": "x"}), 400, code="unsupported_mode")
+    assert "/inference_instruct2" in err["message"] and "CosyVoice 1" in err["message"]
+    assert backend.jobs == []
+
+
+def test_official_forms_refusals_and_limits():
+    client, _ = _client(max_body_bytes=50_000, api_keys=frozenset({"k"}))
+    form = {"tts_text": "Hi.", "spk_id": "unknown"}
+    _openai_error(client.post("/inference_sft", data=form), 401)  # the routes are behind the key
+    auth = {"authorization": "Bearer k"}
+    _openai_error(client.post("/inference_sft", data=form, headers=auth), 400, code="invalid_value")  # INVALID_ARG.
+    big = {"prompt_wav": ("p.wav", b"\0" * 60_000)}
+    for method in ("GET", "POST"):  # the size limit holds for a GET's body too
+        _openai_error(client.request(method, "/inference_cross_lingual", data={"tts_text": "Hi."}, files=big,
+                                     headers=auth), 413, code="body_too_large")
+    assert len(_pcm(client.post("/inference_sft", data={**form, "spk_id": "alice"}, headers=auth))) == 3 * 4800
+    text = client.get("/metrics").text
+    assert 'cosyvoice_gateway_requests_total{route="/inference_sft",status="200"} 1.0' in text
+    assert 'route="/inference_cross_lingual",status="413"' in text
+
+
+def test_metrics_append_tritons_when_configured():
+    import http.server
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'nv_inference_request_success{model="cosyvoice_tts"} 3'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        client, _ = _client(triton_metrics=url)
+        text = client.get("/metrics").text
+        assert 'nv_inference_request_success{model="cosyvoice_tts"} 3\n' in text
+        assert "cosyvoice_gateway_triton_metrics_up 1.0" in text and "cosyvoice_gateway_requests_total" in text
+    finally:
+        server.shutdown()
+        server.server_close()
+    text = client.get("/metrics").text  # Triton's side gone: the gateway's own still answer, marked
+    assert "cosyvoice_gateway_triton_metrics_up 0.0" in text and "nv_inference" not in text
 
 
 # -------------------------------------------------------------------------------- framing, on a real server

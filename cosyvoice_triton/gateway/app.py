@@ -6,7 +6,9 @@ The speech request is OpenAI's (``model``, ``input``, ``voice``, ``instructions`
 URL) with ``reference_text`` (its transcript: zero-shot; without it cross-lingual) to speak in that voice instead of
 a registered one, and ``seed``. ``instructions`` are CosyVoice's instruct text. Without ``stream_format`` the answer
 is one whole file; ``audio`` streams the encoded audio as Triton produces it, ``sse`` sends it as server-sent
-events (``speech.audio.delta`` with base64 audio, then ``speech.audio.done``)."""
+events (``speech.audio.delta`` with base64 audio, then ``speech.audio.done``).
+
+CosyVoice's own HTTP API (the official server's ``/inference_*`` form routes) and ``/inference_vc``: :mod:`.compat`."""
 
 from __future__ import annotations
 
@@ -23,19 +25,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from . import audio
-from .backend import SpeechJob, TritonBackend
+from . import audio, compat
+from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, error_body, install_handlers
 from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
 
-# CosyVoice 2's end of an instruction. OpenAI clients send plain `instructions`; the official frontend_instruct2
-# tokenizes its text as given and expects the caller to end it with this marker, so the gateway appends it.
-ENDOFPROMPT = "<|endofprompt|>"
 SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", "/v1/audio/voices"
-ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics"})
+ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics", *compat.PATHS})
 
 
 class VoiceRef(BaseModel):
@@ -103,12 +102,7 @@ def speech_job(req: SpeechRequest, config: GatewayConfig) -> SpeechJob:
         if req.reference_text is not None:
             raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
                                code="invalid_value")
-    instruct = req.instructions
-    if instruct is not None and not instruct.strip():
-        instruct = None
-    if instruct is not None and not instruct.rstrip().endswith(ENDOFPROMPT):
-        instruct = instruct.rstrip() + ENDOFPROMPT
-    return SpeechJob(text=req.input, voice=voice, instruct=instruct, seed=req.seed,
+    return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
                      reference_audio=None if req.reference_audio is None else _reference(req.reference_audio),
                      reference_text=req.reference_text)
 
@@ -166,7 +160,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
             return Response(data, media_type=audio.CONTENT_TYPES[fmt])
         return await _streamed(request.app.state.backend.stream(job, rid), fmt, req.stream_format == "sse", t0)
 
-    async def _streamed(chunks, fmt: str, sse: bool, t0: float) -> StreamingResponse:
+    async def _streamed(chunks, fmt: str, sse: bool, t0: float, route: str = SPEECH_PATH) -> StreamingResponse:
         try:  # the first chunk before the answer starts: a refusal still gets its own status
             first = await backend_call(chunks.__anext__())
         except StopAsyncIteration:
@@ -206,11 +200,14 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
                 yield _sse({"type": "error", **error_body(exc.status, exc.message, code=exc.code)})
             finally:
                 metrics.audio_seconds.labels(fmt).inc(seconds)
-                metrics.latency.labels(SPEECH_PATH).observe(time.perf_counter() - t0)
+                metrics.latency.labels(route).observe(time.perf_counter() - t0)
                 await chunks.aclose()
 
         media = "text/event-stream" if sse else audio.CONTENT_TYPES[fmt]
-        return StreamingResponse(body(), media_type=media, headers={"cache-control": "no-cache"})
+        return StreamingResponse(body(), media_type=media, headers={"cache-control": "no-cache",
+                                                                    "x-sample-rate": str(int(first[1]))})
+
+    app.include_router(compat.router(config, _streamed))
 
     @app.get(VOICES_PATH)
     async def voices(request: Request):
@@ -225,11 +222,12 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        triton = await metrics.triton(config.triton_metrics) if config.triton_metrics else b""
+        return Response(metrics.render() + triton, media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(GatewayMiddleware, keys=KeyRing(config.api_keys),
                        limiter=KeyLimiter(config.max_concurrency_per_key, config.rate_limit), metrics=metrics,
-                       max_body_bytes=config.max_body_bytes, routes=ROUTES)
+                       max_body_bytes=config.max_body_bytes, routes=ROUTES, limited=("/v1/", compat.PREFIX))
     if config.cors_origins:  # outermost: refusals carry the CORS headers too, preflights skip the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["authorization", "content-type", "x-request-id"],

@@ -1,7 +1,8 @@
-"""What the routes call: speech from the served TTS models over gRPC (``tritonclient.grpc.aio``), and the
-registered voices. Triton's refusals become :class:`~.errors.GatewayError` by their gRPC status code
-(:data:`HTTP_STATUS`), never by their text. Streams ask Triton for gRPC status codes on errors (the
-``triton_grpc_error`` header): without it a stream's error carries a message only."""
+"""What the routes call: speech from the served TTS models over gRPC (``tritonclient.grpc.aio``), voice
+conversion (``cosyvoice_vc_stream``) and the registered voices. Triton's refusals become
+:class:`~.errors.GatewayError` by their gRPC status code (:data:`HTTP_STATUS`), never by their text. Streams ask
+Triton for gRPC status codes on errors (the ``triton_grpc_error`` header): without it a stream's error carries a
+message only."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ..clients.client import SPEAKERS_MODEL, build_speaker_inputs, build_tts_inputs
+from ..clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
 from ..shapes import TTS_MODEL, TTS_STREAM_MODEL
 from .errors import GatewayError
 
@@ -30,18 +31,45 @@ HTTP_STATUS = {
     grpc.StatusCode.CANCELLED: 503,
 }
 _BY_NAME = {str(code): code for code in grpc.StatusCode}  # tritonclient's InferenceServerException.status()
+# CosyVoice 2's end of an instruction. Clients send plain instructions; the official frontend_instruct2 tokenizes its
+# text as given and expects the caller to end it with this marker, so the gateway appends it.
+ENDOFPROMPT = "<|endofprompt|>"
+
+
+def instruction(text: str | None) -> str | None:
+    """``text`` ended with :data:`ENDOFPROMPT` (None for no or blank text)."""
+    if text is None or not text.strip():
+        return None
+    return text if text.rstrip().endswith(ENDOFPROMPT) else text.rstrip() + ENDOFPROMPT
 
 
 @dataclass(frozen=True)
 class SpeechJob:
     """One text to speak: in a registered voice (``voice``), or in the voice of ``reference_audio`` (an encoded
-    file; ``reference_text`` its transcript for zero-shot, else cross-lingual); ``instruct`` for instruct mode."""
+    file, or float32 samples at ``reference_rate``; ``reference_text`` its transcript for zero-shot, else
+    cross-lingual); ``instruct`` for instruct mode; ``mode`` (zero_shot, cross_lingual, instruct) to name the mode
+    instead of letting the server infer it."""
 
     text: str
     voice: str | None = None
-    reference_audio: bytes | None = None
+    reference_audio: bytes | np.ndarray | None = None
     reference_text: str | None = None
     instruct: str | None = None
+    seed: int | None = None
+    reference_rate: int | None = None
+    mode: str | None = None
+
+
+@dataclass(frozen=True)
+class ConversionJob:
+    """One voice conversion: ``source`` (float32 samples at ``source_rate``) spoken in the voice of ``prompt``
+    (samples at ``prompt_rate``) or of a registered ``voice``."""
+
+    source: np.ndarray
+    source_rate: int
+    prompt: np.ndarray | None = None
+    prompt_rate: int | None = None
+    voice: str | None = None
     seed: int | None = None
 
 
@@ -76,8 +104,9 @@ class TritonBackend:
         self._client = aio.InferenceServerClient(url)
 
     def _inputs(self, job: SpeechJob) -> list:
-        return build_tts_inputs(self._module, job.text, prompt=job.reference_audio, prompt_text=job.reference_text,
-                                instruct=job.instruct, speaker_id=None if job.reference_audio else job.voice,
+        return build_tts_inputs(self._module, job.text, prompt=job.reference_audio, prompt_sr=job.reference_rate,
+                                prompt_text=job.reference_text, instruct=job.instruct,
+                                speaker_id=None if job.reference_audio is not None else job.voice, mode=job.mode,
                                 seed=job.seed)
 
     async def ready(self) -> bool:
@@ -95,9 +124,18 @@ class TritonBackend:
         return (np.asarray(res.as_numpy("waveform"), np.float32).reshape(-1),
                 int(np.asarray(res.as_numpy("sample_rate")).reshape(-1)[0]))
 
-    async def stream(self, job: SpeechJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
+    def stream(self, job: SpeechJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
         """Chunks as Triton sends them; closing the generator early cancels the request on the server."""
-        request = {"model_name": TTS_STREAM_MODEL, "inputs": self._inputs(job), "request_id": request_id,
+        return self._stream(TTS_STREAM_MODEL, self._inputs(job), request_id)
+
+    def convert_stream(self, job: ConversionJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
+        """Voice conversion's chunks as Triton sends them (as :meth:`stream`)."""
+        inputs = build_inputs(self._module, job.source, job.source_rate, job.prompt, job.prompt_rate, job.seed,
+                              speaker_id=job.voice)
+        return self._stream(VC_STREAM_MODEL, inputs, request_id)
+
+    async def _stream(self, model: str, inputs: list, request_id: str) -> AsyncIterator[tuple[np.ndarray, int]]:
+        request = {"model_name": model, "inputs": inputs, "request_id": request_id,
                    "parameters": {"triton_enable_empty_final_response": True}}
 
         async def requests():

@@ -16,6 +16,7 @@ DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 @dataclass(frozen=True)
 class GatewayConfig:
     triton_grpc: str = "127.0.0.1:8001"
+    triton_metrics: str | None = None  # Triton's metrics URL, appended to /metrics (Triton on loopback); None: off
     host: str = "127.0.0.1"
     port: int = 8080
     models: tuple[str, ...] = DEFAULT_MODELS
@@ -46,6 +47,9 @@ def parser() -> argparse.ArgumentParser:
                                 description="OpenAI-compatible speech API in front of Triton (gRPC). Every flag "
                                             f"also reads ${ENV_PREFIX}<FLAG> (upper case, '-' as '_').")
     p.add_argument("--triton-grpc", default=_env("triton_grpc", d.triton_grpc), help="Triton's gRPC address")
+    p.add_argument("--triton-metrics", default=_env("triton_metrics", d.triton_metrics),
+                   help="Triton's metrics URL (e.g. http://127.0.0.1:8002/metrics), served again after the "
+                        "gateway's own at /metrics: one scrape target when Triton listens on loopback only")
     p.add_argument("--host", default=_env("host", d.host))
     p.add_argument("--port", type=int, default=int(_env("port", d.port)))
     p.add_argument("--models", default=_env("models", ",".join(d.models)),
@@ -74,7 +78,8 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     if args.api_key_file:
         keys |= read_key_file(args.api_key_file)
     origins = args.cors_origin or [o for o in _env("cors_origins", "").split(",") if o.strip()]
-    return GatewayConfig(triton_grpc=args.triton_grpc, host=args.host, port=args.port,
+    return GatewayConfig(triton_grpc=args.triton_grpc, triton_metrics=args.triton_metrics or None, host=args.host,
+                         port=args.port,
                          models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
                          api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,

@@ -1,12 +1,19 @@
-"""The gateway's own Prometheus metrics (one registry per app, served at ``/metrics``)."""
+"""The gateway's own Prometheus metrics (one registry per app, served at ``/metrics``), optionally followed by
+Triton's, read from its metrics port (a Triton bound to loopback cannot be scraped from outside its pod)."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 __all__ = ["CONTENT_TYPE_LATEST", "GatewayMetrics"]
 
+log = logging.getLogger(__name__)
+TRITON_METRICS_TIMEOUT_S = 5.0
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
 
@@ -27,6 +34,24 @@ class GatewayMetrics:
                                      ["format"], registry=self.registry)
         self.backend_errors = Counter("cosyvoice_gateway_backend_errors", "Triton refusals and failures, by HTTP "
                                       "status they were answered with", ["status"], registry=self.registry)
+
+        self.triton_up = Gauge("cosyvoice_gateway_triton_metrics_up", "1 when Triton's metrics were read for "
+                               "this scrape, 0 when not", registry=self.registry)
+
+    async def triton(self, url: str) -> bytes:
+        """Triton's metrics text at ``url`` (empty when it cannot be read; ``triton_up`` says which)."""
+        def fetch() -> bytes:
+            with urllib.request.urlopen(url, timeout=TRITON_METRICS_TIMEOUT_S) as r:
+                return r.read()
+
+        try:
+            text = await asyncio.to_thread(fetch)
+        except OSError as exc:
+            log.warning("triton metrics at %s: %s", url, exc)
+            self.triton_up.set(0)
+            return b""
+        self.triton_up.set(1)
+        return text if text.endswith(b"\n") or not text else text + b"\n"
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

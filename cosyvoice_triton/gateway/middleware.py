@@ -101,7 +101,9 @@ class GatewayMiddleware:
             await self._refuse(send, exc)
             return who
         try:
-            if scope["method"] in _BODY_METHODS:
+            # a GET may carry a body too (the official CosyVoice client sends its forms with GET)
+            if scope["method"] in _BODY_METHODS or "transfer-encoding" in headers or \
+                    headers.get("content-length", "0") not in ("", "0"):
                 try:
                     body = await self._read_body(receive)
                 except GatewayError as exc:

@@ -60,7 +60,8 @@ def rendered(request, model_dir, tmp_path_factory):
 def test_every_model_has_a_config_that_triton_parses(rendered):
     flavor, out, report = rendered
     expected = {*GRAPHS, *STAGE_NAMES, VC_MODEL, "speakers", "cosyvoice_vc_stream", "cosyvoice_vc_live",
-                "cosyvoice_tts", "cosyvoice_tts_stream", "cosyvoice_tts_live", "speech_tokens", "speaker_embedding"}
+                "cosyvoice_tts", "cosyvoice_tts_stream", "cosyvoice_tts_live", "speech_tokens", "speaker_embedding",
+                "cosyvoice2"}
     assert set(report.models) == expected
     assert {p.name for p in out.iterdir() if p.is_dir()} == expected
     for name in expected:

@@ -128,6 +128,11 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         _BLS_TIMEOUT,
         _NICE,
     ),
+    "cosyvoice2": (  # the official runtime's interface (serving/official_api.py)
+        Param("offline_model", str, "cosyvoice_tts", "the TTS model a request is sent to when not decoupled"),
+        Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model a request streams from"),
+        _BLS_TIMEOUT,
+    ),
     "speakers": (
         Param("model_dir", str, None, "the CosyVoice2 folder (mel settings; CosyVoice-BlankEN/ for transcripts)"),
         Param("speaker_dir", str, "build/speakers", "where speakers persist (relative: the server's work dir)"),

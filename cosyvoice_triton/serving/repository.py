@@ -83,6 +83,7 @@ from ..streaming import StreamSchedule
 from .live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from .live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from .model_params import MODEL_PARAMS
+from .official_api import OFFICIAL_INPUTS, OFFICIAL_MODEL, OFFICIAL_OPTIONAL, OFFICIAL_OUTPUTS, OUTPUT_SAMPLE_RATE
 from .rollout import MANIFEST_NAME as VERSION_MANIFEST
 from .rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
 from .rollout import pipeline_model as _pipeline_model
@@ -242,6 +243,10 @@ class Tunables:
     #: kernel runs the high task first (the rate limiter does not see the LM loop or time outside ``execute``).
     #: Needs ``task_isolation`` (a shared stage would be slowed for both tasks).
     task_nice: int = 0
+    #: ``cosyvoice2``, the official CosyVoice runtime's interface (rendered with the TTS models where they answer
+    #: 24 kHz, as its clients assume): decoupled, chunks over a gRPC stream (the official default, client_grpc.py
+    #: --mode streaming), or not, whole answers over HTTP and gRPC (client_http.py, client_grpc.py --mode offline)
+    cosyvoice2_decoupled: bool = True
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -748,7 +753,7 @@ class ServedModel:
     kind: str = "python"  # python | ensemble | backend (another backend's config from the folder's template)
     template: str = "model_repository/stage/config.pbtxt.in"
     max_batch_size: int = 1
-    decoupled: bool = False
+    decoupled: bool | Callable[[RenderContext], bool] = False  # or a function of the render context
     instances: int = 1
     parameters: Callable[[RenderContext], Mapping[str, Any]] | None = None
     params_key: str = ""
@@ -759,6 +764,9 @@ class ServedModel:
 
     def enabled(self, ctx: RenderContext) -> bool:
         return self.when is None or bool(self.when(ctx))
+
+    def is_decoupled(self, ctx: RenderContext) -> bool:
+        return bool(self.decoupled(ctx)) if callable(self.decoupled) else self.decoupled
 
 
 def _stage(name: str, **kw: Any) -> ServedModel:
@@ -873,6 +881,13 @@ def _tts(ctx: RenderContext) -> bool:
     return ctx.has_tts
 
 
+def _official(ctx: RenderContext) -> bool:
+    """``cosyvoice2``: with the TTS models, where they answer the official 24 kHz (a deployment that resamples its
+    output elsewhere does not get it: the official clients write the samples at 24 kHz whatever they are)."""
+    rate = ctx.tunables.output_sample_rate or _model_sample_rate(ctx.model_dir)
+    return ctx.has_tts and rate == OUTPUT_SAMPLE_RATE
+
+
 def _prompt_cache_params(ctx) -> dict[str, Any]:
     return {"prompt_cache_entries": ctx.tunables.prompt_cache_entries, "prompt_cache_mb": ctx.tunables.prompt_cache_mb}
 
@@ -950,6 +965,13 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in TRTLLM_INPUTS[2:]), kind="backend", values=_trtllm_values,
                 when=lambda ctx: ctx.tunables.lm_backend == "tensorrtllm",
                 doc="tensorrtllm: the LM as a TensorRT-LLM engine (in-flight batching, paged KV cache, streaming)"),
+    ServedModel(OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS, OFFICIAL_OPTIONAL,
+                max_batch_size=8, decoupled=lambda ctx: ctx.tunables.cosyvoice2_decoupled, when=_official,
+                parameters=lambda ctx: {"offline_model": TTS_MODEL, "stream_model": TTS_STREAM_MODEL,
+                                        "bls_timeout_us": ctx.tunables.bls_timeout_us},
+                doc="the official CosyVoice runtime's interface (reference_wav, reference_wav_len, reference_text, "
+                    f"target_text -> waveform at 24 kHz; BLS orchestrator): {TTS_STREAM_MODEL} when decoupled "
+                    f"(tunable cosyvoice2_decoupled), else {TTS_MODEL}"),
 )
 SERVED_NAMES = tuple(m.name for m in SERVED_MODELS)
 
@@ -1195,13 +1217,14 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             "max_batch_size": entry.max_batch_size,
             "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
             "outputs": _io_block("output", outputs), "parameters": _parameters_block(params),
-            "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.decoupled else ""),
+            "model_transaction_policy": ("model_transaction_policy { decoupled: true }" if entry.is_decoupled(ctx)
+                                         else ""),
             "warmup": warmup, **(entry.values(ctx) if entry.values else {})}
         write(name, entry.template, values)
         python_code(name, src_dir)
         if versions and name in VERSIONED:
             files += _stage_versions(out / name, versions)
-        models[name] = "python" + (" (decoupled)" if entry.decoupled else "")
+        models[name] = "python" + (" (decoupled)" if entry.is_decoupled(ctx) else "")
         if isolate and name in ISOLATED_STAGES:  # its callees: the TTS copies of the graphs
             callees = {k: f"{v}{TASK_SUFFIX}" for k, v in params.items() if k.endswith("_model")}
             copy_for_tts(name, entry.template, {
@@ -1282,7 +1305,7 @@ def _model_sample_rate(model_dir: Path) -> int:
 #: ``model_version: -1``), so they would reach the newest loaded version (a staged candidate) whatever the router's
 #: split says.
 NOT_VERSIONED = (VC_STREAM_MODEL, LIVE_VC_MODEL, "speakers", TTS_STREAM_MODEL, TTS_MODEL, "tensorrt_llm",
-                 SPEECH_TOKENS_MODEL, SPEAKER_EMBEDDING_MODEL)
+                 SPEECH_TOKENS_MODEL, SPEAKER_EMBEDDING_MODEL, OFFICIAL_MODEL)
 
 
 def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any]

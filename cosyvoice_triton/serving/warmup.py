@@ -12,7 +12,8 @@ Two mechanisms, because Triton's own one does not reach everything:
 * :func:`warm_up` (this module), once everything is loaded: for every loaded model whose inputs make it a public
   pipeline, one request over the protocol it serves (``cosyvoice_vc`` and its versions: a 1 s conversion;
   ``cosyvoice_tts``: a short sentence; the decoupled streams: one gRPC stream to its end; ``speakers``: a list;
-  ``speech_tokens`` / ``speaker_embedding``: the tokens / embedding of the same 1 s sample).
+  ``speech_tokens`` / ``speaker_embedding``: the tokens / embedding of the same 1 s sample; ``cosyvoice2``: the
+  official runtime's request, over a gRPC stream when decoupled).
   These reach every member: the graphs, the BLS stages, the LM. The supervisor runs it after each (re)start and
   after each model reload; a failure is logged, never fatal (the model serves cold).
 
@@ -24,6 +25,7 @@ only once warm.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -71,6 +73,8 @@ def plan(models: list[dict]) -> list[tuple[str, str]]:
             how = "speakers"
         elif "text" in inputs and "waveform" in outputs:
             how = "tts_stream" if m["decoupled"] else "tts"
+        elif {"reference_wav", "target_text"} <= inputs and "waveform" in outputs:
+            how = "official_stream" if m["decoupled"] else "official"
         elif {"source_audio", "prompt_audio"} <= inputs and "waveform" in outputs:
             how = "vc_stream" if m["decoupled"] else "vc"
         elif "source_audio" in inputs and outputs == {"speech_tokens"}:
@@ -93,6 +97,42 @@ def _sample(server) -> tuple:
     seconds = min(max(1.0, float(tun.get("min_seconds", 1.0))), float(tun.get("max_seconds", 30.0)))
     s = stage_warmup_samples("preprocess", seconds)
     return s["source_audio"], int(s["source_sample_rate"][0])
+
+
+def _official(server, name: str, audio, sr: int, *, stream: bool, timeout: float) -> None:
+    """One request of the official runtime's ``cosyvoice2`` (16 kHz reference): a gRPC stream to its end, or
+    one gRPC answer."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    from .official_api import REFERENCE_SAMPLE_RATE, official_request
+
+    if sr != REFERENCE_SAMPLE_RATE:
+        raise ValueError(f"the warm-up sample is {sr} Hz, {name} takes {REFERENCE_SAMPLE_RATE} Hz")
+    inputs = []
+    for k, v in official_request(audio, WARM_TEXT, WARM_TEXT).items():
+        inputs.append(grpcclient.InferInput(k, list(v.shape), np_to_triton_dtype(v.dtype)))
+        inputs[-1].set_data_from_numpy(v)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        if not stream:
+            client.infer(name, inputs, client_timeout=timeout)
+            return
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer(name, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=timeout)
+            if error is not None:
+                raise error
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            client.stop_stream()
+        client.close()
 
 
 def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
@@ -121,6 +161,8 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
                 elif how == "tts_stream":
                     for _ in grpc.tts_stream(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name):
                         pass
+                elif how in ("official", "official_stream"):
+                    _official(server, name, audio, sr, stream=how == "official_stream", timeout=timeout)
                 elif how == "speech_tokens":
                     http.speech_tokens(audio, sample_rate=sr, model=name)
                 elif how == "speaker_embedding":

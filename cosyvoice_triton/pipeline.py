@@ -31,6 +31,7 @@ from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
 from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
+from .speaker_state import SpeakerState
 from .speakers import SpeakerPrompt, SpeakerStore
 from .streaming import MEL_CACHE, StreamSchedule, stream_chunk_ends, stream_chunks
 
@@ -80,12 +81,17 @@ class CosyVoice2:
     ``prompt_cache``: a repeated prompt recording (same samples and rate) reuses its speech tokens, mel and
     embedding from this :class:`~.prompt_cache.PromptCache` (``None``: computed every time). Entries are keyed
     by the audio and by the identity of the tokenizer / CAM++ files and the mel settings, so one cache may be
-    shared between models."""
+    shared between models.
+
+    ``speaker_state``: for a registered speaker (``speaker_id``), the LM prefix of its transcript and, in
+    streaming, the flow's settled prompt frames are computed once and reused from this
+    :class:`~.speaker_state.SpeakerState` (``None``: computed for every request); it follows :attr:`speakers`,
+    so a deleted or replaced speaker's entries go with it."""
 
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",
                  llm=None, text=None, speakers: SpeakerStore | None = None,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, speaker_state: SpeakerState | bool = True):
         self.config = config
         self.device = torch.device(device)
         self.flow = flow.to(self.device).eval()
@@ -97,6 +103,9 @@ class CosyVoice2:
         self.llm = None if llm is None else llm.to(self.device).eval()
         self.text = text
         self.speakers = speakers if speakers is not None else SpeakerStore()
+        self.speaker_state = SpeakerState() if speaker_state is True else (speaker_state or None)
+        if self.speaker_state is not None:
+            self.speaker_state.follow(self.speakers)
         self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
         self.lm_precision = "fp32"  # of the LM that from_pretrained loads (cosyvoice_triton.models.lm_quant)
         #: the streaming hops of token2wav_stream / tokens2wav_stream / tts_stream (default: the official ones)
@@ -273,22 +282,35 @@ class CosyVoice2:
 
     def tokens2wav_stream(self, inputs: VCInputs, tokens: Iterable[int], *, seed: int | None = 0,
                           hift_noise: Sequence[np.ndarray] | None = None, timer: StageTimer = _NO_TIMER,
-                          schedule: StreamSchedule | None = None) -> Iterator[np.ndarray]:
+                          schedule: StreamSchedule | None = None,
+                          speaker: SpeakerPrompt | None = None) -> Iterator[np.ndarray]:
         """:meth:`token2wav_stream` over speech tokens that arrive one by one (the LM's, in streaming TTS).
 
         A chunk runs as soon as its hop plus the look-ahead tokens have arrived, so the chunks are those of
         :meth:`stream_chunk_ends` for the final token count, whatever the arrival times; the last chunk runs
-        when ``tokens`` is exhausted. ``inputs.source_tokens`` is ignored.
+        when ``tokens`` is exhausted. ``inputs.source_tokens`` is ignored. ``speaker``: the registered
+        speaker whose prompt ``inputs`` holds; the stream then starts from its settled prompt frames in
+        :attr:`speaker_state`.
         """
         ratio, generator = self.flow.token_mel_ratio, _generator(seed)
         noises = iter(hift_noise) if hift_noise is not None else None
         cache = None
-        state = FlowStreamState(self.incremental_cache_bytes) if self.incremental_stream else None
+        state = self._flow_state(inputs, speaker, timer) if self.incremental_stream else None
         for chunk in stream_chunks(tokens, len(inputs.prompt_tokens), lookahead=self.flow.pre_lookahead_len,
                                    schedule=self._schedule(schedule)):
             mel = self._stream_flow(inputs, chunk, state, timer)[:, :, chunk.offset * ratio:]
             speech, cache = self._hift_chunk(mel, cache, _next_noise(noises), generator, timer, final=chunk.final)
             yield speech
+
+    def _flow_state(self, inputs: VCInputs, speaker: SpeakerPrompt | None, timer: StageTimer) -> FlowStreamState:
+        if speaker is not None and self.speaker_state is not None:
+            with timer.stage("speaker_state"), torch.inference_mode():
+                _, *prompt = self._tensors(inputs, inputs.prompt_tokens[:0])
+                state = self.speaker_state.flow_state(self.flow, speaker, prompt,
+                                                      max_cache_bytes=self.incremental_cache_bytes)
+            if state is not None:
+                return state
+        return FlowStreamState(self.incremental_cache_bytes)
 
     def stream_chunk_ends(self, n_tokens: int, n_prompt_tokens: int, *,
                           schedule: StreamSchedule | None = None) -> list[int]:
@@ -453,7 +475,8 @@ class CosyVoice2:
             segments = front.tts_segments(text)
         mode, lm_text, lm_speech = lm_prompt(front, speaker, mode=mode, instruct=instruct)
         return [TTSRequest(text=segment, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
-                           lm_prompt_speech_tokens=lm_speech, prompt=speaker) for segment, ids in segments]
+                           lm_prompt_speech_tokens=lm_speech, prompt=speaker, speaker_id=speaker_id)
+                for segment, ids in segments]
 
     def _speaker(self, prompt_audio, prompt_sr, prompt_text, speaker_id, timer: StageTimer) -> SpeakerPrompt:
         if prompt_audio is None and speaker_id is None:
@@ -470,12 +493,17 @@ class CosyVoice2:
             speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
         return speaker
 
-    def speech_tokens(self, request: TTSRequest, *, draws=None):
+    def speech_tokens(self, request: TTSRequest, *, draws=None, timer: StageTimer = _NO_TIMER):
         """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an
         :class:`~.models.llm.LMStream`). ``draws``: a seeded ``torch.Generator``, an iterable of uniform draws
-        (parity), or ``None`` (PyTorch's global generator, as the official code)."""
+        (parity), or ``None`` (PyTorch's global generator, as the official code). A registered speaker's
+        request (``request.speaker_id``) prefills after the shared prefix of :attr:`speaker_state`."""
+        prefix = None
+        if request.speaker_id is not None and self.speaker_state is not None:
+            with timer.stage("speaker_state"):
+                prefix = self.speaker_state.lm_prefix(self.llm, request.lm_prompt_text_tokens)
         return self.llm.generate(request.text_tokens, np.array(request.lm_prompt_text_tokens),
-                                 np.array(request.lm_prompt_speech_tokens), draws=draws)
+                                 np.array(request.lm_prompt_speech_tokens), draws=draws, prefix=prefix)
 
     def tts_stream(self, text: str | bytes, *, stream: bool = True, seed: int | None = 0, draws=None,
                    timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None,
@@ -492,10 +520,11 @@ class CosyVoice2:
             draws = torch.Generator().manual_seed(int(seed))
         for request in requests:
             inputs = request.flow_inputs()
-            tokens = self.speech_tokens(request, draws=draws)
+            tokens = self.speech_tokens(request, draws=draws, timer=timer)
             timed = _timed(tokens, timer, "llm")
             if stream:
-                yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer, schedule=schedule)
+                yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer, schedule=schedule,
+                                                  speaker=request.prompt if request.speaker_id else None)
             else:
                 inputs.source_tokens = np.asarray(list(timed), dtype=np.int32)
                 if not len(inputs.source_tokens):
@@ -534,8 +563,9 @@ class CosyVoice2:
                              max_token_text_ratio=max_token_text_ratio)
         inputs = TTSRequest(text="", text_tokens=np.zeros(0, np.int32), lm_prompt_text_tokens=lm_text,
                             lm_prompt_speech_tokens=lm_speech, prompt=speaker).flow_inputs()
-        return LiveAudio(self.tokens2wav_stream(inputs, _timed(decode, timer, "llm"), seed=seed, timer=timer),
-                         decode)
+        chunks = self.tokens2wav_stream(inputs, _timed(decode, timer, "llm"), seed=seed, timer=timer,
+                                        speaker=speaker if speaker_id is not None else None)
+        return LiveAudio(chunks, decode)
 
     def tts(self, text: str | bytes, *, stream: bool = False, seed: int | None = 0, draws=None,
             timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, **prompt) -> np.ndarray:
@@ -578,6 +608,7 @@ class TTSRequest:
     lm_prompt_text_tokens: np.ndarray
     lm_prompt_speech_tokens: np.ndarray
     prompt: SpeakerPrompt
+    speaker_id: str | None = None  # the prompt is this registered speaker's
 
     def flow_inputs(self, tokens: np.ndarray | None = None) -> VCInputs:
         p = self.prompt  # its arrays are read-only (shared by every request of a registered speaker): copies

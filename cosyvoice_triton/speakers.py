@@ -21,6 +21,7 @@ import re
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,12 +121,35 @@ class SpeakerStore:
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, SpeakerPrompt] = OrderedDict()
         self._on_disk: set[str] = set()
+        self._forget: list[Callable[[SpeakerPrompt], None]] = []
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._scan()
 
     def _path(self, speaker_id: str) -> Path:
         return self.directory / f"{speaker_id}.npz"
+
+    def on_forget(self, callback: Callable[[SpeakerPrompt], None]) -> None:
+        """Call ``callback(prompt)`` with a speaker's prompt when :meth:`delete` removes it or :meth:`put`
+        replaces it (e.g. to drop what was computed from it: :class:`~.speaker_state.SpeakerState`)."""
+        self._forget.append(callback)
+
+    def _forgotten(self, prompt: SpeakerPrompt | None) -> None:
+        for callback in self._forget if prompt is not None else ():
+            try:
+                callback(prompt)
+            except Exception:  # a listener's failure must not undo the store's change
+                log.exception("speaker store: an on_forget callback failed")
+
+    def _known_prompt(self, speaker_id: str) -> SpeakerPrompt | None:
+        """The prompt now under ``speaker_id`` for the listeners (read back from its file when it is no longer
+        in memory; None without listeners or speaker). Called under the lock."""
+        if not self._forget:
+            return None
+        prompt = self._cache.get(speaker_id)
+        if prompt is None and speaker_id in self._on_disk:
+            prompt = self._load(self._path(speaker_id))
+        return prompt
 
     def _scan(self) -> None:
         entries = sorted((p for p in self.directory.iterdir() if p.is_file()), key=lambda p: p.stat().st_mtime)
@@ -187,6 +211,7 @@ class SpeakerStore:
                 known = speaker_id in self._cache or speaker_id in self._on_disk
                 if known and not overwrite:
                     raise SpeakerError(f"speaker {speaker_id!r} already exists (overwrite=False)")
+                old = self._known_prompt(speaker_id) if known else None
                 if tmp is not None:
                     if not known and len(self._on_disk) >= self.max_persisted:
                         raise SpeakerError(f"cannot add speaker {speaker_id!r}: the store holds max_persisted="
@@ -198,6 +223,7 @@ class SpeakerStore:
         finally:
             if tmp is not None:
                 os.unlink(tmp)
+        self._forgotten(old)
 
     def get(self, speaker_id: str) -> SpeakerPrompt:
         """The prompt registered under ``speaker_id``; :class:`SpeakerError` if there is none."""
@@ -220,12 +246,14 @@ class SpeakerStore:
         """Forget ``speaker_id`` and remove its file; :class:`SpeakerError` if it is unknown."""
         validate_speaker_id(speaker_id)
         with self._lock:
+            old = self._known_prompt(speaker_id)
             in_memory = self._cache.pop(speaker_id, None) is not None
             if speaker_id in self._on_disk:
                 self._on_disk.discard(speaker_id)
                 self._path(speaker_id).unlink(missing_ok=True)
             elif not in_memory:
                 raise SpeakerError(f"unknown speaker {speaker_id!r}")
+        self._forgotten(old)
 
     def list(self) -> list[str]:
         """All registered ids, sorted."""

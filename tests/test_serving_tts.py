@@ -375,7 +375,10 @@ def test_http_generate_stream_serves_the_decoupled_model(server, prompt):
 
 
 def test_registered_speaker_equals_its_prompt(server, prompt):
-    """TTS by speaker_id (fetched from the speakers model by BLS) == TTS with the same prompt audio and text."""
+    """TTS by speaker_id (fetched from the speakers model by BLS) == TTS with the same prompt audio and text.
+
+    A speaker's requests prefill the LM after the shared KV cache of sos + its transcript (lm_prefix_cache_mb):
+    the first computes it, the second reuses it; both equal the prompt-audio request, which prefills all."""
     from cosyvoice_triton.clients.client import VCClient
 
     wave, sr = prompt
@@ -383,7 +386,9 @@ def test_registered_speaker_equals_its_prompt(server, prompt):
         c.register_speaker("tts_alice", wave, prompt_sr=sr, prompt_text=PROMPT_TEXT)
         try:
             by_id = c.tts(TEXT, speaker_id="tts_alice", seed=SEED)
+            again = c.tts(TEXT, speaker_id="tts_alice", seed=SEED)
             by_audio = c.tts(TEXT, prompt=wave, prompt_sr=sr, prompt_text=PROMPT_TEXT, seed=SEED)
         finally:
             c.delete_speaker("tts_alice")
     np.testing.assert_allclose(by_id.waveform, by_audio.waveform, atol=1e-5)
+    np.testing.assert_array_equal(again.waveform, by_id.waveform)

@@ -64,7 +64,7 @@ from .estimator import Attention, BasicTransformerBlock, CausalConditionalDecode
 from .flow import CausalMaskedDiffWithXvec
 
 __all__ = ["DEFAULT_MAX_CACHE_BYTES", "FlowStreamState", "cache_bytes_per_frame", "estimator_step",
-           "incremental_chunk"]
+           "incremental_chunk", "prompt_state"]
 
 #: Default cap on one stream's cached state (2 GiB): about 460 settled mel frames (9 s) at full dims.
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
@@ -272,6 +272,34 @@ class FlowStreamState:
     def reset(self) -> None:
         self.tokens, self.mel = 0, None
         self.encoder, self.steps = (_Cache(), _Cache()), []
+
+    def copy(self) -> FlowStreamState:
+        """A state to continue from, leaving this one as it is: new lists over the same tensors (a chunk
+        extends a cache by concatenation and replaces the list entries, never a tensor in place)."""
+        def fresh(c: _Cache) -> _Cache:
+            return _Cache(list(c.kv), list(c.tails))
+
+        return FlowStreamState(self.max_cache_bytes, self.tokens, self.mel, (fresh(self.encoder[0]),
+                               fresh(self.encoder[1])), [fresh(c) for c in self.steps], self.active)
+
+
+def prompt_state(flow: CausalMaskedDiffWithXvec, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *,
+                 max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES) -> FlowStreamState | None:
+    """The state of a stream after the prompt's settled frames, before any source token: every whole
+    attention chunk of the prompt whose look-ahead tokens are prompt tokens too (the first
+    ``((Tp - P) // 25) * 25`` tokens). No later token can change those frames (see the module docstring), so
+    every stream with this prompt (a registered speaker) can start from a :meth:`~FlowStreamState.copy` of it.
+    ``None`` when the prompt is shorter than one chunk plus the look-ahead, or the state would pass the cap.
+    """
+    chunk, p_len = flow.encoder.static_chunk_size, flow.pre_lookahead_len
+    settled = max(prompt_token.shape[1] - p_len, 0) // chunk * chunk
+    if settled == 0:
+        return None
+    state = FlowStreamState(max_cache_bytes)
+    ratio = flow.token_mel_ratio
+    mel = incremental_chunk(flow, state, prompt_token[:, settled: settled + p_len], prompt_token[:, :settled],
+                            prompt_feat[:, : ratio * settled], embedding)
+    return None if mel is None else state
 
 
 def incremental_chunk(flow: CausalMaskedDiffWithXvec, state: FlowStreamState, token: Tensor, prompt_token: Tensor,

@@ -27,6 +27,7 @@ with a key mask and per-row position ids; requests join (prefilled one at a time
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -160,6 +161,28 @@ class LMRequest:
     min_token_text_ratio: float = 2
     max_token_text_ratio: float = 20
     on_step: Callable[[int, torch.Tensor], None] | None = None
+    prefix: LMPrefix | None = None
+
+
+@dataclass(frozen=True)
+class LMPrefix:
+    """The KV cache of the first positions of an LM input that only the prompt decides: sos and the prompt
+    text tokens (the text to speak follows them; the task id and the prompt speech tokens come after the
+    text, so no later position can be shared). Made by :meth:`Qwen2LM.prefix`; a request whose
+    ``prompt_text_tokens`` are these tokens (``LMRequest.prefix``) prefills only the positions after it.
+    ``nbytes``: memory of the keys and values."""
+
+    prompt_text_tokens: tuple[int, ...]
+    cache: Any  # transformers DynamicCache [1, kv_heads, length, head_dim] per layer, never extended in place
+    length: int
+    nbytes: int
+
+    def extendable(self) -> Any:
+        """A cache to continue from: a copy of the layer list (the tensors are shared; transformers extends a
+        layer by concatenation, which leaves these tensors as they are)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        return cache
 
 
 MODES = ("zero_shot", "cross_lingual", "instruct")
@@ -213,6 +236,7 @@ class _Row:
     max_len: int
     on_step: Callable[[int, torch.Tensor], None] | None
     prompt: torch.Tensor | None  # [1, T, D] until prefilled
+    prefix: LMPrefix | None = None
     length: int = 0  # positions held in the KV cache
     tokens: list[int] = field(default_factory=list)
     hit_max_len: bool = False
@@ -276,7 +300,7 @@ class Qwen2LM(nn.Module):
             t = tokens.detach().cpu()
         else:
             try:
-                t = torch.as_tensor(np.asarray(tokens))
+                t = torch.as_tensor(np.array(tokens))  # a copy: read-only arrays (a registered speaker's) too
             except (TypeError, ValueError) as exc:
                 raise LLMError(f"{name}: not a sequence of token ids ({exc})") from exc
         if t.dim() == 2 and t.shape[0] == 1:
@@ -319,6 +343,18 @@ class Qwen2LM(nn.Module):
             ]
             return torch.cat(parts)[None]
 
+    @torch.inference_mode()
+    def prefix(self, prompt_text_tokens: Any = ()) -> LMPrefix:
+        """The KV cache of sos and ``prompt_text_tokens`` (see :class:`LMPrefix`), to share between requests
+        with this prompt text (a registered speaker's transcript, an instruction)."""
+        prompt_text = self._tokens(prompt_text_tokens, "prompt_text_tokens", self.text_vocab_size, allow_empty=True)
+        device = self.llm_decoder.weight.device
+        embeds = torch.cat([self.llm_embedding.weight[self.sos : self.sos + 1],
+                            self.qwen.embed_tokens(prompt_text.to(device))])[None]
+        cache = self.qwen(inputs_embeds=embeds, use_cache=True).past_key_values
+        nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        return LMPrefix(tuple(int(t) for t in prompt_text), cache, embeds.shape[1], nbytes)
+
     @staticmethod
     def length_bounds(text_len: int, min_token_text_ratio: float, max_token_text_ratio: float) -> tuple[int, int]:
         """``(min_len, max_len)`` as the official code computes them (an int32 length times a float, in
@@ -345,16 +381,19 @@ class Qwen2LM(nn.Module):
         min_token_text_ratio: float = 2,
         max_token_text_ratio: float = 20,
         on_step: Callable[[int, torch.Tensor], None] | None = None,
+        prefix: LMPrefix | None = None,
     ) -> LMStream:
         """Speech tokens of one text, yielded as they are sampled (an :class:`LMStream`).
 
         Inputs are checked before this returns (:class:`~cosyvoice_triton.errors.LLMError`); decoding runs as
         the stream is consumed. ``sampling``: defaults to the yaml's. ``draws``: see
-        :func:`.sampling.make_draw` (``None``: PyTorch's global generator).
+        :func:`.sampling.make_draw` (``None``: PyTorch's global generator). ``prefix``: the shared KV cache of
+        sos and ``prompt_text_tokens`` (:meth:`prefix`).
         """
         decoder = self.batch_decoder(sampling)
         request = LMRequest(text_tokens, prompt_text_tokens, prompt_speech_tokens, draws=draws, on_step=on_step,
-                            min_token_text_ratio=min_token_text_ratio, max_token_text_ratio=max_token_text_ratio)
+                            min_token_text_ratio=min_token_text_ratio, max_token_text_ratio=max_token_text_ratio,
+                            prefix=prefix)
         return LMStream(decoder, decoder.add(request))
 
     def generate_batch(self, requests: Sequence[LMRequest], *, sampling: SamplingConfig | None = None,
@@ -465,7 +504,9 @@ class BatchDecoder:
                 f"prompt of {prompt.shape[1]} positions plus up to {max_len} speech tokens exceeds the model's "
                 f"{self.lm.max_positions} positions; split the text"
             )
-        row = _Row(request_id, make_draw(request.draws), min_len, max_len, request.on_step, prompt)
+        if request.prefix is not None and request.prefix.prompt_text_tokens != tuple(tokens[1].tolist()):
+            raise LLMError("the request's LMPrefix was made for other prompt text tokens")
+        row = _Row(request_id, make_draw(request.draws), min_len, max_len, request.on_step, prompt, request.prefix)
         self._rows[request_id] = row
         if max_len == 0:  # the official loop runs no step at all
             row.hit_max_len = row.done = True
@@ -537,9 +578,15 @@ class BatchDecoder:
     # ----------------------------------------------------------------------------------- cache handling
 
     def _prefill(self, row: _Row) -> torch.Tensor:
-        out = self.lm.qwen(inputs_embeds=row.prompt, use_cache=True)
+        if row.prefix is None:
+            out = self.lm.qwen(inputs_embeds=row.prompt, use_cache=True)
+        else:  # the positions after the shared prefix, on a copy of its cache
+            start = row.prefix.length
+            positions = torch.arange(start, row.prompt.shape[1], device=self._device)[None]
+            out = self.lm.qwen(inputs_embeds=row.prompt[:, start:], position_ids=positions,
+                               past_key_values=row.prefix.extendable(), use_cache=True)
         row.length = row.prompt.shape[1]
-        row.prompt = None
+        row.prompt = row.prefix = None
         cache = out.past_key_values
         valid = torch.ones(1, row.length, dtype=torch.bool, device=self._device)
         if self._cache is None:

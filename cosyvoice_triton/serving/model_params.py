@@ -59,6 +59,8 @@ _TTS_SERVICE = (
     Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
     Param("max_seconds", float, 30.0, "longest accepted prompt audio"),
     *_PROMPT_CACHE,
+    Param("lm_prefix_cache_mb", float, 64.0, "MiB of LM prefixes (KV cache of sos + a registered speaker's "
+          "transcript) kept by content, so its requests prefill only what follows (0: off)"),
     Param("speakers_model", str, "speakers", "the Triton model of registered speakers (speaker_id)"),
     Param("stage_suffix", str, "", "appended to the names of the graphs and of flow / hift it calls ('_tts': "
           "the TTS task's own copies, tunable task_isolation)"),

@@ -44,6 +44,7 @@ from ..errors import LLMError, TextError
 from ..models.llm import QWEN_DIR, LMRequest, load_llm
 from ..pipeline import lm_prompt
 from ..prompt_cache import PromptCache
+from ..speaker_state import SpeakerState
 from ..speakers import SpeakerPrompt
 from ..streaming import StreamSchedule
 from .batching import RequestError
@@ -99,6 +100,7 @@ class TTSPlan:
     prompt: SpeakerPrompt
     seed: int
     mode: str
+    speaker_id: str | None = None
 
 
 class TTSService:
@@ -118,6 +120,8 @@ class TTSService:
             ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
         lm_precision: ``fp32`` or ``int8`` (:mod:`~..models.lm_quant`).
         stream_schedule: the streaming hops (:class:`~..streaming.StreamSchedule`; None: the official ones).
+        lm_prefix_cache_mb: a registered speaker's requests share the LM's KV cache of sos + its transcript
+            (:class:`~..speaker_state.SpeakerState`, keyed by the tokens: never stale; 0: off).
     """
 
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
@@ -126,7 +130,7 @@ class TTSService:
                  n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
                  prompt_cache: PromptCache | None = None,
                  device: str = "cpu", output: Mapping[str, Any] | None = None, lm_precision: str = "fp32",
-                 stream_schedule: StreamSchedule | None = None):
+                 stream_schedule: StreamSchedule | None = None, lm_prefix_cache_mb: float = 64.0):
         from ..frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
@@ -138,6 +142,7 @@ class TTSService:
         self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars)
         self.lm = load_llm(model_dir, self.config, device=device, precision=lm_precision)
         self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
+        self.prefixes = SpeakerState(int(lm_prefix_cache_mb * (1 << 20))) if lm_prefix_cache_mb > 0 else None
         self.pre = Preprocessor(self.config.mel, sample_rate=self.config.sample_rate, min_seconds=min_seconds,
                                 max_seconds=max_seconds, prompt_cache=prompt_cache, model_id=str(model_dir.resolve()))
         self.graphs = graphs
@@ -194,7 +199,7 @@ class TTSService:
         else:
             speaker = self.prompt(t, prompt_text)
         mode, lm_text, lm_speech = lm_prompt(self.text, speaker, mode=mode, instruct=instruct)
-        return TTSPlan([], lm_text, lm_speech, speaker, seed, mode)
+        return TTSPlan([], lm_text, lm_speech, speaker, seed, mode, speaker_id)
 
     def prompt(self, t: Mapping[str, np.ndarray | None], prompt_text: str | None) -> SpeakerPrompt:
         """``CosyVoice2.prompt`` with the graphs: tokens, mel (cut to 2 frames per token), embedding, transcript."""
@@ -216,8 +221,11 @@ class TTSService:
         draws = torch.Generator().manual_seed(plan.seed)
         for n, (text, ids) in enumerate(plan.segments, 1):
             last_segment = n == len(plan.segments)
+            prefix = None
+            if plan.speaker_id is not None and self.prefixes is not None:
+                prefix = self.prefixes.lm_prefix(self.lm, plan.lm_prompt_text_tokens)
             job = self.engine.submit(LMRequest(ids, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
-                                               draws=draws), cancelled=cancelled)
+                                               draws=draws, prefix=prefix), cancelled=cancelled)
             try:
                 tokens = job.tokens()
                 if stream:
@@ -457,5 +465,5 @@ def build_service(pb, p: Mapping[str, Any]) -> TTSService:
                       wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
                       n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
                       max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
-                      stream_schedule=stream_schedule(p),
+                      stream_schedule=stream_schedule(p), lm_prefix_cache_mb=p["lm_prefix_cache_mb"],
                       prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))

@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from . import audio, compat
+from . import audio, compat, page
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, error_body, install_handlers
@@ -208,6 +208,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
                                                                     "x-sample-rate": str(int(first[1]))})
 
     app.include_router(compat.router(config, _streamed))
+    app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
 
     @app.get(VOICES_PATH)
     async def voices(request: Request):

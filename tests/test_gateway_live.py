@@ -2,7 +2,11 @@
 ``triton_server``: local flavor, tiny demo model), with OpenAI's own Python client: every response format decoded
 back and equal to what Triton answers directly (within 16-bit rounding for the lossless formats), streams (raw
 audio and server-sent events) equal to Triton's own stream, Triton's refusals by status code (plain and streamed),
-and the limits (oversize, deep JSON, gzip body, bad key, too many requests) with innocent requests around them."""
+and the limits (oversize, deep JSON, gzip body, bad key, too many requests) with innocent requests around them.
+CosyVoice's own API (the official FastAPI server's form routes, and ``/inference_vc``) with real clients: ``curl``
+and the official ``runtime/python/fastapi/client.py`` itself, unchanged (from ``$COSYVOICE_OFFICIAL_GIT``, a git
+folder of FunAudioLLM/CosyVoice; default ../.mirror/FunAudioLLM+CosyVoice/repo; skipped without it), on a second
+gateway without keys: each answer equal to Triton's own stream for the same request."""
 
 from __future__ import annotations
 
@@ -11,17 +15,19 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
 import urllib.request
+from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, ROOT, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -33,6 +39,11 @@ LONG_TEXT = ("This is a much longer sentence that keeps the language model busy 
 PROMPT_TEXT = "the prompt says hello"
 SEED = 5
 MAX_BODY = 300_000
+OPEN_MAX_BODY = 1_000_000
+INSTRUCT = "Speak slowly."
+OFFICIAL_GIT = Path(os.environ.get("COSYVOICE_OFFICIAL_GIT") or ROOT.parent / ".mirror" / "FunAudioLLM+CosyVoice"
+                    / "repo")
+OFFICIAL_COMMIT = "ace7c47"
 
 pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 
@@ -47,17 +58,15 @@ def triton(triton_server):
         c.delete_speaker(VOICE)
 
 
-@pytest.fixture(scope="module")
-def gateway(triton, triton_server, tmp_path_factory):
+@contextlib.contextmanager
+def _gateway_process(triton_server, log: Path, *args: str):
     from cosyvoice_triton.serving.server import free_ports
 
     port = free_ports(1)[0]
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                 triton_server.grpc_url, "--port", str(port), "--api-key", KEY,
-                                 "--max-concurrency-per-key", "1", "--max-body-bytes", str(MAX_BODY),
-                                 "--max-json-depth", "8"], stdout=out, stderr=subprocess.STDOUT)
+                                 triton_server.grpc_url, "--port", str(port), *args], stdout=out,
+                                stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def healthy():
@@ -68,7 +77,7 @@ def gateway(triton, triton_server, tmp_path_factory):
 
     try:
         wait_until(healthy, "the gateway's /health")
-        yield url, log
+        yield url
     finally:
         proc.terminate()
         try:
@@ -76,6 +85,22 @@ def gateway(triton, triton_server, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gateway(triton, triton_server, tmp_path_factory):
+    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
+    with _gateway_process(triton_server, log, "--api-key", KEY, "--max-concurrency-per-key", "1",
+                          "--max-body-bytes", str(MAX_BODY), "--max-json-depth", "8") as url:
+        yield url, log
+
+
+@pytest.fixture(scope="module")
+def open_gateway(triton, triton_server, tmp_path_factory):
+    """No API keys, as the official server (its client sends none)."""
+    log = tmp_path_factory.mktemp("open_gateway") / "gateway.log"
+    with _gateway_process(triton_server, log, "--max-body-bytes", str(OPEN_MAX_BODY)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +269,152 @@ def test_request_ids_reach_the_log(client, gateway):
                    timeout=PATIENCE_S)
     assert r.status_code == 200 and r.headers["x-request-id"] == "live-rid-7"
     wait_until(lambda: "[live-rid-7]" in gateway[1].read_text(), "the request id in the gateway's log")
+
+
+# ------------------------------------------------------------------- CosyVoice's own API, with real clients
+
+
+def _pcm16(chunks) -> np.ndarray:
+    from cosyvoice_triton.gateway.audio import pcm16
+
+    return pcm16(np.concatenate([c.waveform for c in chunks]))
+
+
+@pytest.fixture(scope="module")
+def expected(triton):
+    """Triton's own stream for each official mode (the same prompt and text, the server's default seed)."""
+    prompt = str(FIXTURES / "prompt_en_3s.wav")
+    source = str(FIXTURES / "source_en_5s.wav")
+    requests = {
+        "sft": lambda: triton.tts_stream(TEXT, speaker_id=VOICE),
+        "zero_shot": lambda: triton.tts_stream(TEXT, prompt=prompt, prompt_text=PROMPT_TEXT, mode="zero_shot"),
+        "cross_lingual": lambda: triton.tts_stream(TEXT, prompt=prompt, mode="cross_lingual"),
+        "instruct2": lambda: triton.tts_stream(TEXT, prompt=prompt, instruct=INSTRUCT + "<|endofprompt|>",
+                                               mode="instruct"),
+        "vc": lambda: triton.convert_stream(source, prompt),
+        "vc_speaker": lambda: triton.convert_stream(source, speaker_id=VOICE),
+    }
+    done: dict[str, np.ndarray] = {}
+
+    def get(mode: str) -> np.ndarray:
+        if mode not in done:
+            done[mode] = _pcm16(list(requests[mode]()))
+        return done[mode]
+
+    return get
+
+
+def _curl(url: str, tmp_path: Path, *args: str) -> tuple[int, bytes, str]:
+    """``curl`` itself: (status, body, headers); the body written as it streams in (``-N``)."""
+    body, head = tmp_path / "curl.body", tmp_path / "curl.head"
+    body.unlink(missing_ok=True)
+    out = subprocess.run(["curl", "-sS", "-N", "--max-time", str(int(PATIENCE_S)), "-o", str(body), "-D", str(head),
+                          "-w", "%{http_code}", *args, url], capture_output=True, text=True, timeout=PATIENCE_S + 30)
+    status = int(out.stdout.strip()[-3:] or 0)
+    assert status, f"curl got no answer: {out.stderr}"
+    return status, body.read_bytes() if body.exists() else b"", head.read_text()
+
+
+def _heard(status: int, body: bytes, head: str, want: np.ndarray) -> np.ndarray:
+    assert status == 200, body[:300]
+    assert re.search(r"^x-sample-rate: 24000\r?$", head, re.M | re.I), head
+    assert len(body) % 2 == 0
+    pcm = np.frombuffer(body, "<i2")
+    assert pcm.size > 0.2 * 24000 and np.abs(pcm).max() > 100  # plausible length, not silence
+    np.testing.assert_array_equal(pcm, want)
+    return pcm
+
+
+def _error(status: int, body: bytes, head: str, want: int, param=None, code=None) -> dict:
+    assert status == want, body[:300]
+    err = json.loads(body)["error"]
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_official_forms_with_curl(open_gateway, expected, tmp_path):
+    prompt = f"prompt_wav=@{FIXTURES / 'prompt_en_3s.wav'}"
+    # as the official client sends them: a multipart form in a GET
+    _heard(*_curl(open_gateway + "/inference_sft", tmp_path, "-X", "GET", "-F", f"tts_text={TEXT}",
+                  "-F", f"spk_id={VOICE}"), expected("sft"))
+    _heard(*_curl(open_gateway + "/inference_sft", tmp_path, "--data-urlencode", f"tts_text={TEXT}",
+                  "--data-urlencode", f"spk_id={VOICE}"), expected("sft"))  # a urlencoded POST
+    _heard(*_curl(open_gateway + "/inference_zero_shot", tmp_path, "-F", f"tts_text={TEXT}",
+                  "-F", f"prompt_text={PROMPT_TEXT}", "-F", prompt), expected("zero_shot"))
+    _heard(*_curl(open_gateway + "/inference_cross_lingual", tmp_path, "-F", f"tts_text={TEXT}", "-F", prompt),
+           expected("cross_lingual"))
+    _heard(*_curl(open_gateway + "/inference_instruct2", tmp_path, "-F", f"tts_text={TEXT}",
+                  "-F", f"instruct_text={INSTRUCT}", "-F", prompt), expected("instruct2"))
+
+
+def test_voice_conversion_with_curl(open_gateway, expected, tmp_path):
+    source = f"source_wav=@{FIXTURES / 'source_en_5s.wav'}"
+    _heard(*_curl(open_gateway + "/inference_vc", tmp_path, "-F", source,
+                  "-F", f"prompt_wav=@{FIXTURES / 'prompt_en_3s.wav'}"), expected("vc"))
+    _heard(*_curl(open_gateway + "/inference_vc", tmp_path, "-F", source, "-F", f"spk_id={VOICE}"),
+           expected("vc_speaker"))
+
+
+def _official_client(tmp_path: Path) -> Path:
+    if not (OFFICIAL_GIT / "HEAD").exists():
+        pytest.skip(f"no git folder of the official CosyVoice at {OFFICIAL_GIT} (set COSYVOICE_OFFICIAL_GIT)")
+    client = tmp_path / "official" / "client.py"
+    client.parent.mkdir()
+    client.write_bytes(subprocess.run(["git", "-C", str(OFFICIAL_GIT), "show",
+                                       f"{OFFICIAL_COMMIT}:runtime/python/fastapi/client.py"],
+                                      capture_output=True, check=True).stdout)
+    # PyPI's torchaudio does not load with the CPU torch here; the client uses it only to write its wav
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "torchaudio.py").write_text("import soundfile\n\n\ndef save(path, tensor, sample_rate):\n"
+                                        "    soundfile.write(path, tensor.numpy().T, sample_rate, subtype='PCM_16')\n")
+    return client
+
+
+def test_the_official_client_unchanged(open_gateway, expected, tmp_path):
+    client = _official_client(tmp_path)
+    port = open_gateway.rsplit(":", 1)[1]
+    prompt = str(FIXTURES / "prompt_en_3s.wav")
+    modes = {"sft": ["--spk_id", VOICE], "zero_shot": ["--prompt_text", PROMPT_TEXT, "--prompt_wav", prompt],
+             "cross_lingual": ["--prompt_wav", prompt]}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "stub")}
+    for mode, args in modes.items():
+        out = tmp_path / f"{mode}.wav"
+        run = subprocess.run([sys.executable, str(client), "--host", "127.0.0.1", "--port", port, "--mode", mode,
+                              "--tts_text", TEXT, "--tts_wav", str(out), *args], capture_output=True, text=True,
+                             env=env, timeout=PATIENCE_S)
+        assert run.returncode == 0, run.stderr[-2000:]
+        # the client writes its samples as they came (its header says 22050 Hz: its CosyVoice 1 default rate)
+        got, _ = sf.read(out, dtype="int16")
+        np.testing.assert_array_equal(got, expected(mode))
+
+
+def test_official_forms_bad_inputs_and_innocent_ones_around_them(open_gateway, gateway, expected, tmp_path):
+    sft = ["-F", f"tts_text={TEXT}", "-F", f"spk_id={VOICE}"]
+    _heard(*_curl(open_gateway + "/inference_sft", tmp_path, *sft), expected("sft"))
+    _error(*_curl(open_gateway + "/inference_sft", tmp_path, "-F", f"tts_text={TEXT}"), 400, param="spk_id")
+    _error(*_curl(open_gateway + "/inference_zero_shot", tmp_path, "-F", f"tts_text={TEXT}",
+                  "-F", f"prompt_wav=@{FIXTURES / 'prompt_en_3s.wav'}"), 400, param="prompt_text")
+    big = tmp_path / "big.wav"
+    big.write_bytes((FIXTURES / "prompt_en_3s.wav").read_bytes() * (OPEN_MAX_BODY // 100_000))
+    _error(*_curl(open_gateway + "/inference_cross_lingual", tmp_path, "-F", f"tts_text={TEXT}",
+                  "-F", f"prompt_wav=@{big}"), 413, code="body_too_large")
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"this is not audio at all\n" * 100)
+    _error(*_curl(open_gateway + "/inference_cross_lingual", tmp_path, "-F", f"tts_text={TEXT}",
+                  "-F", f"prompt_wav=@{junk}"), 400, param="prompt_wav", code="invalid_audio")
+    _error(*_curl(open_gateway + "/inference_vc", tmp_path, "-F", f"source_wav=@{junk}", "-F", f"spk_id={VOICE}"),
+           400, param="source_wav", code="invalid_audio")
+    err = _error(*_curl(open_gateway + "/inference_sft", tmp_path, "-F", f"tts_text={TEXT}",
+                        "-F", "spk_id=nobody_registered"), 400, code="invalid_value")  # Triton's INVALID_ARGUMENT
+    assert "nobody_registered" in err["message"]
+    _error(*_curl(open_gateway + "/inference_instruct", tmp_path, *sft, "-F", f"instruct_text={INSTRUCT}"), 400,
+           code="unsupported_mode")
+    _error(*_curl(gateway[0] + "/inference_sft", tmp_path, *sft), 401)  # a gateway with keys wants one here too
+    _heard(*_curl(gateway[0] + "/inference_sft", tmp_path, *sft, "-H", f"authorization: Bearer {KEY}"),
+           expected("sft"))
+    _heard(*_curl(open_gateway + "/inference_sft", tmp_path, *sft), expected("sft"))

@@ -1,8 +1,9 @@
 """The Kubernetes manifests (deploy/k8s): every built-in object validated against the Kubernetes OpenAPI schemas of
 ``kubernetes-validate`` (strict: an unknown field fails), and the pieces checked against each other and against
-the image (ports, probes on Triton's health endpoints, the non-root user of Dockerfile.triton, the grace period
-against the supervisor's exit timeout, the HPA's metrics against the adapter's rules). That the adapter's queries
-name metrics a live server exposes is checked in tests/test_hardening_live.py."""
+the image (the gateway the only way in: Triton bound to the pod's loopback, the Service exposing the gateway's
+port alone, probes on Triton's health endpoints from inside the pod, the non-root user of Dockerfile.triton, the
+grace period against the supervisor's exit timeout, the HPA's metrics against the adapter's rules). That the
+adapter's queries name metrics a live server exposes is checked in tests/test_hardening_live.py."""
 
 from __future__ import annotations
 
@@ -36,8 +37,14 @@ def _one(kind: str, name: str = "cosyvoice-triton") -> dict:
     return found[0]
 
 
-def _container() -> dict:
-    return _one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+def _container(name: str = "triton") -> dict:
+    found = [c for c in _one("Deployment")["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    assert len(found) == 1, f"container {name}: {len(found)} found"
+    return found[0]
+
+
+def _env(container: dict, name: str) -> str:
+    return next(e["value"] for e in container["env"] if e["name"] == name)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -59,7 +66,8 @@ def test_every_builtin_object_matches_the_kubernetes_schema(version):
 def test_the_schema_check_catches_a_mistake():
     bad = _one("Deployment")
     bad = yaml.safe_load(yaml.safe_dump(bad))
-    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["prot"] = 8000
+    gateway = next(c for c in bad["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway")
+    gateway["readinessProbe"]["httpGet"]["prot"] = 8080
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
 
@@ -67,10 +75,12 @@ def test_the_schema_check_catches_a_mistake():
 def test_gpu_probes_and_ports(tmp_path):
     c = _container()
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
-    assert c["livenessProbe"]["httpGet"] == {"path": "/v2/health/live", "port": "http"}
+    assert "ports" not in c  # Triton listens on the pod's loopback only
+    # the kubelet cannot reach loopback: the probes run inside the container, on Triton's own health endpoints
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live")):
+        command = c[probe]["exec"]["command"]
+        assert command[:2] == ["python3", "-c"] and f"'http://127.0.0.1:8000{path}'" in command[2]
+        assert c[probe]["timeoutSeconds"] > float(re.search(r"timeout=(\d+)", command[2]).group(1))
     # the startup probe waits for the supervisor's warm file, in the work dir container_start.sh gives it
     start = (ROOT / "export" / "container_start.sh").read_text()
     assert '--work-dir "$BUILD_DIR/triton"' in start
@@ -87,23 +97,62 @@ def test_gpu_probes_and_ports(tmp_path):
     assert live["periodSeconds"] * live["failureThreshold"] >= 45
 
 
-def test_service_exposes_the_container_ports_and_selects_the_pods():
+def test_service_exposes_only_the_gateway_and_selects_the_pods():
     svc, dep = _one("Service"), _one("Deployment")
     labels = dep["spec"]["template"]["metadata"]["labels"]
     assert all(labels.get(k) == v for k, v in svc["spec"]["selector"].items())
     assert all(labels.get(k) == v for k, v in dep["spec"]["selector"]["matchLabels"].items())
-    names = {p["name"] for p in _container()["ports"]}
-    assert {p["targetPort"] for p in svc["spec"]["ports"]} == names
-    assert svc["spec"]["type"] == "ClusterIP"  # nothing leaves the cluster without the proxy in front
+    containers = dep["spec"]["template"]["spec"]["containers"]
+    declared = {p["name"]: (c["name"], p["containerPort"]) for c in containers for p in c.get("ports", [])}
+    assert declared == {"gateway": ("gateway", 8080)}, declared
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [("http", 8080, "gateway")]
+    assert not {8000, 8001, 8002} & {p["port"] for p in svc["spec"]["ports"]}
+    assert svc["spec"]["type"] == "ClusterIP"  # nothing leaves the cluster without an ingress in front
 
 
-def test_scrape_config_points_at_the_metrics_port():
+def test_triton_binds_loopback_and_the_gateway_reaches_it_there(tmp_path):
+    triton, gateway = _container("triton"), _container("gateway")
+    assert triton["image"] == gateway["image"]  # the image holds the gateway's entry point
+    assert _env(triton, "TRITON_HOST") == "127.0.0.1"
+    start = (ROOT / "export" / "container_start.sh").read_text()
+    assert '--host "${TRITON_HOST:-0.0.0.0}"' in start
+    assert re.search(r"--http-port 8000 --grpc-port 8001 --metrics-port 8002", start)
+    from cosyvoice_triton.serving.server import TritonServer, find_installation
+
+    try:
+        find_installation()
+    except Exception as exc:  # no tritonserver here: its flags cannot be listed
+        pytest.skip(f"no tritonserver: {exc}")
+    (tmp_path / "repo").mkdir()
+    cmd = TritonServer(tmp_path / "repo", work_dir=tmp_path / "triton", host="127.0.0.1", http_port=8000,
+                       grpc_port=8001, metrics_port=8002).command()
+    for flag in ("--http-address", "--grpc-address", "--metrics-address"):  # the supervisor's --host
+        assert f"{flag}=127.0.0.1" in cmd, cmd
+    command = gateway["command"] + gateway["args"]
+    assert command[:3] == ["python3", "-m", "cosyvoice_triton.gateway"]
+    from cosyvoice_triton.gateway.config import from_args
+
+    config = from_args(gateway["args"])
+    assert (config.host, config.port) == ("0.0.0.0", 8080)
+    assert config.triton_grpc == "127.0.0.1:8001" and config.triton_metrics == "http://127.0.0.1:8002/metrics"
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "gateway"}
+    assert gateway["livenessProbe"]["tcpSocket"] == {"port": "gateway"}
+    sec = gateway["securityContext"]
+    assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"]
+    if sec.get("readOnlyRootFilesystem"):  # uploads are spooled to /tmp
+        assert "/tmp" in {m["mountPath"] for m in gateway["volumeMounts"]}
+    assert "8080" in re.search(r"^EXPOSE (.*)$", (ROOT / "Dockerfile.triton").read_text(), re.M).group(1).split()
+
+
+def test_scrape_config_points_at_the_gateways_metrics():
+    """One scrape target per pod: the gateway's /metrics, which carries Triton's metrics (read on loopback)."""
     dep, mon = _one("Deployment"), _one("ServiceMonitor")
     ann = dep["spec"]["template"]["metadata"]["annotations"]
-    metrics = next(p["containerPort"] for p in _container()["ports"] if p["name"] == "metrics")
-    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == metrics
+    gateway = next(p["containerPort"] for p in _container("gateway")["ports"] if p["name"] == "gateway")
+    assert ann["prometheus.io/scrape"] == "true" and int(ann["prometheus.io/port"]) == gateway
     assert ann["prometheus.io/path"] == "/metrics"
-    assert mon["spec"]["endpoints"][0]["port"] == "metrics"
+    assert mon["spec"]["endpoints"][0]["port"] == _one("Service")["spec"]["ports"][0]["name"]
+    assert mon["spec"]["endpoints"][0]["path"] == "/metrics"
     assert mon["spec"]["selector"]["matchLabels"] == _one("Service")["metadata"]["labels"]
     job = yaml.safe_load(_one("ConfigMap", "cosyvoice-triton-prometheus-scrape")["data"]["scrape-job.yml"])
     targets = {r.get("target_label") for r in job[0]["relabel_configs"]}

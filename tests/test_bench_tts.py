@@ -46,11 +46,24 @@ def test_bench_tts_figures(demo_dir, tmp_path, capsys):
     assert "int8 LM: decode tokens/s, batch 3" in text
     assert re.search(r"target int8 batch-1 decode >= 25 tokens/s within the bar: (met|missed)", text)
     assert re.search(r"target int8 batch 3 >= 3.0x batch 1: (met|missed)", text)
+    assert re.search(r"target fp32 batch-1 decode >= 25 tokens/s: (met|missed)", text)
+    # the first streamed chunks: a registered speaker's TTS (its state cached after the cold call) and VC
+    fc = r["first_chunk"]
+    for kind in ("tts", "vc"):
+        best, cold = fc[kind]["best"], fc[kind]["cold"]
+        assert best["first_chunk_s"] > 0 and best["samples"] > 0 and cold["first_chunk_s"] > 0
+        assert sum(best["stages_s"].values()) <= best["first_chunk_s"] + 1e-3
+    assert fc["tts"]["best"]["first_hop_tokens"] == 28  # the 3 s prompt's 75 tokens + 25 + 3 look-ahead
+    assert "speaker_state" in fc["tts"]["cold"]["stages_s"] and fc["tts"]["best"]["prefill_s"] > 0
+    for kind in ("streaming TTS", "streaming VC"):
+        assert re.search(rf"target {kind} first chunk <= 1.5 s: (met|missed) \(\d+\.\d\d s\)", text)
 
 
 def test_bench_tts_fp32_only(demo_dir, tmp_path, capsys):
-    r = _run(demo_dir, tmp_path, "--lm-precisions", "fp32", "--utterance-s", "0")
-    assert r["int8"] is None and "int8 LM" not in capsys.readouterr().out
+    r = _run(demo_dir, tmp_path, "--lm-precisions", "fp32", "--utterance-s", "0", "--first-chunk-rounds", "0")
+    assert r["int8"] is None and r["first_chunk"] is None
+    out = capsys.readouterr().out
+    assert "int8 LM" not in out and "first chunk" not in out
 
 
 @pytest.mark.skipif(not os.environ.get("COSYVOICE_OFFICIAL"),

@@ -167,7 +167,8 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     gateway = None
     if gateway_port:
         gateway = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                    f"{host}:{grpc_port}", "--host", host, "--port", str(gateway_port)])
+                                    f"{host}:{grpc_port}", "--host", host, "--port", str(gateway_port),
+                                    "--triton-metrics", f"http://{host}:{metrics_port}/metrics"])
         print(f"gateway (OpenAI speech API): http://{host}:{gateway_port}/v1/audio/speech (pid {gateway.pid})")
     stop = {"now": False}
 

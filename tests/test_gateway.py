@@ -48,6 +48,11 @@ def _wave(n: int, k: int = 0) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * (220 + 55 * k) * t)).astype(np.float32)
 
 
+def _bare(voice: str | None) -> str | None:
+    """A voice id without its tenant's scope (``t-<tenant>.``): the faults below are the user's ids."""
+    return voice.split(".", 1)[1] if voice and voice.startswith("t-") else voice
+
+
 class FakeBackend:
     """Speaks a sine per chunk; ``voice`` picks a fault: ``unknown`` -> INVALID_ARGUMENT, ``busy`` -> UNAVAILABLE,
     ``broken`` -> INTERNAL, ``late-fault`` -> INVALID_ARGUMENT after the first chunk. ``hold`` (an asyncio-free
@@ -65,9 +70,10 @@ class FakeBackend:
     def _fault(self, job: SpeechJob, stage: str):
         faults = {"unknown": grpc.StatusCode.INVALID_ARGUMENT, "busy": grpc.StatusCode.UNAVAILABLE,
                   "broken": grpc.StatusCode.INTERNAL}
-        if stage == "start" and job.voice in faults:
-            raise backend_error(_RpcError(faults[job.voice], f"fault {job.voice}"))
-        if stage == "late" and job.voice == "late-fault":
+        voice = _bare(job.voice)
+        if stage == "start" and voice in faults:
+            raise backend_error(_RpcError(faults[voice], f"fault {job.voice}"))
+        if stage == "late" and voice == "late-fault":
             raise backend_error(_RpcError(grpc.StatusCode.INVALID_ARGUMENT, "late fault"))
 
     async def _held(self):
@@ -102,7 +108,7 @@ class FakeBackend:
         self.jobs.append(job)
         self.request_ids.append(request_id)
         try:
-            if job.voice in ("unknown", "busy", "broken"):
+            if _bare(job.voice) in ("unknown", "busy", "broken"):
                 self._fault(job, "start")
             for k in range(self.CHUNKS):
                 yield _wave(4800, k), SR

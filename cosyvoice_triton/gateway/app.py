@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /health``,
+"""The FastAPI app: OpenAI's ``POST /v1/audio/speech``, the caller's voices (``/v1/audio/voices``: :mod:`.voices`,
+in its tenant's namespace: :mod:`.tenants`), ``GET /health``,
 ``GET /metrics``, behind :class:`~.middleware.GatewayMiddleware` (and CORS when origins are configured).
 
 The speech request is OpenAI's (``model``, ``input``, ``voice``, ``instructions``, ``response_format``, ``speed``,
@@ -25,15 +26,16 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from . import audio, compat, page
+from . import audio, compat, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, error_body, install_handlers
 from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
+from .tenants import PUBLIC, Namespace, namespace
 
-SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", "/v1/audio/voices"
+SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", voices.VOICES_PATH
 ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics", *compat.PATHS})
 
 
@@ -77,8 +79,9 @@ def _reference(data: str) -> bytes:
     return raw
 
 
-def speech_job(req: SpeechRequest, config: GatewayConfig) -> SpeechJob:
-    """The request's checks that need no model, then the job for the backend."""
+def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC) -> SpeechJob:
+    """The request's checks that need no model, then the job for the backend (a registered voice by its id in
+    ``ns``, the caller's namespace)."""
     if req.model not in config.models:
         raise GatewayError(400, f"model {req.model!r} is not served here; one of {', '.join(config.models)}",
                            param="model", code="model_not_found")
@@ -102,6 +105,7 @@ def speech_job(req: SpeechRequest, config: GatewayConfig) -> SpeechJob:
         if req.reference_text is not None:
             raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
                                code="invalid_value")
+        voice = ns.scoped(voice)
     return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
                      reference_audio=None if req.reference_audio is None else _reference(req.reference_audio),
                      reference_text=req.reference_text)
@@ -132,11 +136,13 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     app.state.config, app.state.metrics, app.state.backend = config, metrics, backend
     install_handlers(app)
 
-    async def backend_call(awaitable):
+    async def backend_call(awaitable, ns: Namespace | None = None):
         try:
             return await awaitable
         except GatewayError as exc:
             metrics.backend_errors.labels(str(exc.status)).inc()
+            if ns is not None:  # Triton names the scoped id: the caller sees its own
+                exc.message = ns.unscoped(exc.message)
             raise
 
     @app.post(SPEECH_PATH)
@@ -149,20 +155,23 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
             req = SpeechRequest.model_validate(body)
         except ValidationError as exc:
             raise _param_error(exc) from None
-        job = speech_job(req, config)
+        ns = namespace(request)
+        job = speech_job(req, config, ns)
         rid = getattr(request.state, "request_id", "")
         fmt = req.response_format
         if req.stream_format is None:
-            wave, sr = await backend_call(request.app.state.backend.synthesize(job, rid))
+            wave, sr = await backend_call(request.app.state.backend.synthesize(job, rid), ns)
             data = await run_in_threadpool(audio.encode, wave, sr, fmt)
             metrics.audio_seconds.labels(fmt).inc(len(wave) / sr)
             metrics.latency.labels(SPEECH_PATH).observe(time.perf_counter() - t0)
             return Response(data, media_type=audio.CONTENT_TYPES[fmt])
-        return await _streamed(request.app.state.backend.stream(job, rid), fmt, req.stream_format == "sse", t0)
+        return await _streamed(request.app.state.backend.stream(job, rid), fmt, req.stream_format == "sse", t0,
+                               ns=ns)
 
-    async def _streamed(chunks, fmt: str, sse: bool, t0: float, route: str = SPEECH_PATH) -> StreamingResponse:
+    async def _streamed(chunks, fmt: str, sse: bool, t0: float, route: str = SPEECH_PATH,
+                        ns: Namespace | None = None) -> StreamingResponse:
         try:  # the first chunk before the answer starts: a refusal still gets its own status
-            first = await backend_call(chunks.__anext__())
+            first = await backend_call(chunks.__anext__(), ns)
         except StopAsyncIteration:
             raise GatewayError(502, "speech backend: the stream ended without audio", code="backend_error") from None
         except BaseException:
@@ -182,7 +191,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
                         yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) \
                             if sse else data
                     try:
-                        wave, sr = await backend_call(chunks.__anext__())
+                        wave, sr = await backend_call(chunks.__anext__(), ns)
                     except StopAsyncIteration:
                         break
                 tail = encoder.close()
@@ -208,12 +217,8 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
                                                                     "x-sample-rate": str(int(first[1]))})
 
     app.include_router(compat.router(config, _streamed))
+    app.include_router(voices.router(config, backend_call))
     app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
-
-    @app.get(VOICES_PATH)
-    async def voices(request: Request):
-        ids = await backend_call(request.app.state.backend.voices())
-        return {"object": "list", "data": [{"id": i, "object": "voice", "name": i} for i in ids]}
 
     @app.get("/health")
     async def health(request: Request):
@@ -226,11 +231,12 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
         triton = await metrics.triton(config.triton_metrics) if config.triton_metrics else b""
         return Response(metrics.render() + triton, media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(GatewayMiddleware, keys=KeyRing(config.api_keys),
+    app.add_middleware(GatewayMiddleware, keys=KeyRing(config.api_keys, dict(config.tenants)),
                        limiter=KeyLimiter(config.max_concurrency_per_key, config.rate_limit), metrics=metrics,
                        max_body_bytes=config.max_body_bytes, routes=ROUTES, limited=("/v1/", compat.PREFIX))
     if config.cors_origins:  # outermost: refusals carry the CORS headers too, preflights skip the key check
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                           allow_methods=["GET", "POST", "DELETE"],
                            allow_headers=["authorization", "content-type", "x-request-id"],
                            expose_headers=["x-request-id"])
     return app

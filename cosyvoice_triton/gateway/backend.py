@@ -1,6 +1,7 @@
 """What the routes call: speech from the served TTS models over gRPC (``tritonclient.grpc.aio``), voice
-conversion (``cosyvoice_vc_stream``) and the registered voices. Triton's refusals become
-:class:`~.errors.GatewayError` by their gRPC status code (:data:`HTTP_STATUS`), never by their text. Streams ask
+conversion (``cosyvoice_vc_stream``) and the ``speakers`` model (list, register, delete, a prompt's length).
+Triton's refusals become :class:`~.errors.GatewayError` by their gRPC status code (:data:`HTTP_STATUS`), never by
+their text. Streams ask
 Triton for gRPC status codes on errors (the ``triton_grpc_error`` header): without it a stream's error carries a
 message only."""
 
@@ -16,6 +17,7 @@ import numpy as np
 from ..clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
 from ..shapes import TTS_MODEL, TTS_STREAM_MODEL
 from .errors import GatewayError
+from .tenants import TOKENS_PER_SECOND
 
 log = logging.getLogger(__name__)
 
@@ -167,13 +169,30 @@ class TritonBackend:
                 call.cancel()
 
     async def voices(self) -> list[str]:
-        try:
-            res = await self._client.infer(SPEAKERS_MODEL, build_speaker_inputs(self._module, "list"),
-                                           client_timeout=self.timeout)
-        except Exception as exc:
-            raise backend_error(exc) from exc
+        """Every id the ``speakers`` model holds (all tenants')."""
+        res = await self._speakers("list")
         ids = res.as_numpy("speaker_ids")
         return [] if ids is None else [bytes(x).decode("utf-8") for x in ids.reshape(-1)]
+
+    async def _speakers(self, *args, outputs: tuple[str, ...] = ("speaker_ids",), **kw):
+        try:
+            return await self._client.infer(
+                SPEAKERS_MODEL, build_speaker_inputs(self._module, *args, **kw), client_timeout=self.timeout,
+                outputs=[self._module.InferRequestedOutput(n) for n in outputs])
+        except Exception as exc:
+            raise backend_error(exc) from exc
+
+    async def register_voice(self, voice: str, wave: np.ndarray, sample_rate: int, text: str | None) -> None:
+        """Register (or replace) ``voice`` from float32 samples at ``sample_rate`` (and their transcript)."""
+        await self._speakers("register", voice, prompt=wave, prompt_sr=sample_rate, prompt_text=text)
+
+    async def delete_voice(self, voice: str) -> None:
+        await self._speakers("delete", voice)
+
+    async def voice_seconds(self, voice: str) -> float:
+        """How long ``voice``'s stored prompt is (its speech tokens, 25 a second)."""
+        res = await self._speakers("get", voice, outputs=("prompt_tokens",))
+        return res.as_numpy("prompt_tokens").size / TOKENS_PER_SECOND
 
     async def close(self) -> None:
         await self._client.close()

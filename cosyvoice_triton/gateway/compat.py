@@ -2,8 +2,8 @@
 unchanged: the same routes, methods (GET and POST), form fields and answer, raw signed 16-bit little-endian mono
 PCM at the model's rate (``x-sample-rate`` says which), streamed as Triton produces it.
 
-- ``/inference_sft``: ``tts_text``, ``spk_id`` (a voice registered with the ``speakers`` model: its prompt is the
-  voice; CosyVoice 2 has no built-in SFT speakers).
+- ``/inference_sft``: ``tts_text``, ``spk_id`` (one of the caller's voices, ``/v1/audio/voices``: its prompt is
+  the voice; CosyVoice 2 has no built-in SFT speakers).
 - ``/inference_zero_shot``: ``tts_text``, ``prompt_text``, ``prompt_wav`` (an uploaded file).
 - ``/inference_cross_lingual``: ``tts_text``, ``prompt_wav``.
 - ``/inference_instruct2``: ``tts_text``, ``instruct_text``, ``prompt_wav``.
@@ -28,6 +28,7 @@ from ..frontend import audio as audio_in
 from .backend import ConversionJob, SpeechJob, instruction
 from .config import GatewayConfig
 from .errors import GatewayError
+from .tenants import namespace
 
 PREFIX = "/inference_"
 SFT, ZERO_SHOT, CROSS_LINGUAL = PREFIX + "sft", PREFIX + "zero_shot", PREFIX + "cross_lingual"
@@ -47,15 +48,16 @@ def _text(value: str, name: str, config: GatewayConfig) -> str:
     return value
 
 
-def _voice(value: str, name: str = "spk_id") -> str:
+def _voice(request: Request, value: str, name: str = "spk_id") -> str:
+    """The ``speakers`` model's id of the caller's voice ``value`` (its tenant's, :mod:`.tenants`)."""
     if not value.strip():
         raise GatewayError(400, f"{name}: empty speaker id", param=name, code="invalid_value")
-    return value
+    return namespace(request).scoped(value, name)
 
 
-async def _upload(upload: UploadFile, name: str) -> tuple[np.ndarray, int]:
+async def upload(file: UploadFile, name: str) -> tuple[np.ndarray, int]:
     """The uploaded file's mono float32 samples and rate; 400 naming ``name`` when it is not usable audio."""
-    data = await upload.read()
+    data = await file.read()
     if not data:
         raise GatewayError(400, f"{name}: the uploaded file is empty", param=name, code="invalid_audio")
     try:
@@ -71,24 +73,25 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
     async def speak(request: Request, job: SpeechJob, route: str):
         t0 = time.perf_counter()
         chunks = request.app.state.backend.stream(job, getattr(request.state, "request_id", ""))
-        return await streamed(chunks, "pcm", False, t0, route)
+        return await streamed(chunks, "pcm", False, t0, route, namespace(request))
 
     @api.api_route(SFT, methods=METHODS)
     async def sft(request: Request, tts_text: Text, spk_id: Text):
-        return await speak(request, SpeechJob(text=_text(tts_text, "tts_text", config), voice=_voice(spk_id)), SFT)
+        job = SpeechJob(text=_text(tts_text, "tts_text", config), voice=_voice(request, spk_id))
+        return await speak(request, job, SFT)
 
     @api.api_route(ZERO_SHOT, methods=METHODS)
     async def zero_shot(request: Request, tts_text: Text, prompt_text: Text,
                         prompt_wav: Upload):
         text, prompt_text = _text(tts_text, "tts_text", config), _text(prompt_text, "prompt_text", config)
-        wave, sr = await _upload(prompt_wav, "prompt_wav")
+        wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               reference_text=prompt_text, mode="zero_shot"), ZERO_SHOT)
 
     @api.api_route(CROSS_LINGUAL, methods=METHODS)
     async def cross_lingual(request: Request, tts_text: Text, prompt_wav: Upload):
         text = _text(tts_text, "tts_text", config)
-        wave, sr = await _upload(prompt_wav, "prompt_wav")
+        wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               mode="cross_lingual"), CROSS_LINGUAL)
 
@@ -102,7 +105,7 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
     async def instruct2(request: Request, tts_text: Text, instruct_text: Text,
                         prompt_wav: Upload):
         text, how = _text(tts_text, "tts_text", config), _text(instruct_text, "instruct_text", config)
-        wave, sr = await _upload(prompt_wav, "prompt_wav")
+        wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               instruct=instruction(how), mode="instruct"), INSTRUCT2)
 
@@ -112,14 +115,14 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
         if (prompt_wav is None) == (spk_id is None):
             raise GatewayError(400, "prompt_wav or spk_id: give exactly one, the voice to convert to",
                                param="prompt_wav", code="invalid_value")
-        source, source_sr = await _upload(source_wav, "source_wav")
+        source, source_sr = await upload(source_wav, "source_wav")
         if prompt_wav is not None:
-            prompt, prompt_sr = await _upload(prompt_wav, "prompt_wav")
+            prompt, prompt_sr = await upload(prompt_wav, "prompt_wav")
             job = ConversionJob(source=source, source_rate=source_sr, prompt=prompt, prompt_rate=prompt_sr)
         else:
-            job = ConversionJob(source=source, source_rate=source_sr, voice=_voice(spk_id))
+            job = ConversionJob(source=source, source_rate=source_sr, voice=_voice(request, spk_id))
         t0 = time.perf_counter()
         chunks = request.app.state.backend.convert_stream(job, getattr(request.state, "request_id", ""))
-        return await streamed(chunks, "pcm", False, t0, VC)
+        return await streamed(chunks, "pcm", False, t0, VC, namespace(request))
 
     return api

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .tenants import TENANT
+
 ENV_PREFIX = "COSYVOICE_GATEWAY_"
 #: Model names accepted in ``model``: this project's, and OpenAI's, so that existing clients work unchanged.
 DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
@@ -21,6 +23,9 @@ class GatewayConfig:
     port: int = 8080
     models: tuple[str, ...] = DEFAULT_MODELS
     api_keys: frozenset[str] = frozenset()  # empty: no authentication
+    tenants: tuple[tuple[str, str], ...] = ()  # (key, tenant name) of the keys a keys file names; others: a digest
+    max_voices_per_tenant: int = 20  # 0: unlimited
+    max_voice_bytes_per_tenant: int = 10 * 1024 * 1024  # prompts counted as 16-bit 16 kHz audio; 0: unlimited
     max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
     max_json_depth: int = 16
     max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
@@ -35,10 +40,25 @@ def _env(name: str, default):
     return os.environ.get(ENV_PREFIX + name.upper(), default)
 
 
+def read_keys(path: str | os.PathLike) -> dict[str, str | None]:
+    """key -> its tenant's name (None: unnamed) of a keys file: one key a line, or ``tenant:key`` to name the
+    tenant (1-16 of ``A-Za-z0-9_-``; several keys may name one tenant); blank lines and ``#`` comments ignored."""
+    out: dict[str, str | None] = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, key = line.partition(":")
+        if sep and key.strip() and TENANT.fullmatch(name.strip()):
+            out[key.strip()] = name.strip()
+        else:
+            out[line] = None
+    return out
+
+
 def read_key_file(path: str | os.PathLike) -> frozenset[str]:
-    """One key a line; blank lines and ``#`` comments ignored."""
-    keys = {line.strip() for line in Path(path).read_text().splitlines()}
-    return frozenset(k for k in keys if k and not k.startswith("#"))
+    """The keys of a keys file (:func:`read_keys`)."""
+    return frozenset(read_keys(path))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -56,7 +76,14 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated names accepted in the request's model field")
     p.add_argument("--api-key", action="append", default=None,
                    help=f"an accepted key (repeatable; also ${ENV_PREFIX}API_KEY); none: no authentication")
-    p.add_argument("--api-key-file", default=_env("api_key_file", None), help="a file of keys, one a line")
+    p.add_argument("--api-key-file", default=_env("api_key_file", None),
+                   help="a file of keys, one a line: 'KEY', or 'TENANT:KEY' to name the key's tenant (a key "
+                        "alone is its own tenant)")
+    p.add_argument("--max-voices-per-tenant", type=int,
+                   default=int(_env("max_voices_per_tenant", d.max_voices_per_tenant)), help="0: unlimited")
+    p.add_argument("--max-voice-bytes-per-tenant", type=int,
+                   default=int(_env("max_voice_bytes_per_tenant", d.max_voice_bytes_per_tenant)),
+                   help="the tenant's voices' prompts, counted as 16-bit mono 16 kHz audio; 0: unlimited")
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
     p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
     p.add_argument("--max-input-chars", type=int, default=int(_env("max_input_chars", d.max_input_chars)))
@@ -75,13 +102,16 @@ def parser() -> argparse.ArgumentParser:
 def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     args = parser().parse_args(argv)
     keys = set(args.api_key or ([_env("api_key", "")] if _env("api_key", "") else []))
-    if args.api_key_file:
-        keys |= read_key_file(args.api_key_file)
+    named = read_keys(args.api_key_file) if args.api_key_file else {}
+    keys |= set(named)
     origins = args.cors_origin or [o for o in _env("cors_origins", "").split(",") if o.strip()]
     return GatewayConfig(triton_grpc=args.triton_grpc, triton_metrics=args.triton_metrics or None, host=args.host,
                          port=args.port,
                          models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
-                         api_keys=frozenset(keys), max_body_bytes=args.max_body_bytes,
+                         api_keys=frozenset(keys),
+                         tenants=tuple(sorted((k, t) for k, t in named.items() if t is not None)),
+                         max_voices_per_tenant=args.max_voices_per_tenant,
+                         max_voice_bytes_per_tenant=args.max_voice_bytes_per_tenant, max_body_bytes=args.max_body_bytes,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          cors_origins=tuple(o.strip() for o in origins), backend_timeout_s=args.backend_timeout_s,

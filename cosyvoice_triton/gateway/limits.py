@@ -9,7 +9,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 from limits import parse
@@ -17,6 +17,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from .errors import GatewayError
+from .tenants import key_tenant
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string, escapes included
 _OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
@@ -46,10 +47,17 @@ def bounded_loads(body: bytes, max_depth: int):
 
 class KeyRing:
     """The accepted API keys (none: no authentication). ``identify`` -> a short id of the key for the limits
-    and the logs (never the key)."""
+    and the logs (never the key); ``tenant_of`` that id -> the key's tenant (``names``: key -> tenant name; a key
+    without one is its own tenant, named by :func:`~.tenants.key_tenant`)."""
 
-    def __init__(self, keys: Iterable[str]):
-        self._keys = [k.encode() for k in keys if k]
+    def __init__(self, keys: Iterable[str], names: Mapping[str, str] | None = None):
+        keys = [k for k in keys if k]
+        self._keys = [k.encode() for k in keys]
+        names = names or {}
+        self._tenants = {_key_id(k): names.get(k) or key_tenant(k) for k in keys}
+
+    def tenant_of(self, key_id: str) -> str:
+        return self._tenants[key_id]
 
     @property
     def enabled(self) -> bool:
@@ -65,7 +73,11 @@ class KeyRing:
         given = token.strip().encode()
         if not any([hmac.compare_digest(given, k) for k in self._keys]):  # every key compared: no early exit
             raise GatewayError(401, "invalid API key", code="invalid_api_key", headers={"www-authenticate": "Bearer"})
-        return "key-" + hashlib.sha256(given).hexdigest()[:12]
+        return _key_id(token.strip())
+
+
+def _key_id(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 class KeyLimiter:

@@ -2,7 +2,8 @@
 untouched): a request id (``x-request-id``, in every log line and answer), framing that two parsers could read
 differently (Content-Length together with Transfer-Encoding: h11 accepts it and lets Transfer-Encoding win; a proxy
 in front may not), compressed bodies (415), the body size (413, Content-Length or counted as a chunked body
-arrives), the API key (401) and the key's concurrency and rate (429). Refusals are in OpenAI's error shape."""
+arrives), the API key (401) with its tenant (``request.state.tenant``), and the key's concurrency and rate (429).
+Refusals are in OpenAI's error shape."""
 
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class GatewayMiddleware:
         try:
             if self.keys.enabled:
                 who = self.keys.identify(headers.get("authorization"))
+                scope["state"]["tenant"] = self.keys.tenant_of(who)  # the routes' Namespace (tenants.py)
             else:
                 who = scope["client"][0] if scope.get("client") else "anonymous"
             self.limiter.acquire(who)

@@ -50,12 +50,18 @@ pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 
 @pytest.fixture(scope="module")
 def triton(triton_server):
+    """VOICE registered on Triton directly: as it is (the public namespace of a gateway without keys) and in
+    KEY's tenant (``t-<digest>.``, what the keyed gateway's own registration would store)."""
     from cosyvoice_triton.clients.client import VCClient
+    from cosyvoice_triton.gateway.tenants import Namespace, key_tenant
 
+    scoped = Namespace(key_tenant(KEY)).scoped(VOICE)
     with VCClient(triton_server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
-        c.register_speaker(VOICE, str(FIXTURES / "prompt_en_3s.wav"), prompt_text=PROMPT_TEXT)
+        for voice in (VOICE, scoped):
+            c.register_speaker(voice, str(FIXTURES / "prompt_en_3s.wav"), prompt_text=PROMPT_TEXT)
         yield c
-        c.delete_speaker(VOICE)
+        for voice in (VOICE, scoped):
+            c.delete_speaker(voice)
 
 
 @contextlib.contextmanager
@@ -418,3 +424,72 @@ def test_official_forms_bad_inputs_and_innocent_ones_around_them(open_gateway, g
     _heard(*_curl(gateway[0] + "/inference_sft", tmp_path, *sft, "-H", f"authorization: Bearer {KEY}"),
            expected("sft"))
     _heard(*_curl(open_gateway + "/inference_sft", tmp_path, *sft), expected("sft"))
+
+
+# ------------------------------------------------------------------------------------------------ tenants
+
+TENANT_A, KEY_A, KEY_B = "acme", "sk-live-acme", "sk-live-other"
+
+
+@pytest.fixture(scope="module")
+def tenant_gateway(triton, triton_server, tmp_path_factory):
+    """Two tenants from a keys file (one named, one a plain key), at most 2 voices each."""
+    folder = tmp_path_factory.mktemp("tenant_gateway")
+    (folder / "keys").write_text(f"{TENANT_A}:{KEY_A}\n{KEY_B}\n")
+    with _gateway_process(triton_server, folder / "gateway.log", "--api-key-file", str(folder / "keys"),
+                          "--max-voices-per-tenant", "2") as url:
+        yield url
+
+
+def test_tenants_own_their_voices(tenant_gateway, triton, direct):
+    """A registers alice (A's speech is VOICE's: the same prompt); B cannot list, speak with or delete it, and
+    B's own alice leaves A's speech bit-identical; B's quota refuses its third voice while A still registers."""
+    from cosyvoice_triton.gateway.audio import pcm16
+    from cosyvoice_triton.gateway.tenants import key_tenant
+
+    a, b = ({"authorization": f"Bearer {k}"} for k in (KEY_A, KEY_B))
+    voices = tenant_gateway + "/v1/audio/voices"
+
+    def register(who, voice, fixture, text=None):
+        files = {"audio": (fixture, (FIXTURES / fixture).read_bytes(), "audio/wav")}
+        return httpx.post(voices, data={"id": voice, **({"text": text} if text else {})}, files=files,
+                          headers=who, timeout=PATIENCE_S)
+
+    def speak(who, voice="alice"):
+        return httpx.post(tenant_gateway + "/v1/audio/speech", headers=who, timeout=PATIENCE_S,
+                          json={"model": "cosyvoice2", "voice": voice, "input": TEXT, "response_format": "pcm",
+                                "seed": SEED})
+
+    def ids(who):
+        return [v["id"] for v in httpx.get(voices, headers=who, timeout=PATIENCE_S).json()["data"]]
+
+    try:
+        assert register(a, "alice", "prompt_en_3s.wav", PROMPT_TEXT).status_code == 201
+        first = speak(a)
+        assert first.status_code == 200
+        np.testing.assert_array_equal(np.frombuffer(first.content, "<i2"), pcm16(direct))
+        assert ids(a) == ["alice"] and ids(b) == []
+        for voice in ("alice", f"t-{TENANT_A}.alice", VOICE):
+            r = speak(b, voice)
+            assert r.status_code == 400 and repr(voice) in r.json()["error"]["message"], r.text
+        r = httpx.post(tenant_gateway + "/inference_sft", data={"tts_text": TEXT, "spk_id": "alice"}, headers=b,
+                       timeout=PATIENCE_S)
+        assert r.status_code == 400, r.text
+        assert httpx.delete(voices + "/alice", headers=b, timeout=PATIENCE_S).status_code == 404
+        assert register(b, "alice", "speech_engb_16k.wav").status_code == 201
+        theirs = speak(b)
+        assert theirs.status_code == 200 and theirs.content != first.content
+        assert speak(a).content == first.content
+        assert register(b, "bob", "source_en_5s.wav").status_code == 201
+        r = register(b, "carol", "source_en_5s.wav")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "voice_quota_exceeded", r.text
+        assert register(a, "bob", "source_en_5s.wav").status_code == 201
+        assert ids(a) == ["alice", "bob"] and ids(b) == ["alice", "bob"]
+        stored = set(triton.list_speakers())
+        assert {f"t-{TENANT_A}.alice", f"t-{TENANT_A}.bob", f"t-{key_tenant(KEY_B)}.alice"} <= stored
+        assert not any(KEY_B in s or KEY_A in s for s in stored)
+    finally:
+        for who in (a, b):
+            for voice in ids(who):
+                assert httpx.delete(f"{voices}/{voice}", headers=who, timeout=PATIENCE_S).status_code == 200
+    assert ids(a) == [] and ids(b) == []

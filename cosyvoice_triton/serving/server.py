@@ -32,6 +32,7 @@ import contextlib
 import http.client
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -50,6 +51,7 @@ __all__ = [
     "ADMIN_KEY_ENV",
     "PYTRITON_REQUIREMENT",
     "RESTRICTED_APIS",
+    "SHM_DIR",
     "ServerError",
     "StubProcess",
     "TritonInstallation",
@@ -62,6 +64,7 @@ __all__ = [
     "prepare_backends",
     "rate_limit_flags",
     "response_cache_flags",
+    "shm_region_users",
 ]
 
 #: What provides the server binary (install with ``pip install --no-deps``: its Python API is not used).
@@ -547,6 +550,7 @@ class StubProcess:
     model: str
     instance: str
     alive: bool
+    shm_region: str = ""  # its shared-memory region in /dev/shm (the stub's second argument); "" for a zombie
 
     @classmethod
     def read(cls, pid: int) -> StubProcess | None:
@@ -563,7 +567,33 @@ class StubProcess:
         model_py = Path(argv[1].decode(errors="replace"))  # <repository>/<model>/<version>/model.py
         instance = argv[8].decode(errors="replace") if len(argv) > 8 else model_py.parent.parent.name
         state = stat.rsplit(")", 1)[-1].split()[0]
-        return cls(pid, model_py.parent.parent.name, instance, alive=state not in ("Z", "X"))
+        region = argv[2].decode(errors="replace") if len(argv) > 2 else ""
+        return cls(pid, model_py.parent.parent.name, instance, alive=state not in ("Z", "X"),
+                   shm_region=region if _REGION_NAME.fullmatch(region) else "")
+
+
+_REGION_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_region_users(paths: Sequence[Path]) -> dict[Path, list[int]]:
+    """The live processes that map each of ``paths`` (from ``/proc/*/maps``; zombies map nothing)."""
+    wanted = {str(p): p for p in paths}
+    users: dict[Path, list[int]] = {p: [] for p in paths}
+    if not wanted:
+        return users
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(entry / "maps", errors="replace") as maps:
+                seen = {line.rstrip("\n").split(maxsplit=5)[-1].removesuffix(" (deleted)") for line in maps
+                        if "/dev/shm/" in line}
+        except OSError:
+            continue
+        for name in seen & wanted.keys():
+            users[wanted[name]].append(int(entry.name))
+    return users
 
 
 def _group_members(pgid: int) -> list[int]:

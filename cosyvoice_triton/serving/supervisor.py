@@ -23,6 +23,16 @@ the CLI exits 1 so that the orchestrator's restart policy takes over). Every act
 
 The blind spot is one ``interval``: between a stub's death and the next check the server still says ready.
 
+Readiness while it acts: ``/v2/health/ready`` answers 400 from the unload of a model with a dead stub until its
+load is done (``--strict-readiness``), and the port refuses connections from a server's exit until its restart is
+ready; the supervisor has no endpoint of its own (``<work dir>/warm`` and the CLI's exit code are its signals).
+
+Leftovers: each Python stub has a shared-memory region ``/dev/shm/triton_python_backend_shm_region_<uuid>`` (its
+name is the stub's second argument). A stub or a server that dies can leave its regions behind (RAM that
+nothing frees). The supervisor notes the region of every stub of its server it sees; once that stub is gone and no
+live process maps the region any more, it removes it (event ``shm-removed``). Regions of other servers on the
+machine are never touched: only names read from this server's own stubs are candidates.
+
 After every (re)start and every reload it warms the server up (``warmup``, default
 :func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) from a thread of its
 own, so that the checks go on meanwhile (a warm-up that waited on a stage killed during it would otherwise blind
@@ -36,7 +46,9 @@ flight (up to ``--exit-timeout`` s), unloads and exits; the CLI exits 0 (1 after
         ...
 
 CLI (the container's entry point runs it): ``python -m cosyvoice_triton.serving.supervisor --model-repository REPO
-[--triton-root /opt/tritonserver] [--host 0.0.0.0] [--http-port 8000] ...``.
+[--triton-root /opt/tritonserver] [--host 127.0.0.1] [--http-port 8000] ...``. On a repository rendered with
+versions (:mod:`~cosyvoice_triton.serving.rollout`) it loads what :func:`~.rollout.startup_models` names (the live
+version's pipeline, the router, and each versioned stage's versions of its config) instead of every model.
 """
 
 from __future__ import annotations
@@ -53,19 +65,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .server import ServerError, TritonInstallation, TritonServer, _tail
+from .rollout import RolloutError, startup_models
+from .server import SHM_DIR, ServerError, StubProcess, TritonInstallation, TritonServer, _tail, shm_region_users
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Event", "Supervisor", "main"]
+__all__ = ["Event", "Supervisor", "main", "models_to_load"]
+
+
+def models_to_load(model_repository: str | Path) -> list[str]:
+    """``--load-model`` of a supervised server: :func:`~.rollout.startup_models` for a versioned repository (loading
+    every model would load the staged-only pipelines, whose versions the stages' ``version_policy`` leaves out),
+    else ``["*"]``."""
+    try:
+        return startup_models(model_repository)
+    except (RolloutError, OSError, ValueError):
+        return ["*"]
 
 
 @dataclass(frozen=True)
 class Event:
     """Something the supervisor saw or did: ``kind`` is ``stub-died``, ``reloaded``, ``reload-failed``,
-    ``server-exited``, ``restarted``, ``restart-failed``, ``gave-up`` or ``warmed-up``; ``seconds``: how long the
-    action took."""
+    ``server-exited``, ``restarted``, ``restart-failed``, ``gave-up``, ``warmed-up`` or ``shm-removed``;
+    ``seconds``: how long the action took."""
 
     time: float  # time.time()
     kind: str
@@ -110,7 +133,8 @@ class Supervisor:
         self._warm_lock = threading.Lock()
         self.events: list[Event] = []
         self.failed: str | None = None
-        self._stubs: dict[int, str] = {}  # pid -> model, as of the last (re)load
+        self._stubs: dict[int, tuple[str, str]] = {}  # pid -> (model, instance) of the live stubs last seen
+        self._regions: dict[str, int] = {}  # shared-memory region -> the pid of the stub it belongs to
         self._restarts: collections.deque[float] = collections.deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -125,22 +149,88 @@ class Supervisor:
         return ev
 
     def _remember_stubs(self) -> None:
-        self._stubs = {s.pid: s.model for s in self.server.python_stubs() if s.alive and s.model}
+        self._stubs = {}
+        self._track(self.server.python_stubs())
 
-    def dead_models(self) -> list[str]:
-        """Models with a stub that died since they were last loaded."""
-        now = {s.pid: s for s in self.server.python_stubs()}
-        return sorted({model for pid, model in self._stubs.items() if pid not in now or not now[pid].alive})
+    def _track(self, stubs: list[StubProcess]) -> list[StubProcess]:
+        """Note the live stubs (those of a model loaded through the API too) and their shared-memory regions."""
+        for s in stubs:
+            if s.alive and s.model:
+                self._stubs[s.pid] = (s.model, s.instance)
+            if s.alive and s.shm_region:
+                self._regions[s.shm_region] = s.pid
+        return stubs
+
+    def dead_models(self, stubs: list[StubProcess] | None = None) -> list[str]:
+        """Models with a stub that died. A stub that Triton stopped itself (its model unloaded, or loaded again
+        through the API: a rollout's reload) is reaped by Triton and gone; one that died is left a zombie, which
+        Triton 2.51 neither reaps nor replaces. A zombie seen once is looked at again a moment later (Triton reaps
+        the stubs it stops at once); a stub gone without a live successor of its instance while its model says
+        ready counts as dead too."""
+        stubs = self.server.python_stubs() if stubs is None else stubs
+        now = {s.pid: s for s in stubs}
+        live = {(s.model, s.instance) for s in stubs if s.alive}
+        zombies = [pid for pid in self._stubs if pid in now and not now[pid].alive]
+        if zombies:
+            time.sleep(0.3)
+        dead = set()
+        for pid, (model, instance) in list(self._stubs.items()):
+            if pid in zombies:
+                again = StubProcess.read(pid)
+                if again is not None and not again.alive:
+                    dead.add(model)
+                    continue
+            elif pid in now:
+                continue
+            del self._stubs[pid]  # stopped by Triton
+            if (model, instance) not in live and self.server.is_model_ready(model):
+                dead.add(model)
+        return sorted(dead)
+
+    def sweep_regions(self) -> list[str]:
+        """Remove the shared-memory regions of this server's stubs that are gone, once no live process maps them
+        (a region still mapped, e.g. by a server whose unload is pending, waits for a later check); returns the
+        names removed."""
+        alive = {s.pid for s in self.server.python_stubs() if s.alive}
+        gone = [name for name, pid in self._regions.items() if pid not in alive]
+        if not gone:
+            return []
+        paths = {name: SHM_DIR / name for name in gone}
+        for name, path in paths.items():
+            if not path.exists():
+                del self._regions[name]
+        users = shm_region_users([paths[n] for n in gone if n in self._regions])
+        removed, freed = [], 0
+        for path, pids in users.items():
+            if pids:
+                continue
+            try:
+                freed += path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("supervisor: cannot remove %s: %s", path, exc)
+                continue
+            del self._regions[path.name]
+            removed.append(path.name)
+        if removed:
+            self._event("shm-removed", f"{len(removed)} shared-memory region(s) of dead stubs ({freed / 2**20:.0f} "
+                                       f"MiB): {', '.join(sorted(removed))}")
+        return removed
 
     def check(self) -> None:
-        """One round: restart the server if it exited, else reload every model with a dead stub."""
+        """One round: restart the server if it exited, else reload every model with a dead stub; then remove the
+        shared-memory regions that dead stubs left."""
         if self.failed:
             return
         if not self.server.running:
             self._restart()
-            return
-        for model in self.dead_models():
-            self._reload(model)
+        else:
+            stubs = self._track(self.server.python_stubs())
+            for model in self.dead_models(stubs):
+                self._reload(model)
+        self.sweep_regions()
 
     def _reload(self, model: str) -> None:
         self._event("stub-died", f"a Python stub of model {model!r} died: unloading it (not ready) and loading it")
@@ -158,7 +248,8 @@ class Supervisor:
             self.server.stop(grace=10.0)
             self._restart()
             return
-        self._remember_stubs()
+        self._stubs = {pid: mi for pid, mi in self._stubs.items() if mi[0] != model}
+        self._track(self.server.python_stubs())
         self._event("reloaded", model, time.monotonic() - t0)
         self.warm_up_soon()
 
@@ -175,6 +266,7 @@ class Supervisor:
                            f"(max_restarts={self.max_restarts}): giving up (log: {self.server.log_path})")
             self._event("gave-up", self.failed)
             self.server.stop(grace=10.0)
+            self.sweep_regions()
             return
         delay = min(self.max_backoff, self.backoff * 2 ** len(self._restarts))
         self._restarts.append(now)
@@ -276,6 +368,7 @@ class Supervisor:
     def __exit__(self, *exc) -> None:
         self.stop()
         self.server.stop()
+        self.sweep_regions()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     inst = TritonInstallation.at(args.triton_root) if args.triton_root else None
     server = TritonServer(args.model_repository, work_dir=args.work_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_control="explicit",
-                          load_models=["*"], extra_args=args.extra, installation=inst, exit_timeout=args.exit_timeout)
+                          load_models=models_to_load(args.model_repository), extra_args=args.extra,
+                          installation=inst, exit_timeout=args.exit_timeout)
     sup = Supervisor(server, interval=args.interval, max_restarts=args.max_restarts,
                      restart_window=args.restart_window, start_timeout=args.start_timeout,
                      unload_timeout=args.unload_timeout, warmup=None if args.no_warmup else warm_up)
@@ -330,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         sup.run()
     finally:
         code = server.stop()
+        sup.sweep_regions()
         sup.warm_file.unlink(missing_ok=True)
         log.info("tritonserver stopped (exit code %s)", code)
     if sup.failed:

@@ -5,6 +5,7 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 PY          := $(VENV)/bin/python
+CLI         := $(VENV)/bin/cosyvoice-triton
 DEMO_SIZE   ?= tiny
 MODEL_DIR   ?= models/cosyvoice2-demo-$(DEMO_SIZE)
 SOURCE      ?= tests/fixtures/source_en_5s.wav
@@ -35,32 +36,32 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed ## create .venv and install the package with its pinned dependencies
 
 models/cosyvoice2-demo-%/flow.pt: | $(VENV)/.installed
-	$(PY) -m cosyvoice_triton demo-model --size $* --out models/cosyvoice2-demo-$*
+	$(CLI) demo-model --size $* --out models/cosyvoice2-demo-$*
 
 demo-model: $(VENV)/.installed models/cosyvoice2-demo-$(DEMO_SIZE)/flow.pt ## write the random-weight demo model folder (official layout)
 
 vc: $(VENV)/.installed ## in-process voice conversion of SOURCE into the voice of PROMPT with MODEL_DIR
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
-	$(PY) -m cosyvoice_triton vc --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o $(OUT)
+	$(CLI) vc --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o $(OUT)
 
 tts: $(VENV)/.installed ## in-process text to speech of TEXT in the voice of PROMPT (PROMPT_TEXT: its transcript) with MODEL_DIR
 	@# a demo folder from before TTS existed is rewritten; a real folder is never touched
 	@if [ ! -f $(MODEL_DIR)/llm.pt ] && [ "$(MODEL_DIR)" = "models/cosyvoice2-demo-$(DEMO_SIZE)" ]; then \
-	  $(PY) -m cosyvoice_triton demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
-	$(PY) -m cosyvoice_triton tts --model-dir $(MODEL_DIR) --text "$(TEXT)" --prompt-audio $(PROMPT) \
+	  $(CLI) demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
+	$(CLI) tts --model-dir $(MODEL_DIR) --text "$(TEXT)" --prompt-audio $(PROMPT) \
 	  $(if $(PROMPT_TEXT),--prompt-text "$(PROMPT_TEXT)") --stream -o $(TTS_OUT)
 
 demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample (cosyvoice_vc), speak a sentence (cosyvoice_tts)
-	$(PY) -m cosyvoice_triton.serving.serve_demo demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
+	$(CLI) demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
 
 SERVE_FLAVOR ?= local
 SERVE_PRECISION ?= fp32
 render: $(VENV)/.installed ## render build/model_repository (SERVE_FLAVOR=local|onnx|trt) from model_repository/
-	$(PY) model_repository/render.py --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
+	$(CLI) render --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
 
 GATEWAY_PORT ?= 8080
 serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics), the OpenAI speech gateway at GATEWAY_PORT (0: none)
-	$(PY) -m cosyvoice_triton.serving.serve_demo serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT)
+	$(CLI) serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT)
 
 test: $(VENV)/.installed ## lint, then run the test suite
 	$(VENV)/bin/ruff check .
@@ -71,13 +72,13 @@ lint: $(VENV)/.installed ## ruff
 
 bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
-	$(PY) -m cosyvoice_triton bench --model-dir models/cosyvoice2-demo-full
+	$(CLI) bench --model-dir models/cosyvoice2-demo-full
 
 bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at batch 1, 4, 8 and whole-TTS RTF at full dims (OFFICIAL=checkout: side by side)
-	$(PY) -m cosyvoice_triton.bench.tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
+	$(CLI) bench-tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
-	$(PY) -m cosyvoice_triton bench-preprocess
+	$(CLI) bench-preprocess
 
 OFFICIAL_DEPS := build/official-deps
 $(OFFICIAL_DEPS)/.installed: | $(VENV)/.installed
@@ -93,7 +94,7 @@ ifeq ($(OFFICIAL),)
 else
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	@$(MAKE) --no-print-directory $(OFFICIAL_DEPS)/.installed
-	$(PY) -m cosyvoice_triton.bench.peer --model-dir models/cosyvoice2-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS) $(BENCH_PEER_ARGS)
+	$(CLI) bench-peer --model-dir models/cosyvoice2-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS) $(BENCH_PEER_ARGS)
 endif
 
 gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cachetools wheels that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels
@@ -103,78 +104,78 @@ gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cacheto
 
 export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
-	$(PY) export/export_onnx.py --model-dir $(MODEL_DIR) --out build/onnx/fp32
+	$(CLI) export-onnx --model-dir $(MODEL_DIR) --out build/onnx/fp32
 
 ONNX_ROOT   ?= build/onnx
 CALIBRATION ?= 50
 quantize: $(VENV)/.installed ## INT8 Q/DQ (TensorRT), INT8 for CPU and fp16 graphs from ONNX_ROOT/fp32, calibrated on espeak-ng speech
 	@if [ ! -f $(ONNX_ROOT)/fp32/flow_estimator.onnx ]; then $(MAKE) --no-print-directory export; fi
-	$(PY) export/quantize.py --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --calibration-utterances $(CALIBRATION)
+	$(CLI) quantize --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --calibration-utterances $(CALIBRATION)
 
 quality: $(VENV)/.installed ## error of each precision against the fp32 pipeline on held-out speech + CPU speed per stage
 	@if [ ! -d $(ONNX_ROOT)/int8_cpu ]; then $(MAKE) --no-print-directory quantize; fi
-	$(PY) export/quality_report.py --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --out build/quality
+	$(CLI) quality --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --out build/quality
 
 FULL_DIR  := models/cosyvoice2-demo-full
 FULL_ONNX := build/onnx-full
 bench-export: $(VENV)/.installed ## full dims: export, quantize, then fp32 vs fp16/INT8 error and CPU time per stage (long)
 	@if [ ! -f $(FULL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	@if [ ! -f $(FULL_ONNX)/fp32/flow_estimator.onnx ]; then \
-	  $(PY) export/export_onnx.py --model-dir $(FULL_DIR) --out $(FULL_ONNX)/fp32; fi
+	  $(CLI) export-onnx --model-dir $(FULL_DIR) --out $(FULL_ONNX)/fp32; fi
 	@if [ ! -f $(FULL_ONNX)/int8_cpu/hift_decoder.onnx ]; then \
-	  $(PY) export/quantize.py --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --calibration-utterances $(CALIBRATION) \
+	  $(CLI) quantize --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --calibration-utterances $(CALIBRATION) \
 	    --calibration-method recorded --threads 2; fi
-	$(PY) export/quality_report.py --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --threads 2 --out build/quality-full
+	$(CLI) quality --model-dir $(FULL_DIR) --onnx-root $(FULL_ONNX) --threads 2 --out build/quality-full
 
 PRECISION ?= fp16
 engines: $(VENV)/.installed ## TensorRT plans from build/onnx (PRECISION=fp32|fp16|int8); needs trtexec: NGC container
-	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION)
+	$(CLI) engines --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION)
 
 engines-dry-run: $(VENV)/.installed ## print the trtexec commands `make engines` would run
-	$(PY) export/build_engines.py --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
+	$(CLI) engines --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
 
 LLM_ENGINE_ARGS ?=
 engines-llm: $(VENV)/.installed ## the LM for TensorRT-LLM: merged HF folder build/llm_hf (checked against PyTorch), engine in build/engines/llm (skipped, reason printed, without TensorRT-LLM + GPU)
 	@if [ ! -f $(MODEL_DIR)/llm.pt ] && [ "$(MODEL_DIR)" = "models/cosyvoice2-demo-$(DEMO_SIZE)" ]; then \
-	  $(PY) -m cosyvoice_triton demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
-	$(PY) export/convert_llm.py --model-dir $(MODEL_DIR) --out build/llm_hf --verify --build-engine \
+	  $(CLI) demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
+	$(CLI) convert-llm --model-dir $(MODEL_DIR) --out build/llm_hf --verify --build-engine \
 	  --checkpoint-dir build/trtllm_checkpoint --engine-dir build/engines/llm $(LLM_ENGINE_ARGS)
 
 .PHONY: loadtest loadtest-full loadtest-tts loadtest-tts-full
 LOADTEST_ARGS ?=
 loadtest: $(VENV)/.installed ## Locust: plain separate calls vs the integrated ensemble, tiny model, CPU -> build/loadtest/tiny/report.md
-	$(PY) loadtest/run.py --config tiny $(LOADTEST_ARGS)
+	$(CLI) loadtest --config tiny $(LOADTEST_ARGS)
 
 loadtest-full: $(VENV)/.installed ## the same at CosyVoice2-0.5B dims (long; loadtest/README.md) -> build/loadtest/full/report.md
-	$(PY) loadtest/run.py --config full $(LOADTEST_ARGS)
+	$(CLI) loadtest --config full $(LOADTEST_ARGS)
 
 loadtest-tts: $(VENV)/.installed ## the TTS column: streaming TTS first chunk + RTF, offline TTS, streaming VC at 1/2/4, perf_analyzer --streaming; tiny -> build/loadtest/tiny-tts/report.md
-	$(PY) loadtest/run.py --config tiny --mode tts $(LOADTEST_ARGS)
+	$(CLI) loadtest --config tiny --mode tts $(LOADTEST_ARGS)
 
 loadtest-tts-full: $(VENV)/.installed ## the TTS column at CosyVoice2-0.5B dims, short (streaming TTS of one short text and streaming VC, concurrency 1/2, 1 and 2 requests, no perf_analyzer) -> build/loadtest/full-tts-short/report.md
-	$(PY) loadtest/run.py --config full --mode tts --tts-columns tts_stream,vc_stream --tts-text "Hi there." \
+	$(CLI) loadtest --config full --mode tts --tts-columns tts_stream,vc_stream --tts-text "Hi there." \
 		--tts-concurrency 1,2 --tts-requests 1 --warmup-requests 0 --perf-protocols "" --max-run-s 900 \
 		--startup-timeout-s 900 --server-arg=--backend-config=python,stub-timeout-seconds=600 \
 		--out-dir build/loadtest/full-tts-short $(LOADTEST_ARGS)
 
 .PHONY: loadtest-mixed
 loadtest-mixed: $(VENV)/.installed ## two tasks on one server: steady high-priority TTS streams under a low-priority VC flood and the reverse, without and with the sharing policy (tiny) -> build/loadtest/tiny-mixed/report.md
-	$(PY) loadtest/run.py --config tiny --mode mixed $(LOADTEST_ARGS)
+	$(CLI) loadtest --config tiny --mode mixed $(LOADTEST_ARGS)
 
 .PHONY: loadtest-prompt-cache
 loadtest-prompt-cache: $(VENV)/.installed ## repeated speakers: 4 prompts drawn at random, the integrated pipeline with the prompt caches on vs off in one run (tiny) -> build/loadtest/tiny-prompt-cache/report.md
-	$(PY) loadtest/run.py --config tiny --mode prompt-cache --speakers 4 --requests 32 --users 4 \
+	$(CLI) loadtest --config tiny --mode prompt-cache --speakers 4 --requests 32 --users 4 \
 		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(LOADTEST_ARGS)
 
 .PHONY: bench-live
 BENCH_LIVE_ARGS ?=
 bench-live: $(VENV)/.installed ## live sessions: concurrent live VC streams held at real time (latency p50/p95, margin, underruns at 1/2/4/8), one stream's RTF, live TTS first audio (DEMO_SIZE=full: one stream) -> build/loadtest/$(DEMO_SIZE)-live/report.md
-	$(PY) -m cosyvoice_triton.loadtest.live --config $(DEMO_SIZE) \
+	$(CLI) loadtest-live --config $(DEMO_SIZE) \
 		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(BENCH_LIVE_ARGS)
 
 .PHONY: rollout-demo
 rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
-	$(PY) -m cosyvoice_triton.loadtest.rollout $(ROLLOUT_ARGS)
+	$(CLI) loadtest-rollout $(ROLLOUT_ARGS)
 
 .PHONY: prometheus dashboard
 prometheus: ## Debian's prometheus + promtool unpacked into build/tools/prometheus (apt-get download + dpkg -x, no install)
@@ -187,7 +188,7 @@ dashboard: $(VENV)/.installed ## regenerate deploy/grafana/cosyvoice-triton.json
 SOAK_MINUTES ?= 30
 SOAK_USERS   ?= 20
 soak: $(VENV)/.installed ## (not in CI) SOAK_MINUTES=30 at SOAK_USERS=20 (2x the load tests): 0 failures, < 5% memory growth -> build/soak/report.md
-	$(PY) -m cosyvoice_triton.loadtest.soak --model-dir $(MODEL_DIR) --minutes $(SOAK_MINUTES) --users $(SOAK_USERS) --out build/soak
+	$(CLI) soak --model-dir $(MODEL_DIR) --minutes $(SOAK_MINUTES) --users $(SOAK_USERS) --out build/soak
 
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

@@ -1,5 +1,21 @@
-"""Command line: ``python -m cosyvoice_triton {tts,vc,speaker,demo-model,bench,bench-preprocess,rollout} ...``
-(``cosyvoice-triton``)."""
+"""``cosyvoice-triton`` (``python -m cosyvoice_triton``): every path of the project from one command line.
+
+in process:   demo-model, vc, tts, speaker, bench, bench-preprocess
+served:       serve, demo, supervise, render, gateway, client, rollout
+measured:     loadtest, loadtest-live, loadtest-rollout, soak, bench-tts, bench-peer, bench-gpu, bench-incremental,
+              bench-schedule, bench-prompt-cache
+exported:     export-onnx, quantize, quality, engines, convert-llm
+
+examples:
+  cosyvoice-triton demo-model --size tiny --out models/cosyvoice2-demo-tiny
+  cosyvoice-triton tts --model-dir models/cosyvoice2-demo-tiny --text "Hello." --prompt-audio voice.wav -o hi.wav
+  cosyvoice-triton serve --model-dir models/cosyvoice2-demo-tiny          # Triton + the gateway on :8080
+  cosyvoice-triton client tts --text "Hello there." --speaker alice --stream -o hi.wav
+  cosyvoice-triton loadtest --config tiny --mode tts
+  cosyvoice-triton export-onnx --model-dir models/cosyvoice2-demo-tiny --out build/onnx/fp32
+
+``cosyvoice-triton COMMAND --help`` shows each command's options.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from .commands import PASSTHROUGH, add_passthrough
+from .commands import run as run_passthrough
 from .errors import CosyVoiceError
 
 
@@ -148,7 +166,8 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__)
+    p = argparse.ArgumentParser(prog="cosyvoice-triton", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -215,10 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .serving.rollout import add_parser as add_rollout_parser
 
     add_rollout_parser(sub)  # rollout status|stage N|canary PERCENT|promote|rollback
+    add_passthrough(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSTHROUGH:  # its own parser reads the rest, --help included
+        return run_passthrough(PASSTHROUGH[argv[0]][1], argv[1:], prog=argv[0])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

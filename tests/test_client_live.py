@@ -7,7 +7,6 @@ real tritonserver, skipped with the reason while the server has no live models."
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import math
 import queue
@@ -19,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import deserialize_bytes_tensor
 
@@ -35,7 +34,7 @@ from cosyvoice_triton.clients.live import (
 )
 
 SOURCE, PROMPT = FIXTURES / "source_en_5s.wav", FIXTURES / "prompt_en_3s.wav"
-CLI = [sys.executable, str(ROOT / "clients" / "cosyvoice_client.py")]
+CLI = [sys.executable, "-m", "cosyvoice_triton", "client"]
 OUT_SR = 24000
 
 
@@ -524,10 +523,9 @@ def test_async_error_early_close_and_tts(source):
 
 
 def _cli_module():
-    spec = importlib.util.spec_from_file_location("cosyvoice_client_cli", ROOT / "clients" / "cosyvoice_client.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from cosyvoice_triton.clients import cli
+
+    return cli
 
 
 class _Stdin:

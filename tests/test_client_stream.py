@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES
 
 from cosyvoice_triton.clients.client import AsyncTTSClient, AsyncVCClient, StreamStats, TTSClient, VCClient, VCError
 
-CLI = [sys.executable, str(ROOT / "clients" / "cosyvoice_client.py")]
+CLI = [sys.executable, "-m", "cosyvoice_triton", "client"]
 SOURCE, PROMPT = FIXTURES / "source_en_5s.wav", FIXTURES / "prompt_en_3s.wav"
 
 

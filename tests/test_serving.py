@@ -275,18 +275,16 @@ def test_client_cli_converts_several_files_and_reports_failures(triton_server, t
     import subprocess
     import sys
 
-    from conftest import ROOT
-
     bad = tmp_path / "not_audio.wav"
     bad.write_bytes(b"RIFF garbage")
-    cli = [sys.executable, str(ROOT / "clients" / "cosyvoice_client.py"), "--url", triton_server.grpc_url,
+    cli = [sys.executable, "-m", "cosyvoice_triton", "client", "--url", triton_server.grpc_url,
            "--protocol", "grpc", "--prompt", str(FIXTURES / "prompt_en_3s.wav"), "-o", str(tmp_path / "out")]
     proc = subprocess.run([*cli, "--source", str(FIXTURES / "source_en_5s.wav"), str(FIXTURES / "speech_engb_16k.wav"),
                            str(bad)], capture_output=True, text=True, check=False, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # one of three failed
     assert (tmp_path / "out" / "source_en_5s.wav").is_file() and (tmp_path / "out" / "speech_engb_16k.wav").is_file()
     assert "not_audio.wav: error" in proc.stderr and "not a readable" in proc.stderr
-    proc = subprocess.run([sys.executable, str(ROOT / "clients" / "cosyvoice_client.py"), "--url", "127.0.0.1:1",
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton", "client", "--url", "127.0.0.1:1",
                            "--source", "x.wav", "--prompt", "y.wav", "-o", "z.wav"], capture_output=True, text=True,
                           check=False, timeout=120)
     assert proc.returncode == 2 and "not ready" in proc.stderr

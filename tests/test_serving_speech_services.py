@@ -365,10 +365,9 @@ def test_cli_tokens_embedding_and_priority(server, library, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
 
     tokens_of, embedding_of = library
-    cli = [sys.executable, str(ROOT / "clients" / "cosyvoice_client.py")]
+    cli = [sys.executable, "-m", "cosyvoice_triton", "client"]
     wav = FIXTURES / "source_en_5s.wav"
     wave, sr = sf.read(wav, dtype="float32")
     out = subprocess.run([*cli, "tokens", "--url", server.http_url, "--audio", str(wav), "--priority", "1"],

@@ -392,3 +392,19 @@ def test_registered_speaker_equals_its_prompt(server, prompt):
             c.delete_speaker("tts_alice")
     np.testing.assert_allclose(by_id.waveform, by_audio.waveform, atol=1e-5)
     np.testing.assert_array_equal(again.waveform, by_id.waveform)
+
+
+def test_the_client_example_runs(server, tmp_path):
+    """clients/cosyvoice_client.py, the library's short example: register, streamed TTS, VC, delete."""
+    import subprocess
+    import sys
+
+    root = FIXTURES.parent.parent
+    proc = subprocess.run([sys.executable, str(root / "clients" / "cosyvoice_client.py"),
+                           str(FIXTURES / "prompt_en_3s.wav"), PROMPT_TEXT, str(FIXTURES / "source_en_5s.wav"),
+                           server.grpc_url], cwd=tmp_path, capture_output=True, text=True, timeout=PATIENCE_S)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "chunk 1:" in proc.stdout  # streamed: more than one chunk
+    for name in ("example_tts.wav", "example_vc.wav"):
+        wave, sr = sf.read(tmp_path / name)
+        assert sr == 24000 and len(wave) > sr // 2 and np.abs(wave).max() > 0

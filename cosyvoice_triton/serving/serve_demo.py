@@ -243,5 +243,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """``cosyvoice-triton serve ARGS``."""
+    return main(["serve", *(argv or [])])
+
+
+def demo_main(argv: list[str] | None = None) -> int:
+    """``cosyvoice-triton demo ARGS``."""
+    return main(["demo", *(argv or [])])
+
+
 if __name__ == "__main__":
     sys.exit(main())

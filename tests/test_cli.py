@@ -1,0 +1,49 @@
+"""``cosyvoice-triton``: one command line; every passthrough command reaches its own parser (``--help`` exits 0
+with that parser's options), the Makefile's targets call it, and the top-level help lists every command."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from cosyvoice_triton.__main__ import build_parser, main
+from cosyvoice_triton.commands import PASSTHROUGH
+
+
+def test_top_level_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    assert set(PASSTHROUGH) <= commands and {"vc", "tts", "speaker", "rollout", "demo-model"} <= commands
+    for name in commands:  # named in the grouped overview
+        assert re.search(rf"\b{re.escape(name)}\b", out.split("positional arguments")[0]), name
+
+
+@pytest.mark.parametrize("name", sorted(PASSTHROUGH))
+def test_passthrough_reaches_its_own_parser(name):
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton", name, "--help"], capture_output=True, text=True,
+                          timeout=300, check=False, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage:" in proc.stdout and "cosyvoice-triton [-h] [-v]" not in proc.stdout  # not the top-level parser
+
+
+def test_passthrough_exit_codes():
+    # a bad option is the called parser's error (2), not a crash
+    assert main(["render", "--flavor", "nope"]) == 2
+    assert main(["client", "speaker", "list", "--url", "127.0.0.1:1"]) == 2  # unreachable server
+
+
+def test_make_targets_call_the_command_line():
+    makefile = (ROOT / "Makefile").read_text()
+    assert "CLI         := $(VENV)/bin/cosyvoice-triton" in makefile
+    recipes = [line.strip() for line in makefile.splitlines() if line.startswith("\t")]
+    scripts = [r for r in recipes if re.search(r"\$\(PY\) (-m cosyvoice_triton|export/|loadtest/|model_repository/)", r)]
+    assert not scripts, scripts
+    used = {m.group(1) for r in recipes for m in re.finditer(r"\$\(CLI\) ([a-z-]+)", r)}
+    assert {"demo", "serve", "render", "export-onnx", "quantize", "loadtest", "bench-tts"} <= used

@@ -115,7 +115,7 @@ def test_triton_binds_loopback_and_the_gateway_reaches_it_there(tmp_path):
     assert triton["image"] == gateway["image"]  # the image holds the gateway's entry point
     assert _env(triton, "TRITON_HOST") == "127.0.0.1"
     start = (ROOT / "export" / "container_start.sh").read_text()
-    assert '--host "${TRITON_HOST:-0.0.0.0}"' in start
+    assert '--host "${TRITON_HOST:-127.0.0.1}"' in start  # the image binds loopback unless told otherwise
     assert re.search(r"--http-port 8000 --grpc-port 8001 --metrics-port 8002", start)
     from cosyvoice_triton.serving.server import TritonServer, find_installation
 

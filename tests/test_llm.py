@@ -10,13 +10,13 @@ import torch
 
 from cosyvoice_triton.config import LLMConfig, ModelConfig, write_yaml
 from cosyvoice_triton.errors import CheckpointError, ConfigError, LLMError
+from cosyvoice_triton.models.demo import build_demo_llm
 from cosyvoice_triton.models.llm import (
     END,
     QWEN_DIR,
     TINY_TEXT_VOCAB,
     LMRequest,
     Qwen2LM,
-    build_demo_llm,
     load_llm,
     read_qwen_config,
     write_qwen_config,

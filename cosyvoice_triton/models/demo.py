@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..config import LLMConfig, ModelConfig, write_yaml
+from ..errors import ConfigError
 from ..frontend import features
 from .flow import CausalMaskedDiffWithXvec
 from .hift import HiFTGenerator
@@ -134,7 +135,7 @@ def write_demo_model(out_dir: str | Path, *, size: str = "tiny", seed: int = 0) 
 def _write_demo_llm(out: Path, config: ModelConfig, *, size: str, seed: int) -> None:
     """``CosyVoice-BlankEN/`` (Qwen2 config + stand-in tokenizer) and ``llm.pt`` with random weights."""
     from ..frontend.text.standin import write_tokenizer_standin
-    from .llm import QWEN_DIR, build_demo_llm, read_qwen_config, write_qwen_config  # transformers: lazy
+    from .llm import QWEN_DIR, read_qwen_config, write_qwen_config  # transformers: lazy
 
     qwen_dir = out / QWEN_DIR
     config_path = write_qwen_config(qwen_dir, size=size)
@@ -142,3 +143,58 @@ def _write_demo_llm(out: Path, config: ModelConfig, *, size: str, seed: int) -> 
     lm = build_demo_llm(config, config_path, seed=seed)
     torch.save(lm.state_dict(), out / "llm.pt")
     log.info("wrote %s (%.1f MB)", out / "llm.pt", (out / "llm.pt").stat().st_size / 1e6)
+
+
+# ---------------------------------------------------------------------------------------- the demo LM
+
+
+def build_demo_llm(config: LLMConfig | ModelConfig, qwen_config_path: str | Path, seed: int = 0):
+    """A ``Qwen2LM`` with deterministic random weights whose sampling behaves like a trained model's: varied
+    tokens, end-of-speech reachable but rarely at once (a few tens of tokens at tiny dims).
+
+    After PyTorch's / transformers' initialisation: constant tensors (norms, biases) get small perturbations,
+    the sos / task / speech embeddings are brought to the text embedding's scale (so the text steers the
+    output), and ``llm_decoder`` is rescaled so the speech logits have a standard deviation of
+    ``_DEMO_LOGIT_STD``, with the end-of-speech bias set so that this id is among the ``top_k`` most likely
+    ones on about a ``_DEMO_EOS_IN_NUCLEUS`` share of steps of a calibration sequence.
+    """
+    llm_config = config.llm if isinstance(config, ModelConfig) else config
+    if llm_config is None:
+        raise ConfigError("the ModelConfig has no llm section")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        from .llm import Qwen2LM  # transformers: lazy
+
+        lm = Qwen2LM.from_config(llm_config, qwen_config_path).eval()
+    generator = torch.Generator().manual_seed(seed + 1)
+    _perturb(lm, generator)
+    _calibrate_demo(lm, generator)
+    return lm
+
+
+_DEMO_LOGIT_STD = 2.0
+_DEMO_EOS_IN_NUCLEUS = 0.4
+
+
+@torch.no_grad()
+def _calibrate_demo(lm, generator: torch.Generator) -> None:
+    scale = float(lm.qwen.embed_tokens.weight.std())
+    for emb in (lm.llm_embedding, lm.speech_embedding):
+        emb.weight.mul_(scale / float(emb.weight.std()))
+    # A calibration sequence: a random text and prompt, then random speech tokens.
+    text = torch.randint(0, lm.text_vocab_size, (24,), generator=generator)
+    speech = torch.randint(0, lm.speech_token_size, (96,), generator=generator)
+    x = torch.cat([lm.lm_input(text, (), speech[:32]), lm.speech_embedding(speech[32:])[None]], dim=1)
+    hidden = lm.qwen(inputs_embeds=x).last_hidden_state[0, -speech[32:].numel() - 1 :]
+    dec = lm.llm_decoder
+    logits = dec(hidden)[:, : lm.speech_token_size]
+    dec.weight.mul_(_DEMO_LOGIT_STD / float(logits.std()))
+    dec.bias.mul_(_DEMO_LOGIT_STD / float(logits.std()))
+    logits = dec(hidden)
+    k = lm.config.sampling.top_k
+    threshold = logits[:, : lm.speech_token_size].topk(k, dim=1).values[:, -1]
+    eos = logits[:, lm.eos_token]
+    gap = torch.quantile(threshold - eos, _DEMO_EOS_IN_NUCLEUS)
+    dec.bias[lm.eos_token] += gap
+    # The two other stop ids: well below the speech tokens, as rare as in a trained model.
+    dec.bias[lm.eos_token + 1 :] = float(logits.min()) - 2 * _DEMO_LOGIT_STD

@@ -82,6 +82,7 @@ from ..shapes import (
 from ..streaming import StreamSchedule
 from .live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from .live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
+from .marker import MARKER
 from .model_params import MODEL_PARAMS
 from .official_api import OFFICIAL_INPUTS, OFFICIAL_MODEL, OFFICIAL_OPTIONAL, OFFICIAL_OUTPUTS, OUTPUT_SAMPLE_RATE
 from .rollout import MANIFEST_NAME as VERSION_MANIFEST
@@ -89,6 +90,7 @@ from .rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
 from .rollout import pipeline_model as _pipeline_model
 from .speakers import SPEAKER_INPUTS, SPEAKER_OUTPUTS
 from .vc_stream import VC_STREAM_INPUTS, VC_STREAM_MODEL, VC_STREAM_OUTPUTS
+from .warmup import stage_warmup_samples
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,6 @@ __all__ = ["CPU_CHOICE", "DEFAULT_QUALITY_REPORT", "FLAVORS", "FLAVOR_PRECISIONS
            "render_repository", "render_template"]
 
 FLAVORS = ("local", "onnx", "trt")
-MARKER = "cosyvoice_repository.json"  # written into every rendered repository (and read before deleting one)
 STAGE_MODELS = ("preprocess", "flow", "hift", "postprocess")
 _PLACEHOLDER = re.compile(r"\$\{([a-z_][a-z0-9_]*)\}")
 _DTYPES = {"float32": "TYPE_FP32", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "uint64": "TYPE_UINT64",
@@ -518,20 +519,6 @@ def graph_warmup_samples(name: str) -> tuple[dict[str, np.ndarray], int]:
             arr = (rng.standard_normal(shape) * 0.5).astype(np.float32)
         samples[t.name] = arr
     return samples, batch
-
-
-def stage_warmup_samples(name: str, seconds: float = 1.0) -> dict[str, np.ndarray] | None:
-    """Warm-up inputs of the Python stages that do not call other models (None: no warm-up); ``seconds``: the
-    length of the preprocess sample (at least the configured minimum, or the warm-up would be refused)."""
-    if name == "preprocess":
-        sr = 16000
-        t = np.arange(int(sr * seconds)) / sr
-        speech = (0.3 * np.sin(2 * np.pi * 150 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
-        return {"source_audio": speech, "source_sample_rate": np.array([sr], np.int32),
-                "prompt_audio": speech, "prompt_sample_rate": np.array([sr], np.int32)}
-    if name == "postprocess":
-        return {"waveform": (0.1 * np.sin(np.arange(12000) * 0.05)).astype(np.float32)}
-    return None
 
 
 # ------------------------------------------------------------------------------------------- rendering

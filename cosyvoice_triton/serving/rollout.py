@@ -474,7 +474,7 @@ class Rollout:
         import numpy as np
 
         from ..export.quality import logmel_db
-        from .repository import stage_warmup_samples
+        from .warmup import stage_warmup_samples
 
         sample = stage_warmup_samples("preprocess", 2.0)
         out = {}

@@ -205,13 +205,11 @@ def server_flags(installation: TritonInstallation) -> str:
 
 
 def _rendered_tunables(model_repository: str | Path) -> dict:
-    """The render tunables recorded in a repository's marker (:data:`~.repository.MARKER`); raises OSError /
+    """The render tunables recorded in a repository's marker (:data:`~.marker.MARKER`); raises OSError /
     ValueError / AttributeError for a folder that cosyvoice_triton did not render."""
-    import json
+    from .marker import read_marker
 
-    from .repository import MARKER
-
-    return json.loads((Path(model_repository) / MARKER).read_text()).get("tunables", {})
+    return read_marker(model_repository).get("tunables", {})
 
 
 def response_cache_flags(model_repository: str | Path, installation: TritonInstallation) -> list[str]:

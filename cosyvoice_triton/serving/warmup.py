@@ -31,6 +31,10 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
+
+from .marker import MARKER, read_marker
+
 log = logging.getLogger(__name__)
 
 __all__ = ["WARM_TEXT", "plan", "warm_up"]
@@ -87,13 +91,24 @@ def plan(models: list[dict]) -> list[tuple[str, str]]:
     return out
 
 
-def _sample(server) -> tuple:
-    from .repository import MARKER, stage_warmup_samples
+def stage_warmup_samples(name: str, seconds: float = 1.0) -> dict[str, np.ndarray] | None:
+    """Warm-up inputs of the Python stages that do not call other models (None: no warm-up); ``seconds``: the
+    length of the preprocess sample (at least the configured minimum, or the warm-up would be refused)."""
+    if name == "preprocess":
+        sr = 16000
+        t = np.arange(int(sr * seconds)) / sr
+        speech = (0.3 * np.sin(2 * np.pi * 150 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+        return {"source_audio": speech, "source_sample_rate": np.array([sr], np.int32),
+                "prompt_audio": speech, "prompt_sample_rate": np.array([sr], np.int32)}
+    if name == "postprocess":
+        return {"waveform": (0.1 * np.sin(np.arange(12000) * 0.05)).astype(np.float32)}
+    return None
 
+
+def _sample(server) -> tuple:
     tun = {}
-    marker = Path(server.model_repository) / MARKER
-    if marker.is_file():
-        tun = json.loads(marker.read_text()).get("tunables", {})
+    if (Path(server.model_repository) / MARKER).is_file():
+        tun = read_marker(server.model_repository).get("tunables", {})
     seconds = min(max(1.0, float(tun.get("min_seconds", 1.0))), float(tun.get("max_seconds", 30.0)))
     s = stage_warmup_samples("preprocess", seconds)
     return s["source_audio"], int(s["source_sample_rate"][0])

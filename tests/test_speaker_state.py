@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, rel_err
+from test_incremental import _inputs
 
 from cosyvoice_triton.errors import LLMError
 from cosyvoice_triton.models.demo import write_demo_model
@@ -82,14 +83,6 @@ def test_lm_prefix_in_a_batch_and_refused_for_other_text(model, prompt):
     assert lm.generate_batch(shared) == want  # prefilled after the prefix, decoded together
     with pytest.raises(LLMError, match="other prompt text tokens"):
         lm.batch_decoder().add(LMRequest(text_a, prompt.prompt_text_tokens[:-1], prefix=prefix))
-
-
-def _inputs(n_tokens: int, n_prompt: int, seed: int = 0) -> VCInputs:
-    rng = np.random.default_rng(seed)
-    return VCInputs(source_tokens=rng.integers(0, 6561, n_tokens).astype(np.int32),
-                    prompt_tokens=rng.integers(0, 6561, n_prompt).astype(np.int32),
-                    prompt_mel=rng.standard_normal((2 * n_prompt, 80)).astype(np.float32),
-                    embedding=rng.standard_normal(192).astype(np.float32))
 
 
 def _stream_mels(model: CosyVoice2, inputs: VCInputs, state: FlowStreamState) -> list[torch.Tensor]:

@@ -350,3 +350,61 @@ def test_zz_server_still_serves_after_all_of_it(triton_server, speech):
     assert err is None and np.isfinite(out["waveform"]).all() and out["waveform"].size > 0
     assert triton_server.running and _all_ready(triton_server)
     print("hostile-input figures:", json.dumps(FIGURES, default=str))
+
+
+# ------------------------------------------------------------------------------------ TTS: bounded, status by type
+
+
+def _tts(speech, **override):
+    _, _, prm, psr = speech
+    base = {"text": _bytes(b"Hello there."), "prompt_audio": prm[None].astype(np.float32),
+            "prompt_sample_rate": np.array([[psr]], np.int32), "seed": np.array([[1]], np.int64)}
+    base.update(override)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def _tts_cases(speech):
+    """kind -> (cosyvoice_tts tensors, words the message must contain)."""
+    _, _, prm, _ = speech
+    no_prompt = {"prompt_audio": None, "prompt_sample_rate": None}
+    cases = {
+        "2000 digits": (_tts(speech, text=_bytes(b"1" * 2000)), ["run of 2000 digits", "maximum 32"]),
+        "600 numbers": (_tts(speech, text=_bytes(b"12 " * 600)), ["1200 digits", "maximum 256"]),
+        "one unsplit segment of 1000 tokens": (  # a control tag: the official front end leaves it unsplit
+            _tts(speech, text=_bytes(("<|endofprompt|> " + "hello world " * 150).encode())),
+            ["text segment 1", "text tokens", "flow"]),
+        "prompt amplitude 1e30": (_tts(speech, prompt_audio=np.full((1, prm.size), 1e30, np.float32)),
+                                  ["prompt_audio"]),
+        "prompt Inf": (_tts(speech, prompt_audio=np.full((1, prm.size), np.inf, np.float32)), ["prompt_audio"]),
+        "prompt NaN": (_tts(speech, prompt_audio=np.full((1, prm.size), np.nan, np.float32)), ["prompt_audio"]),
+    }
+    for prefix in ("TTS busy: ", "internal error: ", "UNAVAILABLE: ", "Stub process 'x' is not healthy",
+                   "Request for unknown model: 'x' has no available versions"):
+        cases[f"speaker_id {prefix!r}"] = (_tts(speech, **no_prompt, speaker_id=_bytes(prefix.encode())),
+                                           [prefix.strip()])
+    return cases
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tts_refusals_are_bounded_and_their_status_comes_from_the_errors_type(triton_server, speech, protocol):
+    from cosyvoice_triton.clients.retry import is_retryable
+
+    failures, figures = [], {}
+    for kind, (tensors, words) in _tts_cases(speech).items():
+        cpu_before = _cpu_seconds(triton_server)
+        _, err, seconds = infer(triton_server, protocol, "cosyvoice_tts", tensors)
+        cpu = _cpu_seconds(triton_server) - cpu_before
+        figures[kind] = round(seconds, 3)
+        if err is None or not err.invalid_argument:
+            failures.append(f"{protocol} {kind}: {'accepted' if err is None else (err.status, err.message)}")
+            continue
+        if is_retryable(err):
+            failures.append(f"{protocol} {kind}: the client would send it again: {err.status} {err.message!r}")
+        missing = [w for w in words if w.lower() not in err.message.lower()]
+        if missing:
+            failures.append(f"{protocol} {kind}: {missing} not in {err.message!r}")
+        if cpu > 5:  # refused before the normaliser or the LM did the work
+            failures.append(f"{protocol} {kind}: refused after {cpu:.1f} s of the server's CPU time")
+    print(f"tts refusals over {protocol} (s, loaded machine):", figures)
+    assert triton_server.is_model_ready("cosyvoice_tts") and _all_ready(triton_server)
+    assert not failures, "\n".join(failures)

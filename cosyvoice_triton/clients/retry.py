@@ -14,7 +14,8 @@ of its inputs and seed):
   member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is
   not ready.", ``INTERNAL``: Triton does not know that a BLS stage depends on it).
 
-Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way) and any other
+Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way, whatever the
+message says: it may quote the client's text) and any other
 server error (a bug would only be hit once more), and a streamed call once a chunk has arrived (not handled here:
 the caller already has part of the answer).
 
@@ -26,6 +27,7 @@ jitter": clients that failed together do not come back together), and all tries 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import tenacity
@@ -39,8 +41,13 @@ RETRY_GRPC_STATUSES = frozenset({"StatusCode.UNAVAILABLE", "StatusCode.RESOURCE_
 RETRY_HTTP_STATUSES = frozenset({"429", "502", "503", "504"})
 #: Statuses the clients give to failures of their own that are worth another try.
 RETRY_CLIENT_STATUSES = frozenset({"timeout", "connection"})
-#: Server messages of a transient state, whatever their status (see the module docstring).
+#: Server messages of a transient state, each only with the status Triton gives it (see the module docstring): a
+#: server fault's (500 / INTERNAL) or an unloaded model's (NOT_FOUND); never a refusal of the client's input.
 RETRY_MESSAGES = ("is not healthy", "has no available versions", "Failed for execute the inference request. Model")
+_FAULT_STATUSES = frozenset({"500", "StatusCode.INTERNAL", "StatusCode.NOT_FOUND"})
+#: HTTP answers an unloaded model 400, the status of bad input: only Triton's own whole message is retried there
+#: (a model's refusal, which may quote the client's text, never is).
+_UNLOADED_400 = re.compile(r"Request for unknown model: '[^']*' has no available versions")
 
 
 def _status(exc: BaseException) -> str | None:
@@ -58,7 +65,9 @@ def is_retryable(exc: BaseException) -> bool:
         if status in RETRY_GRPC_STATUSES or status in RETRY_HTTP_STATUSES or status in RETRY_CLIENT_STATUSES:
             return True
         message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
-        if status is not None and any(m in str(message) for m in RETRY_MESSAGES):
+        if status in _FAULT_STATUSES and any(m in str(message) for m in RETRY_MESSAGES):
+            return True
+        if status == "400" and _UNLOADED_400.fullmatch(str(message).strip()):
             return True
         if status is None and isinstance(exc, (ConnectionError, TimeoutError)):
             return True

@@ -69,6 +69,8 @@ MAX_SECONDS = 30.0
 #: A peak below this (full scale 1.0: -80 dBFS, about three 16-bit LSBs) is digital silence, at most dither
 #: or a DC offset: there are no words for the tokenizer nor a voice for the speaker encoder.
 SILENCE_PEAK = 1e-4
+#: Largest accepted sample magnitude: 16-bit full scale as floats; beyond it the features overflow to Inf.
+MAX_PEAK = 32768.0
 #: Sample rates outside [MIN_SAMPLE_RATE, MAX_SAMPLE_RATE] Hz are taken to be mistakes (4 kHz is half the
 #: narrowband telephone rate; 384 kHz is the highest rate of common audio interfaces). The official
 #: ``load_wav`` refuses anything below 16 kHz that needs resampling; we accept it, since band-limited
@@ -204,7 +206,7 @@ def validate_audio(
     AudioError
         For a bad rate, dtype or rank, and for audio that is empty, shorter than ``min_seconds``,
         longer than ``max_seconds``, contains NaN/Inf, or whose peak is below ``SILENCE_PEAK``.
-        Loud or clipped audio is accepted.
+        Loud or clipped audio is accepted, up to a peak of ``MAX_PEAK``.
     """
     if min_seconds < 0 or (max_seconds is not None and max_seconds < min_seconds):
         raise ValueError(f"bad duration limits: min_seconds={min_seconds}, max_seconds={max_seconds}")
@@ -224,6 +226,9 @@ def validate_audio(
         raise AudioError(f"{name}: {n_nan} NaN and {bad.size - n_nan} infinite samples (first at "
                          f"{_seconds(int(bad[0]), sr)}); audio must be finite")
     peak = float(np.max(np.abs(y)))
+    if peak > MAX_PEAK:
+        raise AudioError(f"{name}: peak {peak:.3g} is beyond {MAX_PEAK:g} (float audio is expected in [-1, 1]; "
+                         f"16-bit full scale is the most accepted)")
     if peak < SILENCE_PEAK:
         raise AudioError(f"{name}: silent (peak {peak:.3g} of full scale, below {SILENCE_PEAK:g}); "
                          "digital silence cannot be converted")

@@ -40,10 +40,11 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..errors import LLMError, TextError
-from ..models.llm import QWEN_DIR, LMRequest, load_llm
+from ..errors import CosyVoiceError, LLMError, TextError
+from ..models.llm import QWEN_DIR, LMRequest, Qwen2LM, load_llm
 from ..pipeline import lm_prompt
 from ..prompt_cache import PromptCache
+from ..shapes import GRAPHS
 from ..speaker_state import SpeakerState
 from ..speakers import SpeakerPrompt
 from ..streaming import StreamSchedule
@@ -63,6 +64,8 @@ __all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_inp
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
 HiftFn = Callable[[np.ndarray, int], np.ndarray]
+#: The official LM's least and most speech tokens per text token (``min/max_token_text_ratio``).
+MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2.0, 20.0
 SpeakerFn = Callable[[str], SpeakerPrompt]
 
 
@@ -101,6 +104,7 @@ class TTSPlan:
     seed: int
     mode: str
     speaker_id: str | None = None
+    max_speech_tokens: int | None = None  # the flow's room beside the prompt: the LM stops there
 
 
 class TTSService:
@@ -172,6 +176,7 @@ class TTSService:
         text = self.text.check(bytes_input(t["text"], "text"))
         plan = self.prepare_live(t)
         plan.segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
+        plan.max_speech_tokens = speech_token_room(plan)
         return plan
 
     def prepare_live(self, t: Mapping[str, np.ndarray | None]) -> TTSPlan:
@@ -225,7 +230,9 @@ class TTSService:
             if plan.speaker_id is not None and self.prefixes is not None:
                 prefix = self.prefixes.lm_prefix(self.lm, plan.lm_prompt_text_tokens)
             job = self.engine.submit(LMRequest(ids, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
-                                               draws=draws, prefix=prefix), cancelled=cancelled)
+                                               draws=draws, prefix=prefix,
+                                               max_token_text_ratio=capped_ratio(ids.size, plan.max_speech_tokens)),
+                                     cancelled=cancelled)
             try:
                 tokens = job.tokens()
                 if stream:
@@ -363,25 +370,60 @@ class LiveResponses(Iterator[dict[str, np.ndarray]]):
         self._responses.close()
 
 
+def speech_token_room(plan: TTSPlan) -> int:
+    """The most speech tokens one segment's LM may make: the flow takes at most ``tokens`` (its graph's axis) with
+    the prompt's. Checked before the LM runs: a segment whose least number of tokens (the official
+    ``min_token_text_ratio``, 2 per text token) cannot fit is refused naming it; the LM of any other stops where
+    the flow's room ends (the official LM would go on to 20 per text token, for a flow that refuses them)."""
+    room = GRAPHS["flow_encoder"].axes["tokens"].max - int(plan.prompt.prompt_tokens.size)
+    for n, (text, ids) in enumerate(plan.segments, 1):
+        least = Qwen2LM.length_bounds(int(ids.size), MIN_TOKEN_TEXT_RATIO, 0)[0]
+        if least > room:
+            raise TextError(
+                f"text segment {n} ({text[:40]!r}...) has {ids.size} text tokens: the LM makes at least {least} "
+                f"speech tokens for it, and with the prompt's {plan.prompt.prompt_tokens.size} that is more than "
+                f"the flow's {GRAPHS['flow_encoder'].axes['tokens'].max}; shorten it (or end its sentences) or "
+                f"use a shorter prompt")
+    return room
+
+
+def capped_ratio(text_tokens: int, room: int | None) -> float:
+    """The LM's ``max_token_text_ratio`` for a segment: the official 20, or less where that many speech tokens
+    would not fit the flow's ``room`` (``int(n * ratio)`` in float32 stays <= ``room``)."""
+    if room is None or text_tokens * MAX_TOKEN_TEXT_RATIO <= room:
+        return MAX_TOKEN_TEXT_RATIO
+    return room / text_tokens
+
+
+#: How the messages start that :func:`error_code` reads as other than the client's (lm_engine.BUSY's text).
+_RESERVED = ("internal error: ", "TTS busy: ")
+
+
 def error_response(pb, exc: BaseException):
     """:func:`.triton_io.error_response`, with UNAVAILABLE for a full LM queue (:class:`~.lm_engine.EngineBusy`)."""
-    from .lm_engine import EngineBusy
+    from .lm_engine import BUSY, EngineBusy
     from .triton_io import error_response as base
 
     if isinstance(exc, EngineBusy):
-        return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.UNAVAILABLE))
+        message = str(exc) if str(exc).startswith(BUSY) else f"{BUSY}{exc}"
+        return pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.UNAVAILABLE))
+    client = isinstance(exc, CosyVoiceError) or getattr(exc, "invalid_argument", False)
+    if client and str(exc).startswith(_RESERVED):  # never read back as another code (error_code)
+        return pb.InferenceResponse(error=pb.TritonError(f"bad request: {exc}", pb.TritonError.INVALID_ARG))
     return base(pb, exc)
 
 
 def error_code(pb, message: str):
     """The ``TritonError`` code of a message that :func:`error_response` wrote (a decoupled BLS response carries
     the message but not the code in Triton 2.51): INTERNAL for ours (``internal error: ...``), UNAVAILABLE for
-    a full LM queue, INVALID_ARG for the client's."""
+    a full LM queue (:data:`~.lm_engine.BUSY`), INVALID_ARG for the client's. Only how the message starts counts,
+    which :func:`error_response` decides by the error's type: text of the client's quoted inside a message (an
+    unknown tag, a speaker id) never changes the code."""
     from .lm_engine import BUSY
 
-    if message.startswith("internal error"):
+    if message.startswith(_RESERVED[0]):
         return pb.TritonError.INTERNAL
-    return pb.TritonError.UNAVAILABLE if BUSY in message else pb.TritonError.INVALID_ARG
+    return pb.TritonError.UNAVAILABLE if message.startswith(BUSY) else pb.TritonError.INVALID_ARG
 
 
 def bls(pb, model: str, tensors: Mapping[str, np.ndarray], outputs: Iterable[str], *, timeout_us: int = 0

@@ -18,11 +18,20 @@ log = logging.getLogger(__name__)
 # Longest accepted text, in characters (after UTF-8 decoding). The official code has no limit; this one bounds the
 # work of one request: about 40 segments of 80-100 characters, i.e. several minutes of speech.
 MAX_TEXT_CHARS = 4096
+# WeTextProcessing's work grows with the digits it reads: about quadratically with one run's length (a run of 2,000
+# digits takes most of a minute) and by milliseconds per character of number-dense text. These bound it before it
+# runs. The official front end reads a run of more than a dozen digits digit by digit; 32 covers card, account and
+# phone numbers; longer runs are refused (write them in groups or words).
+MAX_DIGIT_RUN = 32
+MAX_DIGITS = 256
+# Normalisation spells numbers and symbols out; the text it makes is bounded too (4 characters per input one).
+MAX_NORMALIZED_CHARS = 4 * MAX_TEXT_CHARS
 
 # What looks like a control tag: <|name|>, <name>, </name>, [name] with a short ASCII name.
 _TAG_LIKE = re.compile(r"<\|[^<>|\s]{1,40}\|>|</?[A-Za-z][\w-]{0,39}>|\[[A-Za-z][\w-]{0,39}\]", re.ASCII)
 # The official front end leaves text with both of these alone (it calls it SSML).
 _SSML_OPEN, _SSML_CLOSE = "<|", "|>"
+_DIGIT_RUN = re.compile(r"\d+")
 
 
 def _as_text(text: str | bytes, what: str) -> str:
@@ -49,6 +58,11 @@ class TextFrontend:
         ``CosyVoice-BlankEN`` folder with the Qwen2 tokenizer files.
     max_chars : int
         Longest accepted text in characters (default :data:`MAX_TEXT_CHARS`).
+    max_digit_run, max_digits : int
+        Longest run of digits and most digits in one text (default :data:`MAX_DIGIT_RUN`, :data:`MAX_DIGITS`):
+        they bound the work of number normalisation before it runs.
+    max_normalized_chars : int
+        Longest normalised text (default :data:`MAX_NORMALIZED_CHARS`).
     strict_tags : bool
         Reject text with something that looks like a control tag (``[xxx]``, ``<xxx>``, ``</xxx>``, ``<|xxx|>``)
         but is none of CosyVoice2's special tokens; with ``False`` it is read as plain text, as officially.
@@ -59,11 +73,17 @@ class TextFrontend:
     Nothing here depends on global state that a call changes, so one instance serves concurrent callers.
     """
 
-    def __init__(self, blank_en_dir: str | os.PathLike, *, max_chars: int = MAX_TEXT_CHARS, strict_tags: bool = True):
-        if max_chars < 1:
-            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+    def __init__(self, blank_en_dir: str | os.PathLike, *, max_chars: int = MAX_TEXT_CHARS, strict_tags: bool = True,
+                 max_digit_run: int = MAX_DIGIT_RUN, max_digits: int = MAX_DIGITS,
+                 max_normalized_chars: int = MAX_NORMALIZED_CHARS):
+        for name, v in (("max_chars", max_chars), ("max_digit_run", max_digit_run), ("max_digits", max_digits),
+                        ("max_normalized_chars", max_normalized_chars)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
         self.tokenizer = QwenTextTokenizer(blank_en_dir)
         self.max_chars = int(max_chars)
+        self.max_digit_run, self.max_digits = int(max_digit_run), int(max_digits)
+        self.max_normalized_chars = int(max_normalized_chars)
         self.strict_tags = bool(strict_tags)
         import inflect
 
@@ -76,6 +96,7 @@ class TextFrontend:
             raise TextError(f"{what} is empty" if not text else f"{what} holds only whitespace")
         if len(text) > self.max_chars:
             raise TextError(f"{what} has {len(text)} characters, more than the maximum {self.max_chars}")
+        self._check_digits(text, what)
         if self.strict_tags:
             unknown = sorted({m for m in _TAG_LIKE.findall(text) if m not in KNOWN_TAGS})
             if unknown:
@@ -85,6 +106,18 @@ class TextFrontend:
         if tn.is_only_punctuation(re.sub(r"\s+", "", text)):
             raise TextError(f"{what} holds only punctuation and symbols: {text[:40]!r}")
         return text
+
+    def _check_digits(self, text: str, what: str) -> None:
+        digits = 0
+        for m in _DIGIT_RUN.finditer(text):  # decimal digits of any script (what WeTextProcessing is run for)
+            n = m.end() - m.start()
+            if n > self.max_digit_run:
+                raise TextError(f"{what} has a run of {n} digits at character {m.start()} ({m.group()[:12]}...), "
+                                f"more than the maximum {self.max_digit_run}; write it in groups or in words")
+            digits += n
+        if digits > self.max_digits:
+            raise TextError(f"{what} has {digits} digits, more than the maximum {self.max_digits} that one request "
+                            f"may hold; split the text")
 
     @overload
     def normalize(self, text: str | bytes, *, split: Literal[True] = ..., text_frontend: bool = ...) -> list[str]: ...
@@ -119,6 +152,9 @@ class TextFrontend:
             def length(piece: str) -> int:
                 return int(self.tokenizer.encode(piece).shape[0])
 
+        if len(text) > self.max_normalized_chars:
+            raise TextError(f"text has {len(text)} characters once numbers and symbols are spelled out, more than "
+                            f"the maximum {self.max_normalized_chars}")
         if not split:
             return text
         segments = [s for s in tn.split_paragraph(text, length, lang=lang) if not tn.is_only_punctuation(s)]

@@ -222,9 +222,16 @@ def test_bad_requests_and_innocent_ones_around_them(client, gateway):
     assert "unsupported_content_encoding" in urllib.request.urlopen(gateway[0] + "/metrics").read().decode()
 
 
-def test_too_many_requests_of_one_key(client):
+def _in_flight(url: str) -> float:
+    """The gateway's requests in flight, this scrape included."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return float(re.search(r"^cosyvoice_gateway_in_flight (\S+)$", text, re.M).group(1))
+
+
+def test_too_many_requests_of_one_key(client, gateway):
     """At most 1 request per key in flight: while a long one is being answered, the key's next request gets 429
-    (OpenAI's client raises RateLimitError), and once it is done requests are answered again."""
+    (OpenAI's client raises RateLimitError), and once it is done requests are answered again. The probes start
+    once the long request is inside the gateway (else a probe may come first and the long one be refused)."""
     limited = None
     for _ in range(3):  # the long request may finish before a probe reaches the gateway on a loaded machine
         done, result = threading.Event(), {}
@@ -238,6 +245,7 @@ def test_too_many_requests_of_one_key(client):
                 done.set()
 
         threading.Thread(target=long, daemon=True).start()
+        wait_until(lambda done=done: done.is_set() or _in_flight(gateway[0]) >= 2, "the long request in flight")
         while not done.is_set() and limited is None:
             try:
                 _speak(client, response_format="pcm")  # answered only if the long one was already done

@@ -383,3 +383,104 @@ def test_sample_rates_beyond_int32_or_range_are_refused_not_wrapped(serving_asse
     err = pre.batch([req])[0].error
     assert isinstance(err, AudioError) and "source_sample_rate" in str(err)
     assert "outside the supported range" in str(err) or "positive" in str(err), err
+
+
+# ------------------------------------------------------------------------------------ TTS text, codes, retries
+
+
+@pytest.fixture(scope="module")
+def text_frontend(serving_assets):
+    from cosyvoice_triton.frontend.text import TextFrontend
+
+    return TextFrontend(serving_assets["model_dir"] / "CosyVoice-BlankEN")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("1" * 2000, ["run of 2000 digits", "maximum 32"]),
+    ("Call 0" + "9" * 32 + " now.", ["run of 33 digits", "character 5"]),
+    ("12 " * 129, ["258 digits", "maximum 256"]),
+    ("１" * 40, ["run of 40 digits"]),  # full-width digits are digits to the normaliser too
+])
+def test_number_normalisation_is_bounded_before_it_runs(text_frontend, text, words):
+    from cosyvoice_triton.errors import TextError
+
+    t0 = time.process_time()  # CPU time: WeTextProcessing spends most of a minute on 2,000 digits
+    with pytest.raises(TextError) as info:
+        text_frontend.normalize(text)
+    assert time.process_time() - t0 < 0.5
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_numbers_within_the_limits_are_still_read(text_frontend):
+    out = text_frontend.normalize("Call 4155550123 at 9 or " + "1" * 32 + ".", split=False)
+    assert not any(c.isdigit() for c in out) and "nine" in out
+
+
+def test_normalised_length_is_bounded(serving_assets):
+    from cosyvoice_triton.errors import TextError
+    from cosyvoice_triton.frontend.text import TextFrontend
+
+    f = TextFrontend(serving_assets["model_dir"] / "CosyVoice-BlankEN", max_normalized_chars=40)
+    assert f.normalize("Twenty-nine cats.", split=False)
+    with pytest.raises(TextError, match="once numbers and symbols are spelled out, more than the maximum 40"):
+        f.normalize("I have 29 cats and 31 dogs here.", split=False)
+
+
+def test_segments_that_cannot_fit_the_flow_are_refused_before_the_lm_and_others_stop_at_its_room():
+    from cosyvoice_triton.errors import TextError
+    from cosyvoice_triton.models.llm import Qwen2LM
+    from cosyvoice_triton.serving.tts import TTSPlan, capped_ratio, speech_token_room
+    from cosyvoice_triton.speakers import SpeakerPrompt
+
+    prompt = SpeakerPrompt(np.ones(100, np.int32), np.zeros((200, 80), np.float32), np.zeros(192, np.float32))
+
+    def plan(*lengths):
+        return TTSPlan([(f"s{n}", np.ones(n, np.int32)) for n in lengths], np.zeros(0, np.int32),
+                       np.zeros(0, np.int32), prompt, 0, "zero_shot")
+
+    assert speech_token_room(plan(10, 700)) == 1400  # 1500 - the prompt's 100
+    with pytest.raises(TextError, match=r"text segment 2 .*701 text tokens.*at least 1402 .*prompt's 100.*1500"):
+        speech_token_room(plan(10, 701))
+    assert capped_ratio(10, 1400) == 20.0  # 200 speech tokens fit: the official ratio
+    for n in (71, 135, 333, 700):  # the LM's own float32 arithmetic stays within the room
+        _, most = Qwen2LM.length_bounds(n, 2, capped_ratio(n, 1400))
+        assert most <= 1400 and most >= 1399
+
+
+def test_status_codes_come_from_how_a_message_starts_not_from_quoted_client_text():
+    from cosyvoice_triton.errors import SpeakerError
+    from cosyvoice_triton.serving.lm_engine import BUSY, EngineBusy
+    from cosyvoice_triton.serving.tts import _RESERVED, error_code, error_response
+
+    class _Err(Err):
+        UNAVAILABLE = "UNAVAILABLE"
+
+    pb = types.SimpleNamespace(TritonError=_Err, InferenceResponse=Response)
+    assert BUSY in _RESERVED
+    assert error_code(pb, f"{BUSY}too many concurrent TTS requests") == pb.TritonError.UNAVAILABLE
+    assert error_code(pb, "internal error: KeyError: 'x'") == pb.TritonError.INTERNAL
+    for quoted in (BUSY, "internal error: ", "UNAVAILABLE: "):
+        assert error_code(pb, f"unknown speaker_id '{quoted}x'") == pb.TritonError.INVALID_ARG
+        # a client error that starts with a reserved prefix is never read back as another code
+        res = error_response(pb, SpeakerError(f"{quoted}x"))
+        assert res.error().code() == pb.TritonError.INVALID_ARG
+        assert error_code(pb, res.error().message()) == pb.TritonError.INVALID_ARG
+    busy = error_response(pb, EngineBusy("the LM engine is shut down"))
+    assert busy.error().code() == pb.TritonError.UNAVAILABLE
+    assert error_code(pb, busy.error().message()) == pb.TritonError.UNAVAILABLE
+
+
+@pytest.mark.parametrize("status", ["400", "StatusCode.INVALID_ARGUMENT"])
+@pytest.mark.parametrize("quoted", ["TTS busy: ", "Stub process 'x' is not healthy",
+                                    "Request for unknown model: 'x' has no available versions",
+                                    "Failed for execute the inference request. Model 'x' is not ready."])
+def test_a_refusal_quoting_transient_words_is_not_retried(status, quoted):
+    from tritonclient.utils import InferenceServerException
+
+    from cosyvoice_triton.clients.retry import is_retryable
+
+    assert not is_retryable(InferenceServerException(f"unknown speaker_id '{quoted}'", status=status))
+    assert not is_retryable(InferenceServerException(quoted, status="StatusCode.INVALID_ARGUMENT"))
+    # Triton's own answer for an unloaded model over HTTP (400) is still retried
+    assert is_retryable(InferenceServerException("Request for unknown model: 'cosyvoice_vc' has no available "
+                                                 "versions", status="400"))

@@ -164,6 +164,9 @@ def test_quota_of_prompt_bytes_per_tenant(tmp_path):
 def test_without_keys_one_public_namespace():
     client, backend = _client(StoreBackend())
     assert _register(client, "alice", {}).status_code == 201
+    assert _register(client, "p" * 64, {}).status_code == 201  # unscoped: the store's own limit
+    _openai_error(_register(client, "p" * 65, {}), 400, param="id")
+    del backend.store["p" * 64]
     backend.store["t-acme.secret"] = 1.0  # a tenant's voice, from a gateway with keys on the same Triton
     assert _ids(client, {}) == ["admin_voice", "alice"]
     assert set(backend.store) == {"admin_voice", "alice", "t-acme.secret"}

@@ -3,8 +3,8 @@ tenant's voices live in the ``speakers`` model under ``t-<tenant>.<voice>``, so 
 list, replace or delete another's. Without keys there is one public namespace: the voices are the model's ids as
 they are (those registered on Triton directly included), except the reserved ``t-`` ones.
 
-A user's voice id is 1-45 characters of ``[A-Za-z0-9_.-]`` not starting with ``.``: the scoped id (at most
-``t-`` + 16 + ``.`` = 19 characters more) must fit the store's 64."""
+A tenant's voice id is 1-45 characters of ``[A-Za-z0-9_.-]`` not starting with ``.``: the scoped id (at most
+``t-`` + 16 + ``.`` = 19 characters more) must fit the store's 64; a public one, unscoped, may have all 64."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ TENANT_CHARS = 16
 TENANT = re.compile(rf"[A-Za-z0-9_-]{{1,{TENANT_CHARS}}}")
 #: The longest voice id a user may give: the store's 64 less the longest tenant prefix.
 MAX_VOICE_CHARS = 64 - len(SCOPE) - TENANT_CHARS - 1
-_VOICE = re.compile(rf"[A-Za-z0-9_-][A-Za-z0-9_.-]{{0,{MAX_VOICE_CHARS - 1}}}")
+_VOICE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 #: What a stored voice counts against the byte quota: its prompt as 16-bit mono audio at 16 kHz.
 BYTES_PER_SECOND = 32_000
 #: CosyVoice 2's speech tokens a second: a stored prompt's length in seconds is its token count / 25.
@@ -52,10 +52,14 @@ class Namespace:
     def label(self) -> str:
         return "public" if self.tenant is None else self.tenant
 
+    @property
+    def max_chars(self) -> int:
+        return 64 if self.tenant is None else MAX_VOICE_CHARS
+
     def check(self, voice: str, param: str = "voice") -> str:
         """``voice`` if it is a valid user id, else 400 naming ``param``."""
-        if not isinstance(voice, str) or _VOICE.fullmatch(voice) is None:
-            raise GatewayError(400, f"{param}: voice id {voice!r} is invalid: use 1-{MAX_VOICE_CHARS} characters "
+        if not isinstance(voice, str) or len(voice) > self.max_chars or _VOICE.fullmatch(voice) is None:
+            raise GatewayError(400, f"{param}: voice id {voice!r} is invalid: use 1-{self.max_chars} characters "
                                "of A-Z a-z 0-9 _ . - not starting with '.'", param=param, code="invalid_value")
         if self.tenant is None and voice.startswith(SCOPE):
             raise GatewayError(400, f"{param}: unknown voice {voice!r} (ids starting with {SCOPE!r} are reserved "

@@ -83,6 +83,15 @@ def _tenants(tmp_path, *extra, **cfg):
     return _client(StoreBackend(), **{**config.__dict__, **cfg})
 
 
+def test_keys_file_lines(tmp_path):
+    from cosyvoice_triton.gateway.config import read_keys
+
+    f = tmp_path / "keys"
+    f.write_text("acme:sk:with:colons\nnot a name:sk-spaced\n  plain  \n# acme:sk-comment\n:sk-no-name\n")
+    assert read_keys(f) == {"sk:with:colons": "acme", "not a name:sk-spaced": None, "plain": None,
+                            ":sk-no-name": None}
+
+
 def test_keys_file_names_tenants_and_a_plain_key_is_its_own(tmp_path):
     client, backend = _tenants(tmp_path)
     a1, a2, b = _bearer("sk-a1"), _bearer("sk-a2"), _bearer("sk-b")

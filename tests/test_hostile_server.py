@@ -251,9 +251,24 @@ def test_gzip_body_is_inflated_by_triton_without_a_size_limit(supervised):
 
 
 # ------------------------------------------------------------------------------ dead stages (finding 1)
+def _regions(server, model: str | None = None) -> set[Path]:
+    """The shared-memory regions (/dev/shm) of the server's live stubs (of ``model``)."""
+    from cosyvoice_triton.serving.server import SHM_DIR
+
+    found = {SHM_DIR / s.shm_region for s in server.python_stubs() if s.alive and s.shm_region
+             and (model is None or s.model == model)}
+    assert found, f"no stub region found for {model or 'the server'}"
+    return found
+
+
+def _no_leftovers(regions: set[Path], what: str) -> None:
+    wait_until(lambda: not [p for p in regions if p.exists()], f"no shared-memory region of {what} left")
+
+
 def test_overflowing_shape_over_http_kills_the_stub_and_it_comes_back(supervised):
     server = supervised.server
     assert _hift_ok(server)
+    victims = _regions(server, "hift")
     with ReadinessWatch(server) as watch:
         status, _ = _binary_infer(server, "hift", [{"name": "mel", "shape": [1, 80, OVERFLOW_2_60],
                                                        "datatype": "FP32", "parameters": {"binary_data_size": 0}}])
@@ -261,6 +276,7 @@ def test_overflowing_shape_over_http_kills_the_stub_and_it_comes_back(supervised
         FIGURES["http overflow: its answer after (s)"] = round(time.monotonic() - watch.t0, 2)
         _recover(supervised, watch, lambda: _hift_ok(server), "http overflow -> hift stub")
     assert any(e.kind == "reloaded" and e.detail == "hift" for e in supervised.events)
+    _no_leftovers(victims, "the dead hift stubs")
 
 
 def test_overflowing_shape_over_grpc_kills_the_stage_and_it_comes_back(supervised, speech):
@@ -289,6 +305,7 @@ def test_deeply_nested_json_kills_the_server_and_it_comes_back(supervised):
     depth = 100_000
     body = b'{"inputs":[{"name":"mel","shape":[1,80,1],"datatype":"FP32","data":' + b"[" * depth + b"]" * depth
     body += b"}]}"
+    victims = _regions(server)
     with ReadinessWatch(server) as watch:
         with pytest.raises((OSError, http.client.HTTPException)):
             _post(server, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
@@ -298,6 +315,7 @@ def test_deeply_nested_json_kills_the_server_and_it_comes_back(supervised):
     wait_until(lambda: "restarted" in [e.kind for e in supervised.events], "the supervisor's 'restarted' event")
     kinds = [e.kind for e in supervised.events]
     assert "server-exited" in kinds and "restarted" in kinds and supervised.failed is None
+    _no_leftovers(victims, "the dead server's stubs")
 
 
 # ------------------------------------------------------------------------------ no server needed

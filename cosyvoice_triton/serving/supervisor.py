@@ -30,8 +30,10 @@ ready; the supervisor has no endpoint of its own (``<work dir>/warm`` and the CL
 Leftovers: each Python stub has a shared-memory region ``/dev/shm/triton_python_backend_shm_region_<uuid>`` (its
 name is the stub's second argument). A stub or a server that dies can leave its regions behind (RAM that
 nothing frees). The supervisor notes the region of every stub of its server it sees; once that stub is gone and no
-live process maps the region any more, it removes it (event ``shm-removed``). Regions of other servers on the
-machine are never touched: only names read from this server's own stubs are candidates.
+live process but the server maps the region, it removes it (event ``shm-removed``): Triton 2.51 keeps a dead stub's
+region mapped after it has unloaded the model, so that RAM comes back only when the server exits, but no longer
+outlives it. Regions of other servers on the machine are never touched: only names read from this server's own
+stubs are candidates.
 
 After every (re)start and every reload it warms the server up (``warmup``, default
 :func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) from a thread of its
@@ -188,9 +190,9 @@ class Supervisor:
         return sorted(dead)
 
     def sweep_regions(self) -> list[str]:
-        """Remove the shared-memory regions of this server's stubs that are gone, once no live process maps them
-        (a region still mapped, e.g. by a server whose unload is pending, waits for a later check); returns the
-        names removed."""
+        """Remove the shared-memory regions of this server's stubs that are gone, once no live process but the
+        running tritonserver maps them (nothing opens a dead stub's region by name again); returns the names
+        removed."""
         alive = {s.pid for s in self.server.python_stubs() if s.alive}
         gone = [name for name, pid in self._regions.items() if pid not in alive]
         if not gone:
@@ -200,9 +202,10 @@ class Supervisor:
             if not path.exists():
                 del self._regions[name]
         users = shm_region_users([paths[n] for n in gone if n in self._regions])
+        server = self.server.process.pid if self.server.running else None
         removed, freed = [], 0
         for path, pids in users.items():
-            if pids:
+            if set(pids) - {server}:
                 continue
             try:
                 freed += path.stat().st_size
@@ -216,7 +219,7 @@ class Supervisor:
             removed.append(path.name)
         if removed:
             self._event("shm-removed", f"{len(removed)} shared-memory region(s) of dead stubs ({freed / 2**20:.0f} "
-                                       f"MiB): {', '.join(sorted(removed))}")
+                                       f"MiB, freed once no process maps them): {', '.join(sorted(removed))}")
         return removed
 
     def check(self) -> None:

@@ -2,7 +2,7 @@
 live voice-conversion streams one server holds at real time, their per-chunk latency, and live TTS's time from the
 first text piece to the first audio. It prints (and writes ``report.md`` / ``report.json``); it asserts nothing.
 
-One integrated server (the load tests' render and launcher: :func:`.runner.render`, ``TritonServer``), then:
+One integrated server (the load tests' render and launcher: :func:`.setup.render`, ``TritonServer``), then:
 
 * **VC at real time**: ``N`` streams at once (``--streams``, default 1, 2, 4, 8; stops after the first level with an
   underrun or a failed stream), each its own gRPC live session sending a workload source (repeated to
@@ -153,7 +153,7 @@ def run_live(opts, args) -> dict[str, Any]:
     ``args``; writes ``report.md`` / ``report.json`` into ``opts.out_dir``."""
     from ..serving.server import TritonServer
     from ..shapes import GRAPHS
-    from .runner import _versions, ensure_assets, machine, render
+    from .setup import _versions, ensure_assets, machine, render
     from .workload import cached_workload
 
     out_dir = Path(opts.out_dir)
@@ -291,7 +291,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .runner import CONFIGS
+    from .setup import CONFIGS
 
     args = parser().parse_args(argv)
     base = CONFIGS[args.config]

@@ -67,7 +67,7 @@ POLICY_SERVER_ARGS: tuple[str, ...] = ("--rate-limit=execution_count",)
 
 
 def _start_locust(cfg: RunConfig, work: Path, max_run_s: float) -> tuple[subprocess.Popen, Path]:
-    from .runner import ROOT, locust_command
+    from .setup import ROOT, locust_command
 
     tag = Path(cfg.out).stem
     cfg_path = cfg.save(work / f"{tag}.config.json")
@@ -163,7 +163,7 @@ def run_scenarios(opts, server, sampler, work: Path, workload_path: Path, *, pri
 
 def _scenario(opts, server, sampler, work: Path, workload_path: Path, name: str, high: str, low: str,
               priorities: bool) -> dict:
-    from .runner import run_locust, server_figures
+    from .setup import run_locust, server_figures
 
     urls = {"grpc": server.grpc_url, "http": server.http_url, "metrics": server.metrics_url}
     tag = f"{high}_over_{low}"
@@ -333,8 +333,8 @@ def run_mixed(opts) -> dict[str, Any]:
     from ..serving.server import TritonServer
     from ..shapes import GRAPHS
     from .report import write_report
-    from .runner import ROOT, _versions, ensure_assets, machine, render
     from .sampler import ServerSampler
+    from .setup import ROOT, _versions, ensure_assets, machine, render
     from .workload import cached_workload
 
     out_dir = Path(opts.out_dir)
@@ -376,7 +376,7 @@ def run_mixed(opts) -> dict[str, Any]:
         with server:
             sampler = ServerSampler(server.process.pid, server.metrics_url).start()
             try:
-                from .runner import warm_up
+                from .setup import warm_up
 
                 for column in ("tts_stream", "integrated"):
                     warm_up(column, "grpc", server.grpc_url, server.http_url, server.metrics_url, workload,
@@ -394,7 +394,8 @@ def run_mixed(opts) -> dict[str, Any]:
                   "measured requests of the high class": opts.mixed_requests,
                   "versions": ", ".join(f"{k} {v}" for k, v in _versions().items()),
                   "duration": f"{time.time() - started:.0f} s"})
-    md, js = write_report(report, out_dir)
-    print(mixed_markdown(report))
+    text = mixed_markdown(report)
+    md, js = write_report(report, out_dir, markdown=text)
+    print(text)
     print(f"wrote {md}, {js}, {report['plots'][0]}", flush=True)
     return report

@@ -191,7 +191,7 @@ def run_prompt_cache(opts) -> dict[str, Any]:
     ``report.md`` / ``report.json`` into ``opts.out_dir`` and return the report."""
     from ..serving.server import TritonServer
     from .metrics import fetch_statistics
-    from .runner import ROOT, ensure_assets, machine, render
+    from .setup import ROOT, ensure_assets, machine, render
     from .workload import cached_workload
 
     k = int(opts.speakers)

@@ -349,9 +349,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     if report.get("mode") == "tts":
         return render_tts_markdown(report)
     if report.get("mode") == "mixed":
-        from .mixed import mixed_markdown
-
-        return mixed_markdown(dict(report))
+        raise ValueError("a mixed-mode report is rendered by cosyvoice_triton.loadtest.mixed.mixed_markdown")
     out = [f"# Load test: plain separate calls vs integrated pipeline ({report.get('config_name', '')})", ""]
     setup = report.get("setup", {})
     if setup:
@@ -433,12 +431,13 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def write_report(report: Mapping[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
-    """``report.md`` and ``report.json`` in ``out_dir`` (NaN written as null)."""
+def write_report(report: Mapping[str, Any], out_dir: str | Path, *, markdown: str | None = None) -> tuple[Path, Path]:
+    """``report.md`` (``markdown``, else :func:`render_markdown`) and ``report.json`` in ``out_dir`` (NaN written as
+    null)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     md = out / "report.md"
-    md.write_text(render_markdown(report))
+    md.write_text(render_markdown(report) if markdown is None else markdown)
     js = out / "report.json"
     js.write_text(json.dumps(_jsonable(report), indent=2) + "\n")
     return md, js

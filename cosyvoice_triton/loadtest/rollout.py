@@ -2,7 +2,7 @@
 
 Renders a repository with two versions (v1 live; v2: the candidate, by default the same checkpoint re-served from
 ``--candidate-onnx-dir`` / ``--candidate-precision``), starts ``tritonserver`` with explicit model control, runs
-Locust the way the load test does (a ``locust --headless`` subprocess, :func:`.runner.locust_command`;
+Locust the way the load test does (a ``locust --headless`` subprocess, :func:`.setup.locust_command`;
 ``loadtest/rollout_locustfile.py``: users converting through the public ``cosyvoice_vc``, no client retries) and,
 while it runs, goes through the steps of :data:`PHASES`: v1 alone, ``stage 2``, ``canary 10``, ``canary 50``,
 ``canary 100``, ``rollback``, then (unless ``--no-promote``) ``stage 2`` again and ``promote``.
@@ -75,7 +75,7 @@ def summarize(phases: list[dict], records: Sequence[Sequence]) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ..serving.serve_demo import prepare
     from ..serving.server import TritonServer
-    from .runner import locust_command
+    from .setup import locust_command
     from .workload import cached_workload
 
     out = Path(args.out)

@@ -408,3 +408,73 @@ def test_tts_refusals_are_bounded_and_their_status_comes_from_the_errors_type(tr
     print(f"tts refusals over {protocol} (s, loaded machine):", figures)
     assert triton_server.is_model_ready("cosyvoice_tts") and _all_ready(triton_server)
     assert not failures, "\n".join(failures)
+
+
+def _grpc_stream(server, model, tensors):
+    """One gRPC stream: ``(chunks, error)``; the error a :class:`VCError` with the status read from the stream
+    (Triton is asked for gRPC status codes on errors, as the gateway asks)."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name, arr in tensors.items():
+        t = grpcclient.InferInput(name, list(arr.shape), _DT[arr.dtype])
+        t.set_data_from_numpy(arr)
+        inputs.append(t)
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    chunks, error = 0, None
+    try:
+        while True:
+            result, err = results.get(timeout=TIMEOUT)
+            if err is not None:
+                error = VCError.from_exception(err)
+                break
+            if result.as_numpy("waveform") is not None:
+                chunks += 1
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    return chunks, error
+
+
+@pytest.mark.parametrize("speaker_id", [b"nobody", b"TTS busy: nobody", b"\xff\xfe", b"", b"x" * 10000],
+                         ids=["unknown", "busy-looking", "not UTF-8", "empty", "10 kB"])
+def test_vc_stream_refuses_a_bad_speaker_id(triton_server, speech, speaker_id):
+    tensors = _vc(speech, prompt_audio=None, prompt_sample_rate=None, speaker_id=_bytes(speaker_id))
+    chunks, err = _grpc_stream(triton_server, "cosyvoice_vc_stream", tensors)
+    assert chunks == 0 and err is not None
+    assert err.invalid_argument, (err.status, err.message)
+    assert "speaker" in err.message.lower(), err.message
+    assert triton_server.is_model_ready("cosyvoice_vc_stream")
+
+
+@pytest.mark.parametrize("priority", [-1, "abc", 1.5, 2**70])
+def test_bad_http_priority_is_refused_by_tritons_parser_and_the_server_serves_on(triton_server, speech, priority):
+    """Triton's HTTP front end parses ``parameters.priority`` (uint64) before any model sees the request, and
+    answers 500 "Unable to parse 'priority'" itself: no model code can make it a 400 (gRPC's field is a uint64,
+    so nothing else can be sent there; the gateway speaks gRPC). Documented; this pins what Triton answers."""
+    src, ssr, prm, psr = speech
+    body = {"parameters": {"priority": priority},
+            "inputs": [{"name": "source_audio", "shape": [1, 400], "datatype": "FP32", "data": src[:400].tolist()},
+                       {"name": "source_sample_rate", "shape": [1, 1], "datatype": "INT32", "data": [ssr]},
+                       {"name": "prompt_audio", "shape": [1, 400], "datatype": "FP32", "data": prm[:400].tolist()},
+                       {"name": "prompt_sample_rate", "shape": [1, 1], "datatype": "INT32", "data": [psr]}]}
+    req = urllib.request.Request(f"http://{triton_server.http_url}/v2/models/cosyvoice_vc/infer",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            status, answer = r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, answer = exc.code, exc.read().decode()
+    assert status in (400, 500), (status, answer[:300])
+    assert "Unable to parse 'priority'" in answer, answer[:300]
+    assert _all_ready(triton_server)
+    out, err, _ = infer(triton_server, "http", "cosyvoice_vc", _vc(speech), ["waveform"])
+    assert err is None and out["waveform"].size > 0

@@ -204,6 +204,12 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
     return SpeakerService(store, pre, graphs, text_frontend=text, token_mel_ratio=config.token_mel_ratio)
 
 
+#: How the speakers model's answers start when the id is not the reason: its own fault, or Triton's about the model
+#: (dead, unloaded, not ready). A BLS answer from a decoupled caller's thread does not always keep the code
+#: (INVALID_ARG came back as another); the speakers model's other refusals are about the id it was sent.
+_NOT_THE_ID = ("internal error: ", "Stub process", "Failed for execute", "Request for unknown model")
+
+
 class BlsSpeakers:
     """``speaker_id -> SpeakerPrompt`` by a BLS ``get`` to the ``speakers`` model (``pb``:
     ``triton_python_backend_utils``). An unknown or bad id comes back as the model's INVALID_ARG, raised as a
@@ -222,9 +228,11 @@ class BlsSpeakers:
                                   **kwargs).exec()
         if res.has_error():
             err = res.error()
-            if hasattr(err, "code") and err.code() == pb.TritonError.INVALID_ARG:
-                raise SpeakerError(err.message())
-            raise RuntimeError(f"{self.model}: {err.message()}")
+            message = err.message()
+            invalid = hasattr(err, "code") and err.code() == pb.TritonError.INVALID_ARG
+            if invalid or not message.startswith(_NOT_THE_ID):
+                raise SpeakerError(message)
+            raise RuntimeError(f"{self.model}: {message}")
         out = {n: pb.get_output_tensor_by_name(res, n).as_numpy()[0] for n in names}
         return SpeakerPrompt(prompt_tokens=out["prompt_tokens"].astype(np.int32),
                              prompt_mel=out["prompt_mel"].astype(np.float32),

@@ -31,20 +31,14 @@ class TritonPythonModel:
                 threading.Thread(target=self._stream, args=(inputs, request.get_response_sender()),
                                  daemon=True).start()
             return None
-        out = [None] * len(requests)
-        threads = [threading.Thread(target=self._whole, args=(r, out, i)) for i, r in enumerate(requests)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        return triton_io.answer_each(requests, self._whole)
 
-    def _whole(self, request, out, i):
+    def _whole(self, request):
         try:
             wave = self.front.whole(triton_io.read_inputs(pb_utils, request, INPUT_NAMES))
-            out[i] = pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", wave)])
+            return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("waveform", wave)])
         except Exception as exc:
-            out[i] = answer_error(pb_utils, exc)
+            return answer_error(pb_utils, exc)
 
     def _stream(self, inputs, sender):
         final = None

@@ -3,7 +3,6 @@ on to ``cosyvoice_tts_stream`` by BLS at once (``stream`` = false: one answer pe
 shares the in-flight batch there), and its segments (at the output rate: resampled there as one stream) are
 concatenated into one ``waveform``, loudness-normalised as a whole when configured."""
 
-import threading
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ class TritonPythonModel:
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                      audio_out=True)
 
-    def _one(self, request, out, i):
+    def _one(self, request):
         start = time.monotonic()
         tensors = triton_io.read_inputs(pb_utils, request, INPUTS)
         inputs = [pb_utils.Tensor(n, v) for n, v in tensors.items() if v is not None]
@@ -44,26 +43,19 @@ class TritonPythonModel:
                 if res.has_error():  # the same message; the code from it (a decoupled BLS answer loses it)
                     message = res.error().message()
                     self.metrics.rejected(message)
-                    out[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(pb_utils,
-                                                                                                       message)))
-                    return
+                    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, error_code(pb_utils,
+                                                                                                     message)))
                 wave = pb_utils.get_output_tensor_by_name(res, "waveform")
                 if wave is not None:
                     parts.append(wave.as_numpy().reshape(-1))
             wave = self.post.normalize(np.concatenate(parts) if parts else np.zeros(0, np.float32))
             self.metrics.served(tensors, out_seconds=wave.size / self.rate, elapsed_s=time.monotonic() - start)
-            out[i] = pb_utils.InferenceResponse(output_tensors=[
+            return pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("waveform", wave[None]),
                 pb_utils.Tensor("sample_rate", np.array([[self.rate]], np.int32))])
         except Exception as exc:
             self.metrics.rejected(exc)
-            out[i] = triton_io.error_response(pb_utils, exc)
+            return triton_io.error_response(pb_utils, exc)
 
     def execute(self, requests):
-        out = [None] * len(requests)
-        threads = [threading.Thread(target=self._one, args=(r, out, i)) for i, r in enumerate(requests)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        return triton_io.answer_each(requests, self._one)

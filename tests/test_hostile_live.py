@@ -478,3 +478,21 @@ def test_bad_http_priority_is_refused_by_tritons_parser_and_the_server_serves_on
     assert _all_ready(triton_server)
     out, err, _ = infer(triton_server, "http", "cosyvoice_vc", _vc(speech), ["waveform"])
     assert err is None and out["waveform"].size > 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tags_whose_lm_limit_passes_the_flows_are_spoken_up_to_its_room(triton_server, speech, protocol):
+    """A control tag keeps the text one segment (as officially): 180 tags are 181 text tokens, an LM limit of
+    3620 speech tokens with the prompt's beside them, more than the flow's 1500. It is served, never more than
+    the flow can give (the demo LM ends sooner; that its limit is the flow's room is tested in process:
+    test_hostile_stages)."""
+    from cosyvoice_triton.shapes import GRAPHS
+
+    out, err, seconds = infer(triton_server, protocol, "cosyvoice_tts",
+                              _tts(speech, text=_bytes(b"[laughter]" * 180)), ["waveform", "sample_rate"])
+    assert err is None, (err.status, err.message)
+    rate = int(out["sample_rate"].reshape(-1)[0])
+    most = GRAPHS["flow_encoder"].axes["tokens"].max / 25  # seconds of speech the flow can give (25 tokens/s)
+    assert 0 < out["waveform"].size <= most * rate and np.isfinite(out["waveform"]).all()
+    print(f"{protocol}: {out['waveform'].size / rate:.1f} s of speech in {seconds:.1f} s (loaded machine)")
+    assert _all_ready(triton_server)

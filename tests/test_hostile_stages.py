@@ -484,3 +484,37 @@ def test_a_refusal_quoting_transient_words_is_not_retried(status, quoted):
     # Triton's own answer for an unloaded model over HTTP (400) is still retried
     assert is_retryable(InferenceServerException("Request for unknown model: 'cosyvoice_vc' has no available "
                                                  "versions", status="400"))
+
+
+def test_the_lm_of_a_long_segment_is_asked_for_no_more_than_the_flows_room():
+    from cosyvoice_triton.models.llm import Qwen2LM
+    from cosyvoice_triton.serving.tts import TTSPlan, TTSService, speech_token_room
+    from cosyvoice_triton.speakers import SpeakerPrompt
+
+    asked = []
+
+    class Job:
+        hit_max_len = False
+
+        def tokens(self):
+            return iter(np.ones(8, np.int64))
+
+        def cancel(self):
+            pass
+
+    class Engine:
+        def submit(self, request, cancelled):
+            asked.append(Qwen2LM.length_bounds(len(request.text_tokens), request.min_token_text_ratio,
+                                               request.max_token_text_ratio)[1])
+            return Job()
+
+    service = TTSService.__new__(TTSService)
+    service.engine, service.prefixes = Engine(), None
+    service.token2wav = lambda prompt, tokens, seed: np.zeros(480, np.float32)
+    prompt = SpeakerPrompt(np.ones(42, np.int32), np.zeros((84, 80), np.float32), np.zeros(192, np.float32))
+    plan = TTSPlan([("tags", np.ones(135, np.int32)), ("short", np.ones(10, np.int32))], np.zeros(0, np.int32),
+                   np.zeros(0, np.int32), prompt, 0, "zero_shot")
+    plan.max_speech_tokens = speech_token_room(plan)
+    assert len(list(service.synthesize(plan, stream=False))) == 2
+    assert asked[0] <= 1500 - 42 < 135 * 20  # 2,742 with the prompt's, officially: the flow refuses that
+    assert asked[1] == 200  # the official 20 per text token where it fits

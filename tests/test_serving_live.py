@@ -445,7 +445,9 @@ def test_missing_prompt_or_rate_fails_the_session(server, speech):
         s.send({"source_audio": src[None, ssr: 2 * ssr]}, end=True)
         outs, errors, _ = s.collect(2)
         assert any("prompt" in e for e in errors) and not outs, errors
-        assert any("was not taken" in e or "no live session" in e for e in errors), errors
+        # the second piece is refused whenever it arrives: while the session fails ("was not taken"), after it has
+        # closed ("has ended"), or once it is forgotten ("no live session"): which one depends on the machine's pace
+        assert any(w in e for e in errors for w in ("was not taken", "has ended", "no live session")), errors
     finally:
         s.close()
     wait_until(lambda: _sessions(server) == 0, "the failed session freed")

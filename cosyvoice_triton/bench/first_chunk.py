@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 TARGET_FIRST_CHUNK_S = 1.5
@@ -118,7 +117,3 @@ def first_chunk_lines(fc: dict, decode_tokens_per_s: float | None) -> list[str]:
                key=lambda x: x[1])
     lines.append(verdict("streaming VC", vc["first_chunk_s"], f"{vbig[0]} takes {vbig[1]:.2f} s of it"))
     return lines
-
-
-def samples_ok(fc: dict) -> bool:
-    return all(np.isfinite(fc[k]["best"]["first_chunk_s"]) and fc[k]["best"]["samples"] > 0 for k in ("tts", "vc"))

@@ -143,6 +143,10 @@ class Qwen2Encoder(nn.Module):
         self.model = Qwen2ForCausalLM(config)
 
 
+#: The official LM's least and most speech tokens per text token (``min_token_text_ratio`` / ``max_...``).
+MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2.0, 20.0
+
+
 @dataclass
 class LMRequest:
     """One text to decode. Token sequences: lists, 1-D (or ``[1, N]``) integer tensors or arrays.
@@ -158,8 +162,8 @@ class LMRequest:
     prompt_text_tokens: Any = ()
     prompt_speech_tokens: Any = ()
     draws: DrawSource = None
-    min_token_text_ratio: float = 2
-    max_token_text_ratio: float = 20
+    min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO
+    max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO
     on_step: Callable[[int, torch.Tensor], None] | None = None
     prefix: LMPrefix | None = None
 
@@ -378,8 +382,8 @@ class Qwen2LM(nn.Module):
         *,
         sampling: SamplingConfig | None = None,
         draws: DrawSource = None,
-        min_token_text_ratio: float = 2,
-        max_token_text_ratio: float = 20,
+        min_token_text_ratio: float = MIN_TOKEN_TEXT_RATIO,
+        max_token_text_ratio: float = MAX_TOKEN_TEXT_RATIO,
         on_step: Callable[[int, torch.Tensor], None] | None = None,
         prefix: LMPrefix | None = None,
     ) -> LMStream:

@@ -41,7 +41,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import CosyVoiceError, LLMError, TextError
-from ..models.llm import QWEN_DIR, LMRequest, Qwen2LM, load_llm
+from ..models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
 from ..pipeline import lm_prompt
 from ..prompt_cache import PromptCache
 from ..shapes import GRAPHS
@@ -51,7 +51,7 @@ from ..streaming import StreamSchedule
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
-from .lm_engine import LMEngine
+from .lm_engine import BUSY, EngineBusy, JobCancelled, LMEngine
 from .postprocess import Postprocessor
 from .speakers import compute_prompt
 from .vc_stream import StreamCancelled, StreamingToken2Wav, StreamPrompt, stream_postprocessor
@@ -64,8 +64,6 @@ __all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_inp
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
 HiftFn = Callable[[np.ndarray, int], np.ndarray]
-#: The official LM's least and most speech tokens per text token (``min/max_token_text_ratio``).
-MIN_TOKEN_TEXT_RATIO, MAX_TOKEN_TEXT_RATIO = 2.0, 20.0
 SpeakerFn = Callable[[str], SpeakerPrompt]
 
 
@@ -255,8 +253,6 @@ class TTSService:
         absent or true: the chunk schedule; false: one per segment), at the output rate (one streaming
         resampler over the whole answer). Raises :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns
         true."""
-        from .lm_engine import JobCancelled
-
         plan = self.prepare(t)
         stream = t.get("stream") is None or bool(np.asarray(t["stream"]).reshape(-1)[0])
         rate = np.array([[self.sample_rate]], np.int32)
@@ -297,7 +293,6 @@ class TTSService:
         return LiveResponses(self._live(plan, decode, cancelled), decode)
 
     def _live(self, plan: TTSPlan, decode, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
-        from .lm_engine import JobCancelled
 
         rate = np.array([[self.sample_rate]], np.int32)
         self._count("streams_started")
@@ -396,12 +391,11 @@ def capped_ratio(text_tokens: int, room: int | None) -> float:
 
 
 #: How the messages start that :func:`error_code` reads as other than the client's (lm_engine.BUSY's text).
-_RESERVED = ("internal error: ", "TTS busy: ")
+_RESERVED = ("internal error: ", BUSY)
 
 
 def error_response(pb, exc: BaseException):
     """:func:`.triton_io.error_response`, with UNAVAILABLE for a full LM queue (:class:`~.lm_engine.EngineBusy`)."""
-    from .lm_engine import BUSY, EngineBusy
     from .triton_io import error_response as base
 
     if isinstance(exc, EngineBusy):
@@ -419,8 +413,6 @@ def error_code(pb, message: str):
     a full LM queue (:data:`~.lm_engine.BUSY`), INVALID_ARG for the client's. Only how the message starts counts,
     which :func:`error_response` decides by the error's type: text of the client's quoted inside a message (an
     unknown tag, a speaker id) never changes the code."""
-    from .lm_engine import BUSY
-
     if message.startswith(_RESERVED[0]):
         return pb.TritonError.INTERNAL
     return pb.TritonError.UNAVAILABLE if message.startswith(BUSY) else pb.TritonError.INVALID_ARG

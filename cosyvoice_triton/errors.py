@@ -2,7 +2,18 @@
 
 Every error a caller can fix (bad audio, a wrong model folder) derives from ``ValueError`` so that the
 serving layer can map it to HTTP 400 / gRPC INVALID_ARGUMENT without knowing the subclasses.
+A message that quotes the client's input quotes it through :func:`shown`, so a 10 kB id makes a short error.
 """
+
+import reprlib
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 66
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, shortened with ``...`` in the middle past 66 characters."""
+    return _SHOWN.repr(value)
 
 
 class CosyVoiceError(ValueError):

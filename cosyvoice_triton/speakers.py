@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import SpeakerError
+from .errors import SpeakerError, shown
 
 __all__ = ["EMBEDDING_DIM", "FILE_VERSION", "MEL_BINS", "SpeakerPrompt", "SpeakerStore", "validate_speaker_id"]
 
@@ -48,7 +48,7 @@ _TMP_PREFIX = ".tmp-"
 def validate_speaker_id(speaker_id: object) -> str:
     """Return ``speaker_id`` if it is a valid id, else raise :class:`SpeakerError` saying why."""
     if not isinstance(speaker_id, str) or _ID_RE.fullmatch(speaker_id) is None:
-        raise SpeakerError(f"speaker_id {speaker_id!r} is invalid: use 1-64 characters of A-Z a-z 0-9 _ . - "
+        raise SpeakerError(f"speaker_id {shown(speaker_id)} is invalid: use 1-64 characters of A-Z a-z 0-9 _ . - "
                            "not starting with '.'")
     return speaker_id
 

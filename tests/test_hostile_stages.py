@@ -470,6 +470,27 @@ def test_status_codes_come_from_how_a_message_starts_not_from_quoted_client_text
     assert error_code(pb, busy.error().message()) == pb.TritonError.UNAVAILABLE
 
 
+def test_an_error_quoting_long_client_input_stays_under_grpcs_metadata_limit():
+    """gRPC carries an error's message as trailing metadata, which clients refuse above 8 KiB (the stream is lost
+    as RESOURCE_EXHAUSTED); every error response is cut to MAX_ERROR_CHARS, and ids are quoted short."""
+    from cosyvoice_triton.errors import SpeakerError
+    from cosyvoice_triton.serving import triton_io
+    from cosyvoice_triton.serving.tts import error_response
+    from cosyvoice_triton.speakers import validate_speaker_id
+
+    pb = types.SimpleNamespace(TritonError=Err, InferenceResponse=Response)
+    with pytest.raises(SpeakerError) as exc:
+        validate_speaker_id("x" * 10000)
+    assert len(str(exc.value)) < 200 and "invalid" in str(exc.value)
+    for res in (error_response(pb, SpeakerError("unknown " + "y" * 20000 + " end")),
+                triton_io.error_response(pb, KeyError("z" * 9000))):
+        message = res.error().message()
+        assert len(message) <= triton_io.MAX_ERROR_CHARS
+        assert "characters cut" in message and message.endswith(("end", "'"))
+    short = triton_io.error_response(pb, SpeakerError("unknown speaker 'a'"))
+    assert short.error().message() == "unknown speaker 'a'"
+
+
 @pytest.mark.parametrize("status", ["400", "StatusCode.INVALID_ARGUMENT"])
 @pytest.mark.parametrize("quoted", ["TTS busy: ", "Stub process 'x' is not healthy",
                                     "Request for unknown model: 'x' has no available versions",

@@ -26,6 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import shown
 from . import audio, compat, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
@@ -83,7 +84,7 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
     """The request's checks that need no model, then the job for the backend (a registered voice by its id in
     ``ns``, the caller's namespace)."""
     if req.model not in config.models:
-        raise GatewayError(400, f"model {req.model!r} is not served here; one of {', '.join(config.models)}",
+        raise GatewayError(400, f"model {shown(req.model)} is not served here; one of {', '.join(config.models)}",
                            param="model", code="model_not_found")
     if not req.input.strip():
         raise GatewayError(400, "input: empty text", param="input", code="invalid_value")

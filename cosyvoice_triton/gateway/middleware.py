@@ -15,6 +15,7 @@ import uuid
 
 from starlette.datastructures import Headers
 
+from ..errors import shown
 from .errors import GatewayError, error_bytes
 from .limits import KeyLimiter, KeyRing
 from .metrics import GatewayMetrics
@@ -125,7 +126,7 @@ class GatewayMiddleware:
                                code="ambiguous_framing")
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
-            raise GatewayError(415, f"Content-Encoding {encoding!r} is not accepted: send the body uncompressed",
+            raise GatewayError(415, f"Content-Encoding {shown(encoding)} is not accepted: send the body uncompressed",
                                code="unsupported_content_encoding")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:

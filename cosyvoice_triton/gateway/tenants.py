@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..errors import shown
 from .errors import GatewayError
 
 SCOPE = "t-"
@@ -59,10 +60,10 @@ class Namespace:
     def check(self, voice: str, param: str = "voice") -> str:
         """``voice`` if it is a valid user id, else 400 naming ``param``."""
         if not isinstance(voice, str) or len(voice) > self.max_chars or _VOICE.fullmatch(voice) is None:
-            raise GatewayError(400, f"{param}: voice id {voice!r} is invalid: use 1-{self.max_chars} characters "
+            raise GatewayError(400, f"{param}: voice id {shown(voice)} is invalid: use 1-{self.max_chars} characters "
                                "of A-Z a-z 0-9 _ . - not starting with '.'", param=param, code="invalid_value")
         if self.tenant is None and voice.startswith(SCOPE):
-            raise GatewayError(400, f"{param}: unknown voice {voice!r} (ids starting with {SCOPE!r} are reserved "
+            raise GatewayError(400, f"{param}: unknown voice {shown(voice)} (ids starting with {SCOPE!r} are reserved "
                                "for tenants)", param=param, code="voice_not_found")
         return voice
 

@@ -17,6 +17,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, File, Form, Request, UploadFile
 
+from ..errors import shown
 from .compat import upload
 from .config import GatewayConfig
 from .errors import GatewayError
@@ -78,7 +79,7 @@ def router(config: GatewayConfig, call) -> APIRouter:
         voice = ns.check(voice_id, "voice_id")
         async with locks[ns.label]:
             if voice not in ns.own(await call(backend.voices(), ns)):
-                raise GatewayError(404, f"unknown voice {voice!r}", param="voice_id", code="voice_not_found")
+                raise GatewayError(404, f"unknown voice {shown(voice)}", param="voice_id", code="voice_not_found")
             await call(backend.delete_voice(ns.scoped(voice)), ns)
         return {"id": voice, "object": "voice.deleted", "deleted": True}
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CosyVoiceError
+from .triton_io import triton_error
 from .vc_stream import StreamCancelled
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ _GRPC_NAMES = {"INVALID_ARG": "INVALID_ARGUMENT", "UNAVAILABLE": "UNAVAILABLE", 
 def error_response(pb, code: str, message: str):
     """An error response whose message starts with the gRPC code's name (``UNAVAILABLE: ...``); ``code``: the name
     of a ``pb.TritonError`` code."""
-    return pb.InferenceResponse(error=pb.TritonError(f"{_GRPC_NAMES[code]}: {message}", getattr(pb.TritonError, code)))
+    error = triton_error(pb, f"{_GRPC_NAMES[code]}: {message}", getattr(pb.TritonError, code))
+    return pb.InferenceResponse(error=error)
 
 
 def exception_response(pb, exc: BaseException):

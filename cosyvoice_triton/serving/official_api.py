@@ -23,6 +23,7 @@ import numpy as np
 
 from ..shapes import TensorSpec
 from .batching import RequestError
+from .triton_io import triton_error
 from .tts import bytes_input, error_code, error_response
 
 __all__ = ["INPUT_NAMES", "OFFICIAL_INPUTS", "OFFICIAL_MODEL", "OFFICIAL_OPTIONAL", "OFFICIAL_OUTPUTS",
@@ -102,7 +103,7 @@ def answer_error(pb, exc: BaseException):
     """The ``InferenceResponse`` of a failed request: the pipeline's own code for its errors, else
     :func:`.tts.error_response` (INVALID_ARGUMENT for the client's)."""
     if isinstance(exc, CalleeError):
-        return pb.InferenceResponse(error=pb.TritonError(str(exc), exc.code))
+        return pb.InferenceResponse(error=triton_error(pb, str(exc), exc.code))
     return error_response(pb, exc)
 
 

@@ -29,8 +29,19 @@ from .batching import ItemResult
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlsError", "BlsGraph", "error_response", "from_request", "read_inputs", "request_parameters",
-           "requested_outputs", "responses", "to_request"]
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "BlsError",
+    "BlsGraph",
+    "error_response",
+    "from_request",
+    "read_inputs",
+    "request_parameters",
+    "requested_outputs",
+    "responses",
+    "to_request",
+    "triton_error",
+]
 
 
 class BlsError(RuntimeError):
@@ -73,6 +84,22 @@ def request_parameters(request) -> dict[str, Any]:
         return {}
 
 
+#: The longest error message a response carries. gRPC sends the message as trailing metadata, which clients
+#: refuse above 8 KiB (the stream is then lost as RESOURCE_EXHAUSTED instead of the error); a message that echoes
+#: a client's long input is cut in the middle to this size.
+MAX_ERROR_CHARS = 1024
+
+
+def triton_error(pb, message: str, code: Any):
+    """``pb.TritonError(message, code)`` with ``message`` cut to :data:`MAX_ERROR_CHARS`."""
+    if len(message) > MAX_ERROR_CHARS:
+        keep = MAX_ERROR_CHARS - len(f" ... [{len(message)} characters cut] ... ")
+        head, tail = keep - keep // 4, keep // 4
+        cut = f" ... [{len(message) - head - tail} characters cut] ... "
+        message = message[:head] + cut + message[len(message) - tail:]
+    return pb.TritonError(message, code)
+
+
 def error_response(pb, exc: BaseException):
     """``InferenceResponse`` carrying ``exc``: INVALID_ARG for the client's errors, INTERNAL for ours."""
     client = isinstance(exc, CosyVoiceError) or getattr(exc, "invalid_argument", False)
@@ -80,7 +107,7 @@ def error_response(pb, exc: BaseException):
     message = str(exc) if client else f"internal error: {type(exc).__name__}: {exc}"
     if not client:
         log.error("request failed: %s\n%s", message, getattr(exc, "traceback_text", ""))
-    return pb.InferenceResponse(error=pb.TritonError(message, code))
+    return pb.InferenceResponse(error=triton_error(pb, message, code))
 
 
 def responses(pb, results: Sequence[ItemResult[Any]], to_tensors: Callable[[Any], Mapping[str, np.ndarray]]):

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..errors import CosyVoiceError, LLMError, TextError
+from ..errors import CosyVoiceError, LLMError, TextError, shown
 from ..models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
 from ..pipeline import lm_prompt
 from ..prompt_cache import PromptCache
@@ -397,13 +397,14 @@ _RESERVED = ("internal error: ", BUSY)
 def error_response(pb, exc: BaseException):
     """:func:`.triton_io.error_response`, with UNAVAILABLE for a full LM queue (:class:`~.lm_engine.EngineBusy`)."""
     from .triton_io import error_response as base
+    from .triton_io import triton_error as base_error
 
     if isinstance(exc, EngineBusy):
         message = str(exc) if str(exc).startswith(BUSY) else f"{BUSY}{exc}"
-        return pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.UNAVAILABLE))
+        return pb.InferenceResponse(error=base_error(pb, message, pb.TritonError.UNAVAILABLE))
     client = isinstance(exc, CosyVoiceError) or getattr(exc, "invalid_argument", False)
     if client and str(exc).startswith(_RESERVED):  # never read back as another code (error_code)
-        return pb.InferenceResponse(error=pb.TritonError(f"bad request: {exc}", pb.TritonError.INVALID_ARG))
+        return pb.InferenceResponse(error=base_error(pb, f"bad request: {exc}", pb.TritonError.INVALID_ARG))
     return base(pb, exc)
 
 
@@ -469,7 +470,7 @@ def stage_callables(pb, *, flow_model: str = "flow", hift_model: str = "hift", s
                                            "speaker_id": np.array([[speaker_id.encode()]], object)}, names,
                       timeout_us=timeout_us)
         except BlsError as exc:
-            raise SpeakerError(f"speaker_id {speaker_id!r}: {exc}") from None
+            raise SpeakerError(f"speaker_id {shown(speaker_id)}: {exc}") from None
         text = out["prompt_text"].reshape(-1)[0]
         return SpeakerPrompt(prompt_tokens=out["prompt_tokens"].reshape(-1), prompt_mel=out["prompt_mel"][0],
                              embedding=out["embedding"].reshape(-1),

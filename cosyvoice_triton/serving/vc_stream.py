@@ -374,7 +374,7 @@ class StreamWorkers:
             msg = (f"{self.name}: too many concurrent streams ({self.max_streams} running, {self.max_waiting} "
                    "waiting, the configured maximum); retry later")
             self.on_reject(msg)
-            sender.send(pb.InferenceResponse(error=pb.TritonError(msg, pb.TritonError.UNAVAILABLE)),
+            sender.send(pb.InferenceResponse(error=triton_io.triton_error(pb, msg, pb.TritonError.UNAVAILABLE)),
                         flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         try:
@@ -410,7 +410,8 @@ class StreamWorkers:
             sender.send(flags=final)
         except StreamCancelled as exc:
             outcome = "cancelled"
-            sender.send(pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.CANCELLED)), flags=final)
+            sender.send(pb.InferenceResponse(error=triton_io.triton_error(pb, str(exc), pb.TritonError.CANCELLED)),
+                        flags=final)
         except Exception as exc:
             outcome = "finished" if isinstance(exc, CosyVoiceError) else "failed"
             sender.send(triton_io.error_response(pb, exc), flags=final)

@@ -27,7 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import shown
-from . import audio, compat, page, voices
+from . import audio, compat, kserve_grpc, kserve_http, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, error_body, install_handlers
@@ -35,6 +35,7 @@ from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
 from .tenants import PUBLIC, Namespace, namespace
+from .upstream import Upstream
 
 SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", voices.VOICES_PATH
 ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics", *compat.PATHS})
@@ -121,15 +122,28 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     default: :class:`~.backend.TritonBackend` on ``config.triton_grpc``, made at startup)."""
     config = config or GatewayConfig()
     metrics = GatewayMetrics()
+    keys = KeyRing(config.api_keys, dict(config.tenants))
+    limiter = KeyLimiter(config.max_concurrency_per_key, config.rate_limit)
+    upstream = Upstream(config.triton_grpc, config.triton_http, config.kserve_models,
+                        timeout_s=config.backend_timeout_s, max_message_bytes=config.max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         own = app.state.backend is None
         if own:
             app.state.backend = TritonBackend(config.triton_grpc, timeout=config.backend_timeout_s)
+        await upstream.start()
+        grpc_server = None
+        if config.grpc_port:
+            grpc_server = kserve_grpc.make_server(kserve_grpc.KServeProxy(upstream, keys, limiter),
+                                                  f"{config.host}:{config.grpc_port}", config.max_body_bytes)
+            await grpc_server.start()
         try:
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=5)
+            await upstream.close()
             if own:
                 await app.state.backend.close()
 
@@ -220,6 +234,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     app.include_router(compat.router(config, _streamed))
     app.include_router(voices.router(config, backend_call))
     app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
+    app.include_router(kserve_http.router(upstream, config.max_json_depth))
 
     @app.get("/health")
     async def health(request: Request):
@@ -232,9 +247,9 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
         triton = await metrics.triton(config.triton_metrics) if config.triton_metrics else b""
         return Response(metrics.render() + triton, media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(GatewayMiddleware, keys=KeyRing(config.api_keys, dict(config.tenants)),
-                       limiter=KeyLimiter(config.max_concurrency_per_key, config.rate_limit), metrics=metrics,
-                       max_body_bytes=config.max_body_bytes, routes=ROUTES, limited=("/v1/", compat.PREFIX))
+    app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, metrics=metrics,
+                       max_body_bytes=config.max_body_bytes, routes=ROUTES,
+                       limited=("/v1/", compat.PREFIX, kserve_http.PREFIX + "/"))
     if config.cors_origins:  # outermost: refusals carry the CORS headers too, preflights skip the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "DELETE"],

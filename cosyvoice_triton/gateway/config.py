@@ -13,11 +13,18 @@ from .tenants import TENANT
 ENV_PREFIX = "COSYVOICE_GATEWAY_"
 #: Model names accepted in ``model``: this project's, and OpenAI's, so that existing clients work unchanged.
 DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+#: Triton's models served again at the KServe entry points (``/v2/...`` and gRPC): the pipelines users call. The
+#: member stages, ``speakers`` (voices are the tenants' own: ``/v1/audio/voices``) and the admin APIs are not.
+KSERVE_MODELS = ("cosyvoice_vc", "cosyvoice_vc_stream", "cosyvoice_vc_live", "cosyvoice_tts", "cosyvoice_tts_stream",
+                 "cosyvoice_tts_live", "cosyvoice2")
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     triton_grpc: str = "127.0.0.1:8001"
+    triton_http: str = "127.0.0.1:8000"
+    grpc_port: int = 0  # the KServe gRPC entry point; 0: off (the command line's default is 8081)
+    kserve_models: tuple[str, ...] = KSERVE_MODELS
     triton_metrics: str | None = None  # Triton's metrics URL, appended to /metrics (Triton on loopback); None: off
     host: str = "127.0.0.1"
     port: int = 8080
@@ -64,9 +71,16 @@ def read_key_file(path: str | os.PathLike) -> frozenset[str]:
 def parser() -> argparse.ArgumentParser:
     d = GatewayConfig()
     p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.gateway",
-                                description="OpenAI-compatible speech API in front of Triton (gRPC). Every flag "
+                                description="OpenAI's speech API, CosyVoice's own and Triton's KServe API (checked) "
+                                            "in front of Triton. Every flag "
                                             f"also reads ${ENV_PREFIX}<FLAG> (upper case, '-' as '_').")
     p.add_argument("--triton-grpc", default=_env("triton_grpc", d.triton_grpc), help="Triton's gRPC address")
+    p.add_argument("--triton-http", default=_env("triton_http", d.triton_http),
+                   help="Triton's HTTP address, behind the gateway's /v2 (KServe) routes")
+    p.add_argument("--grpc-port", type=int, default=int(_env("grpc_port", 8081)),
+                   help="port of the gateway's KServe gRPC entry point (Triton's gRPC API, checked); 0: off")
+    p.add_argument("--kserve-models", default=_env("kserve_models", ",".join(d.kserve_models)),
+                   help="comma-separated Triton models served at the KServe entry points (/v2 and gRPC)")
     p.add_argument("--triton-metrics", default=_env("triton_metrics", d.triton_metrics),
                    help="Triton's metrics URL (e.g. http://127.0.0.1:8002/metrics), served again after the "
                         "gateway's own at /metrics: one scrape target when Triton listens on loopback only")
@@ -105,7 +119,9 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     named = read_keys(args.api_key_file) if args.api_key_file else {}
     keys |= set(named)
     origins = args.cors_origin or [o for o in _env("cors_origins", "").split(",") if o.strip()]
-    return GatewayConfig(triton_grpc=args.triton_grpc, triton_metrics=args.triton_metrics or None, host=args.host,
+    return GatewayConfig(triton_grpc=args.triton_grpc, triton_http=args.triton_http, grpc_port=args.grpc_port,
+                         kserve_models=tuple(m.strip() for m in args.kserve_models.split(",") if m.strip()),
+                         triton_metrics=args.triton_metrics or None, host=args.host,
                          port=args.port,
                          models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
                          api_keys=frozenset(keys),

@@ -8,6 +8,7 @@ Refusals are in OpenAI's error shape."""
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import time
@@ -25,6 +26,7 @@ log = logging.getLogger("cosyvoice_triton.gateway.access")
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
+KSERVE = "/v2"  # the KServe routes: one metrics label, KServe-shaped refusals
 
 
 class RequestIdFilter(logging.Filter):
@@ -66,15 +68,19 @@ class GatewayMiddleware:
             who = await self._guarded(scope, headers, receive, send_with_id)
         finally:
             self.metrics.in_flight.dec()
-            route = scope["path"] if scope["path"] in self.routes else "other"
+            path = scope["path"]
+            route = path if path in self.routes else KSERVE if path.startswith(KSERVE) else "other"
             self.metrics.requests.labels(route, str(answered["status"])).inc()
             log.info('%s "%s %s" %s %.1f ms %s', scope.get("client", ("-",))[0] if scope.get("client") else "-",
                      scope["method"], scope["path"], answered["status"], (time.perf_counter() - t0) * 1e3, who)
             REQUEST_ID.reset(token)
 
-    async def _refuse(self, send, exc: GatewayError, *, close: bool = False) -> None:
+    async def _refuse(self, send, exc: GatewayError, *, close: bool = False, path: str = "") -> None:
         self.metrics.refused.labels(exc.code or str(exc.status)).inc()
-        body = error_bytes(exc.status, exc.message, code=exc.code, param=exc.param)
+        if path.startswith(KSERVE):  # Triton's clients read KServe's error shape
+            body = json.dumps({"error": exc.message}).encode()
+        else:
+            body = error_bytes(exc.status, exc.message, code=exc.code, param=exc.param)
         out = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         out += [(k.encode(), v.encode()) for k, v in exc.headers.items()]
         if close:
@@ -87,7 +93,7 @@ class GatewayMiddleware:
         try:
             self._check_framing(headers)
         except GatewayError as exc:
-            await self._refuse(send, exc, close=True)
+            await self._refuse(send, exc, close=True, path=scope["path"])
             return "-"
         if not scope["path"].startswith(self.limited):
             await self.app(scope, receive, send)
@@ -101,7 +107,7 @@ class GatewayMiddleware:
                 who = scope["client"][0] if scope.get("client") else "anonymous"
             self.limiter.acquire(who)
         except GatewayError as exc:
-            await self._refuse(send, exc)
+            await self._refuse(send, exc, path=scope["path"])
             return who
         try:
             # a GET may carry a body too (the official CosyVoice client sends its forms with GET)
@@ -110,7 +116,7 @@ class GatewayMiddleware:
                 try:
                     body = await self._read_body(receive)
                 except GatewayError as exc:
-                    await self._refuse(send, exc, close=True)
+                    await self._refuse(send, exc, close=True, path=scope["path"])
                     return who
                 if body is None:  # the client left
                     return who

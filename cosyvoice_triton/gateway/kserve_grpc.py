@@ -1,0 +1,234 @@
+"""Triton's KServe v2 gRPC API at the gateway (``inference.GRPCInferenceService``, the service
+``tritonclient.grpc`` speaks), for the public models: liveness, readiness, server and model metadata,
+``ModelInfer`` and ``ModelStreamInfer`` (the streaming and live models). Every request, each one of a stream too,
+is checked by :mod:`.inference` before it goes on to Triton; the API key comes as ``authorization: Bearer <key>``
+metadata and counts against the same concurrency and rate as HTTP. A bad request in a stream is answered in the
+stream (its ``error_message``), or ends the stream with INVALID_ARGUMENT when the client asked for status codes
+(``triton_grpc_error: true``, passed on to Triton too). The model config, repository, shared-memory, trace,
+logging and statistics methods answer UNIMPLEMENTED (Triton keeps them behind its admin key)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from .errors import GatewayError
+from .inference import Tensor, bad, check_name, check_outputs, check_parameters, check_request
+from .limits import KeyLimiter, KeyRing
+from .tenants import PUBLIC, Namespace
+from .upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+              403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND,
+              413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+              503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+ERROR_HEADER = "triton_grpc_error"
+#: Which ``InferTensorContents`` field holds each datatype (FP16 and BF16 travel as raw bytes only).
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+            "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+            "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+            "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+_FIELDS = sorted(set(CONTENTS.values()))
+
+
+def _parameters(params, where: str) -> dict:
+    out = {}
+    for k, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[k] = getattr(p, which) if which else None
+    return check_parameters(out, where)
+
+
+def checked_request(upstream: Upstream, sig, request: service_pb2.ModelInferRequest,
+                    ns: Namespace) -> service_pb2.ModelInferRequest:
+    """A copy of ``request`` that Triton may get (a speaker_id scoped to ``ns``); 400 otherwise."""
+    upstream.public(request.model_name)
+    if request.model_version and (not request.model_version.isdigit() or len(request.model_version) > 19):
+        raise bad(f"model_version {request.model_version[:20]!r} must be a number")
+    if len(request.id) > 128:
+        raise bad("id: at most 128 characters", "id")
+    _parameters(request.parameters, "request")
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise bad(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: give one for each input")
+    tensors = []
+    for i, t in enumerate(request.inputs):
+        name = check_name("input name", t.name)
+        if _parameters(t.parameters, f"input {name!r}"):
+            raise bad(f"input {name!r}: input parameters are not accepted", name)
+        given = [f for f in _FIELDS if len(getattr(t.contents, f))]
+        if raw:
+            if given:
+                raise bad(f"input {name!r}: both contents and raw_input_contents", name)
+            tensors.append(Tensor(name, t.datatype, tuple(t.shape), raw=raw[i]))
+        else:
+            want = CONTENTS.get(t.datatype)
+            if given and given != [want]:
+                raise bad(f"input {name!r}: {t.datatype} data goes in {want or 'raw_input_contents'}, got "
+                          f"{', '.join(given)}", name)
+            values = list(getattr(t.contents, want)) if want else []
+            tensors.append(Tensor(name, t.datatype, tuple(t.shape), values=values))
+    for o in request.outputs:
+        p = _parameters(o.parameters, f"output {o.name[:64]!r}")
+        if set(p) - {"binary_data"}:
+            raise bad(f"output {o.name[:64]!r}: output parameters are not accepted")
+    check_outputs(sig, [o.name for o in request.outputs])
+    checked = check_request(sig, tensors, ns)
+    out = service_pb2.ModelInferRequest()
+    out.CopyFrom(request)
+    for i, (before, after) in enumerate(zip(tensors, checked, strict=True)):
+        if after is before:
+            continue
+        if raw:
+            out.raw_input_contents[i] = after.raw
+        else:
+            field = getattr(out.inputs[i].contents, CONTENTS[after.datatype])
+            del field[:]
+            field.extend(v.encode() if isinstance(v, str) else v for v in after.values)
+    return out
+
+
+class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, upstream: Upstream, keys: KeyRing, limiter: KeyLimiter):
+        self.upstream, self.keys, self.limiter = upstream, keys, limiter
+
+    async def _fail(self, context, exc: GatewayError):
+        await context.abort(GRPC_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+
+    def _admit(self, context) -> tuple[str, Namespace]:
+        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        if self.keys.enabled:
+            who = self.keys.identify(metadata.get("authorization"))
+            ns = Namespace(self.keys.tenant_of(who))
+        else:
+            peer = context.peer() or "anonymous"
+            who, ns = peer.rsplit(":", 1)[0], PUBLIC
+        self.limiter.acquire(who)
+        return who, ns
+
+    def _metadata(self, context) -> list[tuple[str, str]]:
+        given = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        return [(ERROR_HEADER, "true")] if str(given.get(ERROR_HEADER, "")).lower() == "true" else []
+
+    def _timeout(self, context) -> float:
+        left = context.time_remaining()
+        return self.upstream.timeout_s if left is None else min(left, self.upstream.timeout_s)
+
+    async def _unary(self, method: str, request, context, model: str | None = None, *, infer: bool = False):
+        """One call on to Triton: admitted, the model public, an inference request checked first."""
+        try:
+            who, ns = self._admit(context)
+        except GatewayError as exc:
+            return await self._fail(context, exc)
+        try:
+            kw = {}
+            if infer:
+                request, kw = await self._checked(request, ns), {"metadata": self._metadata(context)}
+            elif model is not None:
+                self.upstream.public(model)
+            return await getattr(self.upstream.stub, method)(request, timeout=self._timeout(context), **kw)
+        except GatewayError as exc:
+            await self._fail(context, exc)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+        finally:
+            self.limiter.release(who)
+
+    async def ServerLive(self, request, context):
+        return await self._unary("ServerLive", request, context)
+
+    async def ServerReady(self, request, context):
+        return await self._unary("ServerReady", request, context)
+
+    async def ServerMetadata(self, request, context):
+        return await self._unary("ServerMetadata", request, context)
+
+    async def ModelReady(self, request, context):
+        return await self._unary("ModelReady", request, context, request.name)
+
+    async def ModelMetadata(self, request, context):
+        return await self._unary("ModelMetadata", request, context, request.name)
+
+    async def _checked(self, request, ns: Namespace):
+        sig = await self.upstream.signature(request.model_name)
+        return await asyncio.to_thread(checked_request, self.upstream, sig, request, ns)
+
+    async def ModelInfer(self, request, context):
+        return await self._unary("ModelInfer", request, context, infer=True)
+
+    async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
+        try:
+            who, ns = self._admit(context)
+        except GatewayError as exc:
+            await self._fail(context, exc)
+            return
+        codes = bool(self._metadata(context))
+        out: asyncio.Queue = asyncio.Queue()
+        onward: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def requests():
+            while True:
+                item = await onward.get()
+                if item is end:
+                    return
+                yield item
+
+        async def read_client():
+            try:
+                async for req in request_iterator:
+                    try:
+                        await onward.put(await self._checked(req, ns))
+                    except GatewayError as exc:
+                        if codes:
+                            await out.put(exc)
+                            return
+                        await out.put(service_pb2.ModelStreamInferResponse(
+                            error_message=exc.message,
+                            infer_response=service_pb2.ModelInferResponse(model_name=req.model_name[:128],
+                                                                          id=req.id[:128])))
+            finally:
+                await onward.put(end)
+
+        call = self.upstream.stub.ModelStreamInfer(requests(), metadata=self._metadata(context))
+
+        async def read_triton():
+            try:
+                async for answer in call:
+                    await out.put(answer)
+                await out.put(end)
+            except grpc.aio.AioRpcError as exc:
+                await out.put(exc)
+
+        tasks = [asyncio.ensure_future(read_client()), asyncio.ensure_future(read_triton())]
+        try:
+            while True:
+                item = await out.get()
+                if item is end:
+                    return
+                if isinstance(item, GatewayError):
+                    await self._fail(context, item)
+                    return
+                if isinstance(item, grpc.aio.AioRpcError):
+                    await context.abort(item.code(), item.details() or "")
+                    return
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            call.cancel()
+            self.limiter.release(who)
+
+
+def make_server(proxy: KServeProxy, address: str, max_message_bytes: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", -1)])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(proxy, server)
+    server.add_insecure_port(address)
+    return server

@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("--threads", type=int, default=1, help="torch intra-op threads (Silero VAD runs on them)")
     bp.set_defaults(func=_cmd_bench_preprocess)
 
-    from .serving.rollout import add_parser as add_rollout_parser
+    from .serving.launch.rollout import add_parser as add_rollout_parser
 
     add_rollout_parser(sub)  # rollout status|stage N|canary PERCENT|promote|rollback
     add_passthrough(sub)

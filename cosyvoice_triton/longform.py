@@ -24,7 +24,8 @@ Sources of at most :data:`SPLIT_ABOVE_SECONDS` (30 s) are never split: they conv
 :func:`convert_in_pieces` runs the three steps around any batched converter: ``CosyVoice2.convert_long`` in
 process, :func:`convert_served` against the served ``cosyvoice_vc`` (each piece one request, all in flight at once,
 so Triton's dynamic batcher runs them through the flow and HiFT together; the repeated prompt is a hit of the
-``preprocess`` prompt cache after the first piece), and ``serving.local.LocalPipeline`` (the ensemble in process).
+``preprocess`` prompt cache after the first piece), and ``serving.stages.local.LocalPipeline`` (the ensemble in
+process).
 """
 
 from __future__ import annotations

@@ -86,18 +86,18 @@ if [ "${SERVE:-1}" = 0 ]; then
   echo "SERVE=0: not starting tritonserver; serve with: tritonserver --model-repository=$REPO"
   exit 0
 fi
-# tritonserver runs under cosyvoice_triton.serving.supervisor: a model whose Python stub dies (Triton 2.51-2.54 cannot
-# recover one) is unloaded (readiness false) and loaded again; a server that dies is restarted on the same ports,
-# at most SUPERVISOR_MAX_RESTARTS times in SUPERVISOR_RESTART_WINDOW s (then it exits 1: give the container a
-# restart policy, e.g. `docker run --restart=on-failure` or a Kubernetes Deployment, and point the load balancer's
-# readiness probe at GET /v2/health/ready). The administrative APIs (shared memory, model repository, model configs,
-# statistics, trace, logging) need the header `cosyvoice-admin-key: <key>` (gRPC:
-# `triton-grpc-protocol-cosyvoice-admin-key`); the key is COSYVOICE_TRITON_ADMIN_KEY, else drawn at random at start,
-# and written to $BUILD_DIR/triton/admin_key. README: "Hardening: what to put in front of Triton".
+# tritonserver runs under cosyvoice_triton.serving.launch.supervisor: a model whose Python stub dies (Triton 2.51-2.54
+# cannot recover one) is unloaded (readiness false) and loaded again; a server that dies is restarted on the same ports,
+# at most SUPERVISOR_MAX_RESTARTS times in SUPERVISOR_RESTART_WINDOW s (then it exits 1: give the container a restart
+# policy, e.g. `docker run --restart=on-failure` or a Kubernetes Deployment, and point the load balancer's readiness
+# probe at GET /v2/health/ready). The administrative APIs (shared memory, model repository, model configs, statistics,
+# trace, logging) need the header `cosyvoice-admin-key: <key>` (gRPC: `triton-grpc-protocol-cosyvoice-admin-key`); the
+# key is COSYVOICE_TRITON_ADMIN_KEY, else drawn at random at start, and written to $BUILD_DIR/triton/admin_key. README:
+# "Hardening: what to put in front of Triton".
 # After the load (and after every reload or restart) the supervisor sends one warm-up request through every public
 # pipeline, then writes $BUILD_DIR/triton/warm (the Kubernetes startupProbe waits for it). SIGTERM (docker stop,
 # a pod's termination): Triton finishes the requests in flight, up to SUPERVISOR_EXIT_TIMEOUT s, then exits.
-exec "$PYTHON" -m cosyvoice_triton.serving.supervisor --triton-root "${TRITON_ROOT:-/opt/tritonserver}" \
+exec "$PYTHON" -m cosyvoice_triton.serving.launch.supervisor --triton-root "${TRITON_ROOT:-/opt/tritonserver}" \
   --model-repository "$REPO" --work-dir "$BUILD_DIR/triton" --host "${TRITON_HOST:-127.0.0.1}" \
   --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
   --max-restarts "${SUPERVISOR_MAX_RESTARTS:-5}" --restart-window "${SUPERVISOR_RESTART_WINDOW:-600}" \

@@ -6,7 +6,7 @@ tunable (see ``cosyvoice_triton.serving.repository.Tunables``; ``--set instances
 plain`` (or ``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32
 graphs (flavor local, precision fp32; ``cosyvoice_triton.serving.repository.PLAIN_TUNABLES``), for
 ``cosyvoice_triton.clients.plain.PlainPipeline``. ``--version N:MODEL_DIR:ONNX_DIR[:PRECISION]`` (repeated) renders
-numbered versions for rollouts (``python -m cosyvoice_triton rollout``, ``cosyvoice_triton.serving.rollout``).
+numbered versions for rollouts (``python -m cosyvoice_triton rollout``, ``cosyvoice_triton.serving.launch.rollout``).
 """
 
 import argparse
@@ -16,6 +16,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from cosyvoice_triton.serving.launch.rollout import VersionSpec  # noqa: E402
 from cosyvoice_triton.serving.repository import (  # noqa: E402
     CPU_CHOICE,
     DEFAULT_QUALITY_REPORT,
@@ -27,7 +28,6 @@ from cosyvoice_triton.serving.repository import (  # noqa: E402
     parse_tunable,
     render_repository,
 )
-from cosyvoice_triton.serving.rollout import VersionSpec  # noqa: E402
 
 
 def tunable(text: str) -> tuple[str, object]:
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--version", dest="versions", action="append", type=version, default=[],
                    metavar="N:MODEL_DIR:ONNX_DIR[:PRECISION]",
                    help="a numbered version (repeat): the graphs, flow and hift of each, its pipeline cosyvoice_vc_vN, "
-                        "and cosyvoice_vc as the router (cosyvoice_triton.serving.rollout); --model-dir / --onnx-dir / "
-                        "--precision are then the live version's")
+                        "and cosyvoice_vc as the router (cosyvoice_triton.serving.launch.rollout); --model-dir / "
+                        "--onnx-dir / --precision are then the live version's")
     p.add_argument("--live-version", type=int, default=0, help="the version served at start (default: the lowest)")
     args = p.parse_args(argv)
     try:

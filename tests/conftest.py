@@ -38,7 +38,7 @@ def require_live_loadtest() -> None:
     if importlib.util.find_spec("locust") is None:
         pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
     pytest.importorskip("matplotlib")
-    from cosyvoice_triton.serving.server import TritonNotInstalled, find_installation
+    from cosyvoice_triton.serving.launch.server import TritonNotInstalled, find_installation
 
     try:
         find_installation()
@@ -197,7 +197,7 @@ def served(repo: Path, **server_kw):
         import tritonclient.http  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"tritonclient is not installed ({exc}): pip install 'tritonclient[http,grpc]==2.51.0'")
-    from cosyvoice_triton.serving.server import TritonNotInstalled, TritonServer, find_installation
+    from cosyvoice_triton.serving.launch.server import TritonNotInstalled, TritonServer, find_installation
 
     try:
         find_installation()

@@ -255,8 +255,8 @@ def test_tts_live_cross_lingual_and_instruct(demo, prompt_wave):
 
 @pytest.fixture(scope="module")
 def service(serving_assets):
-    from cosyvoice_triton.serving.graphs import GraphRunner
-    from cosyvoice_triton.serving.tts import TTSService
+    from cosyvoice_triton.serving.stages.graphs import GraphRunner
+    from cosyvoice_triton.serving.stages.tts import TTSService
     from cosyvoice_triton.shapes import GRAPHS
 
     onnx = serving_assets["onnx_dir"] / "fp32"
@@ -296,7 +296,7 @@ def test_service_live_equals_tts_live(service, demo, prompt_wave):
 
 
 def test_service_live_cancel_and_bad_pieces(service, prompt_wave):
-    from cosyvoice_triton.serving.lm_engine import JobCancelled
+    from cosyvoice_triton.serving.stages.lm_engine import JobCancelled
 
     before = service.snapshot()["streams_cancelled"]
     n = {"steps": 0}

@@ -66,7 +66,7 @@ def triton(triton_server):
 
 @contextlib.contextmanager
 def _gateway_process(triton_server, log: Path, *args: str):
-    from cosyvoice_triton.serving.server import free_ports
+    from cosyvoice_triton.serving.launch.server import free_ports
 
     port = free_ports(1)[0]
     with open(log, "wb") as out:

@@ -13,10 +13,10 @@ import numpy as np
 import pb_standin
 import pytest
 
-from cosyvoice_triton.serving import metrics as m
-from cosyvoice_triton.serving.batching import RequestError
-from cosyvoice_triton.serving.graphs import GraphRunner, result_key
 from cosyvoice_triton.serving.repository import RESPONSE_CACHE_GRAPHS, graph_warmup_samples
+from cosyvoice_triton.serving.stages import metrics as m
+from cosyvoice_triton.serving.stages.batching import RequestError
+from cosyvoice_triton.serving.stages.graphs import GraphRunner, result_key
 from cosyvoice_triton.shapes import GRAPHS
 
 GRAPH = "flow_encoder"  # pad policy: several requests share one call
@@ -222,9 +222,9 @@ def test_graph_cache_metrics_are_created_at_zero_and_count_by_result():
 
 
 def test_rendered_on_the_prompt_side_graphs_of_the_local_flavor(serving_assets, tmp_path):
-    from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-    from cosyvoice_triton.serving.params import read_parameters
     from cosyvoice_triton.serving.repository import Tunables, render_repository
+    from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+    from cosyvoice_triton.serving.stages.params import read_parameters
 
     demo_dir = serving_assets["model_dir"]
     assert Tunables().graph_cache_mb == 16 and RESPONSE_CACHE_GRAPHS == ("speech_tokenizer", "speaker_encoder")

@@ -19,12 +19,12 @@ import pytest
 from conftest import served
 
 from cosyvoice_triton.loadtest.metrics import counter_total, parse_prometheus
-from cosyvoice_triton.serving import graphs
-from cosyvoice_triton.serving import metrics as m
-from cosyvoice_triton.serving.batching import RequestError
-from cosyvoice_triton.serving.graphs import GraphRunner, fallback_counts
 from cosyvoice_triton.serving.repository import graph_warmup_samples
-from cosyvoice_triton.serving.triton_io import from_request_shape, to_request_shape
+from cosyvoice_triton.serving.stages import graphs
+from cosyvoice_triton.serving.stages import metrics as m
+from cosyvoice_triton.serving.stages.batching import RequestError
+from cosyvoice_triton.serving.stages.graphs import GraphRunner, fallback_counts
+from cosyvoice_triton.serving.stages.triton_io import from_request_shape, to_request_shape
 from cosyvoice_triton.shapes import GRAPHS
 
 GRAPH = "flow_encoder"
@@ -170,8 +170,8 @@ def _failing_at_run_time(good, out):
 def failing_version(serving_assets, tmp_path_factory):
     """A versioned repository: v1 the fp32 export, v2 (live) the same export with ``flow_encoder`` at "int8_cpu"
     where that file fails at run time; the render places v2's fp32 graph as ``flow_encoder/2/fallback.onnx``."""
+    from cosyvoice_triton.serving.launch.rollout import VersionSpec
     from cosyvoice_triton.serving.repository import render_repository
-    from cosyvoice_triton.serving.rollout import VersionSpec
 
     root = tmp_path_factory.mktemp("fallback_live")
     onnx_dir = root / "onnx"

@@ -29,8 +29,8 @@ from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, ROOT
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.clients.retry import NO_RETRY, is_retryable
-from cosyvoice_triton.serving.server import TritonNotInstalled, TritonServer, find_installation, free_ports
-from cosyvoice_triton.serving.supervisor import Supervisor
+from cosyvoice_triton.serving.launch.server import TritonNotInstalled, TritonServer, find_installation, free_ports
+from cosyvoice_triton.serving.launch.supervisor import Supervisor
 
 pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
 pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
@@ -158,7 +158,7 @@ def test_every_model_is_warm_once_the_supervisor_has_started(supervised):
     assert all(isinstance(v, float) for v in done.values()), done
     executed = _statistics(server)
     # a live model (sequence batcher) takes sequences only and is not warmed itself; its callees are
-    from cosyvoice_triton.serving.warmup import loaded_models
+    from cosyvoice_triton.serving.launch.warmup import loaded_models
 
     live = {m["name"] for m in loaded_models(server) if m["sequence"]}
     cold = sorted(name for name, n in executed.items() if n < 1 and name not in live)
@@ -277,7 +277,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(serving_assets, tmp_
     _installed()
     repo = _render(serving_assets, tmp_path / "model_repository", tts="off")
     http_port, grpc_port, metrics_port = free_ports(3)
-    cmd = [sys.executable, "-m", "cosyvoice_triton.serving.supervisor", "--model-repository", str(repo),
+    cmd = [sys.executable, "-m", "cosyvoice_triton.serving.launch.supervisor", "--model-repository", str(repo),
            "--work-dir", str(tmp_path / "triton"), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
            "--metrics-port", str(metrics_port), "--exit-timeout", "60", "--no-warmup"]
     log = open(tmp_path / "supervisor.log", "wb")  # noqa: SIM115
@@ -345,7 +345,7 @@ def test_sigterm_finishes_the_requests_in_flight_then_exits(serving_assets, tmp_
 
 # ------------------------------------------------------------------------------------------ no server needed
 def test_warm_up_plan_picks_the_public_pipelines_only():
-    from cosyvoice_triton.serving.warmup import plan
+    from cosyvoice_triton.serving.launch.warmup import plan
 
     models = [
         {"name": "preprocess", "inputs": {"source_audio", "prompt_audio", "source_sample_rate"},

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice_triton.serving import server as server_mod
-from cosyvoice_triton.serving.server import (
+from cosyvoice_triton.serving.launch import server as server_mod
+from cosyvoice_triton.serving.launch.server import (
     HTTP_MAX_INPUT_BYTES,
     TritonInstallation,
     TritonNotInstalled,

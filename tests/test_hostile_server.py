@@ -1,6 +1,7 @@
 """Hostile requests against a live, supervised ``tritonserver`` (local flavor, tiny demo model, 127.0.0.1 only).
 
-What Triton 2.51 itself cannot survive, and what the launcher does about it (``cosyvoice_triton.serving.supervisor``):
+What Triton 2.51 itself cannot survive, and what the launcher does about it
+(``cosyvoice_triton.serving.launch.supervisor``):
 
 * a binary input whose declared shape overflows the byte size (``[1, 80, 2**60]`` FP32 with 0 bytes) kills the
   model's Python stub (HTTP and gRPC): the supervisor unloads the model (readiness goes false) and loads it again;
@@ -27,14 +28,14 @@ import pytest
 import soundfile as sf
 from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, wait_until
 
-from cosyvoice_triton.serving.server import (
+from cosyvoice_triton.serving.launch.server import (
     RESTRICTED_APIS,
     TritonInstallation,
     TritonNotInstalled,
     TritonServer,
     find_installation,
 )
-from cosyvoice_triton.serving.supervisor import Supervisor
+from cosyvoice_triton.serving.launch.supervisor import Supervisor
 
 tritonclient_http = pytest.importorskip("tritonclient.http", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc", reason="pip install 'tritonclient[http,grpc]==2.51.0'")
@@ -253,7 +254,7 @@ def test_gzip_body_is_inflated_by_triton_without_a_size_limit(supervised):
 # ------------------------------------------------------------------------------ dead stages (finding 1)
 def _regions(server, model: str | None = None) -> set[Path]:
     """The shared-memory regions (/dev/shm) of the server's live stubs (of ``model``)."""
-    from cosyvoice_triton.serving.server import SHM_DIR
+    from cosyvoice_triton.serving.launch.server import SHM_DIR
 
     found = {SHM_DIR / s.shm_region for s in server.python_stubs() if s.alive and s.shm_region
              and (model is None or s.model == model)}
@@ -328,7 +329,7 @@ def test_supervisor_needs_explicit_model_control(tmp_path):
 
 
 def test_admin_headers_and_restricted_flags(tmp_path, monkeypatch):
-    from cosyvoice_triton.serving.server import ADMIN_KEY_ENV, admin_headers, admin_key
+    from cosyvoice_triton.serving.launch.server import ADMIN_KEY_ENV, admin_headers, admin_key
 
     monkeypatch.setenv(ADMIN_KEY_ENV, "k-1_x")
     assert admin_key() == "k-1_x"

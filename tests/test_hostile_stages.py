@@ -30,11 +30,11 @@ from pb_standin import Err, MetricFamily, Response, Tensor
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.errors import AudioError
 from cosyvoice_triton.frontend import audio
-from cosyvoice_triton.serving.batching import ItemResult, RequestError
-from cosyvoice_triton.serving.flow import FlowItem, FlowSolver
-from cosyvoice_triton.serving.graphs import GraphRunner
-from cosyvoice_triton.serving.postprocess import Postprocessor
-from cosyvoice_triton.serving.vocoder import HiftRunner
+from cosyvoice_triton.serving.stages.batching import ItemResult, RequestError
+from cosyvoice_triton.serving.stages.flow import FlowItem, FlowSolver
+from cosyvoice_triton.serving.stages.graphs import GraphRunner
+from cosyvoice_triton.serving.stages.postprocess import Postprocessor
+from cosyvoice_triton.serving.stages.vocoder import HiftRunner
 from cosyvoice_triton.shapes import SPEECH_TOKEN_VOCAB
 
 
@@ -374,7 +374,7 @@ def test_an_out_of_range_file_rate_is_refused_as_a_rate_not_a_length():
 
 @pytest.mark.parametrize("rate", [2**32 + 16000, 2**31, -(2**32) + 16000, 1])
 def test_sample_rates_beyond_int32_or_range_are_refused_not_wrapped(serving_assets, rate):
-    from cosyvoice_triton.serving.frontend import Preprocessor
+    from cosyvoice_triton.serving.stages.frontend import Preprocessor
 
     pre = Preprocessor(ModelConfig.from_yaml(serving_assets["model_dir"] / "cosyvoice2.yaml").mel)
     x = np.full((1, 16000), 0.1, np.float32)
@@ -429,7 +429,7 @@ def test_normalised_length_is_bounded(serving_assets):
 def test_segments_that_cannot_fit_the_flow_are_refused_before_the_lm_and_others_stop_at_its_room():
     from cosyvoice_triton.errors import TextError
     from cosyvoice_triton.models.llm import Qwen2LM
-    from cosyvoice_triton.serving.tts import TTSPlan, capped_ratio, speech_token_room
+    from cosyvoice_triton.serving.stages.tts import TTSPlan, capped_ratio, speech_token_room
     from cosyvoice_triton.speakers import SpeakerPrompt
 
     prompt = SpeakerPrompt(np.ones(100, np.int32), np.zeros((200, 80), np.float32), np.zeros(192, np.float32))
@@ -449,8 +449,8 @@ def test_segments_that_cannot_fit_the_flow_are_refused_before_the_lm_and_others_
 
 def test_status_codes_come_from_how_a_message_starts_not_from_quoted_client_text():
     from cosyvoice_triton.errors import SpeakerError
-    from cosyvoice_triton.serving.lm_engine import BUSY, EngineBusy
-    from cosyvoice_triton.serving.tts import _RESERVED, error_code, error_response
+    from cosyvoice_triton.serving.stages.lm_engine import BUSY, EngineBusy
+    from cosyvoice_triton.serving.stages.tts import _RESERVED, error_code, error_response
 
     class _Err(Err):
         UNAVAILABLE = "UNAVAILABLE"
@@ -474,8 +474,8 @@ def test_an_error_quoting_long_client_input_stays_under_grpcs_metadata_limit():
     """gRPC carries an error's message as trailing metadata, which clients refuse above 8 KiB (the stream is lost
     as RESOURCE_EXHAUSTED); every error response is cut to MAX_ERROR_CHARS, and ids are quoted short."""
     from cosyvoice_triton.errors import SpeakerError
-    from cosyvoice_triton.serving import triton_io
-    from cosyvoice_triton.serving.tts import error_response
+    from cosyvoice_triton.serving.stages import triton_io
+    from cosyvoice_triton.serving.stages.tts import error_response
     from cosyvoice_triton.speakers import validate_speaker_id
 
     pb = types.SimpleNamespace(TritonError=Err, InferenceResponse=Response)
@@ -509,7 +509,7 @@ def test_a_refusal_quoting_transient_words_is_not_retried(status, quoted):
 
 def test_the_lm_of_a_long_segment_is_asked_for_no_more_than_the_flows_room():
     from cosyvoice_triton.models.llm import Qwen2LM
-    from cosyvoice_triton.serving.tts import TTSPlan, TTSService, speech_token_room
+    from cosyvoice_triton.serving.stages.tts import TTSPlan, TTSService, speech_token_room
     from cosyvoice_triton.speakers import SpeakerPrompt
 
     asked = []

@@ -86,8 +86,8 @@ def test_gpu_probes_and_ports(tmp_path):
     assert '--work-dir "$BUILD_DIR/triton"' in start
     build = next(e["value"] for e in c["env"] if e["name"] == "BUILD_DIR")
     assert c["startupProbe"]["exec"]["command"] == ["test", "-f", f"{build}/triton/warm"]
-    from cosyvoice_triton.serving.server import TritonServer
-    from cosyvoice_triton.serving.supervisor import Supervisor
+    from cosyvoice_triton.serving.launch.server import TritonServer
+    from cosyvoice_triton.serving.launch.supervisor import Supervisor
 
     (tmp_path / "repo").mkdir()
     server = TritonServer(tmp_path / "repo", work_dir=tmp_path / "triton", model_control="explicit")
@@ -117,7 +117,7 @@ def test_triton_binds_loopback_and_the_gateway_reaches_it_there(tmp_path):
     start = (ROOT / "export" / "container_start.sh").read_text()
     assert '--host "${TRITON_HOST:-127.0.0.1}"' in start  # the image binds loopback unless told otherwise
     assert re.search(r"--http-port 8000 --grpc-port 8001 --metrics-port 8002", start)
-    from cosyvoice_triton.serving.server import TritonServer, find_installation
+    from cosyvoice_triton.serving.launch.server import TritonServer, find_installation
 
     try:
         find_installation()
@@ -190,7 +190,7 @@ def test_admin_key_comes_from_the_secret():
     ref = env["valueFrom"]["secretKeyRef"]
     secret = _one("Secret", ref["name"])
     assert ref["key"] in secret["stringData"]
-    from cosyvoice_triton.serving.server import ADMIN_KEY_ENV
+    from cosyvoice_triton.serving.launch.server import ADMIN_KEY_ENV
 
     assert env["name"] == ADMIN_KEY_ENV
 

@@ -1,4 +1,4 @@
-"""Live voice conversion in process (``serving.live_vc``): the source in pieces against the whole source.
+"""Live voice conversion in process (``serving.stages.live_vc``): the source in pieces against the whole source.
 
 The piece sizes do not change the output; the tokenizer windows are aligned with the whole-utterance tokens (a
 tokenizer with local context gives exactly its tokens); chunk ends on the flow's 25-token blocks give exactly the
@@ -14,8 +14,14 @@ from conftest import rel_err, speech_pair
 
 from cosyvoice_triton.bench import live_vc as bench
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.serving.live_vc import SAMPLES_PER_TOKEN, LiveSettings, LiveVC, LiveVCSession, convert_pieces
-from cosyvoice_triton.serving.vc_stream import VCStreamer
+from cosyvoice_triton.serving.stages.live_vc import (
+    SAMPLES_PER_TOKEN,
+    LiveSettings,
+    LiveVC,
+    LiveVCSession,
+    convert_pieces,
+)
+from cosyvoice_triton.serving.stages.vc_stream import VCStreamer
 from cosyvoice_triton.streaming import stream_chunk_ends
 
 SEED = 3
@@ -23,7 +29,7 @@ SEED = 3
 
 @pytest.fixture(scope="module")
 def local(serving_assets):
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
 

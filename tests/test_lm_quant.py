@@ -138,7 +138,7 @@ def _args(r):
 
 
 def test_int8_in_the_served_lm_engine(int8):
-    from cosyvoice_triton.serving.lm_engine import LMEngine
+    from cosyvoice_triton.serving.stages.lm_engine import LMEngine
 
     engine = LMEngine(int8, max_active=8, max_waiting=8, wait_timeout_s=PATIENCE_S)
     try:
@@ -162,8 +162,8 @@ def test_int8_in_the_served_lm_engine(int8):
 
 def test_tts_service_and_pipeline_with_int8(serving_assets):
     from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.serving.graphs import GraphRunner
-    from cosyvoice_triton.serving.tts import TTSService
+    from cosyvoice_triton.serving.stages.graphs import GraphRunner
+    from cosyvoice_triton.serving.stages.tts import TTSService
     from cosyvoice_triton.shapes import GRAPHS
 
     md = serving_assets["model_dir"]

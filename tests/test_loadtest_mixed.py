@@ -89,8 +89,8 @@ def test_policy_renders_the_tts_copies_and_the_low_task_quota(tmp_path, high):
 def test_every_launcher_turns_the_rate_limiter_on_for_a_rate_limited_repository(tmp_path):
     """Without --rate-limit Triton ignores the rendered rate_limiter blocks (the quota would silently be off under
     make serve or the supervisor); a quota above 1 needs the resource's count on the command line."""
+    from cosyvoice_triton.serving.launch.server import TritonServer, rate_limit_flags
     from cosyvoice_triton.serving.repository import render_repository
-    from cosyvoice_triton.serving.server import TritonServer, rate_limit_flags
 
     def render(name, **tunables):
         return render_repository("local", tmp_path / name, model_dir=tmp_path / "none", onnx_dir=tmp_path / "none",
@@ -171,7 +171,7 @@ def test_set_niceness_lowers_every_thread_of_the_process_never_raises_it():
     the priority back."""
     script = (
         "import os, threading\n"
-        "from cosyvoice_triton.serving.params import set_niceness\n"
+        "from cosyvoice_triton.serving.stages.params import set_niceness\n"
         "ready, stop, seen = threading.Event(), threading.Event(), {}\n"
         "def early():\n"
         "    seen['early_tid'] = threading.get_native_id(); ready.set(); stop.wait()\n"

@@ -182,7 +182,7 @@ def test_pieces_go_through_the_served_stages_as_one_batch(serving_assets):
     concurrent ``cosyvoice_vc`` requests."""
     import soundfile as sf
 
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
     prm, psr = sf.read(PROMPT, dtype="float32")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice_triton.serving.postprocess import integrated_loudness
+from cosyvoice_triton.serving.stages.postprocess import integrated_loudness
 
 
 @pytest.mark.parametrize("rate", [16000, 22050, 24000, 48000])

@@ -1,4 +1,4 @@
-"""The speech metrics library (``cosyvoice_triton.serving.metrics``) in process, on the stand-in of Triton's
+"""The speech metrics library (``cosyvoice_triton.serving.stages.metrics``) in process, on the stand-in of Triton's
 ``MetricFamily`` / ``Metric`` (``tests/pb_standin.py``): families and labels, audio seconds in and out, the
 real-time factor and first-chunk latency of a stream on a fake clock, rejects by reason."""
 
@@ -13,11 +13,11 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_triton.errors import AudioError, LLMError, SpeakerError, TextError
-from cosyvoice_triton.serving import metrics as m
-from cosyvoice_triton.serving.batching import ItemResult, RequestError
-from cosyvoice_triton.serving.lm_engine import BUSY, EngineBusy, JobCancelled
-from cosyvoice_triton.serving.triton_io import BlsError
-from cosyvoice_triton.serving.vc_stream import StreamCancelled
+from cosyvoice_triton.serving.stages import metrics as m
+from cosyvoice_triton.serving.stages.batching import ItemResult, RequestError
+from cosyvoice_triton.serving.stages.lm_engine import BUSY, EngineBusy, JobCancelled
+from cosyvoice_triton.serving.stages.triton_io import BlsError
+from cosyvoice_triton.serving.stages.vc_stream import StreamCancelled
 
 pb = types.SimpleNamespace(MetricFamily=pb_standin.MetricFamily)
 

@@ -30,7 +30,7 @@ import yaml
 from conftest import ROOT, speech_pair, wait_until
 
 from cosyvoice_triton.loadtest.metrics import counter_total, parse_prometheus
-from cosyvoice_triton.serving import metrics as m
+from cosyvoice_triton.serving.stages import metrics as m
 
 PROM_DIR = ROOT / "deploy" / "prometheus"
 RULES = PROM_DIR / "rules.yml"

@@ -282,7 +282,7 @@ def test_server_errors_name_the_stage(plain_server, protocol):
 
 
 def test_unreachable_server_is_a_vc_error(speech):
-    from cosyvoice_triton.serving.server import free_ports
+    from cosyvoice_triton.serving.launch.server import free_ports
 
     src, ssr, prm, psr = speech
     for protocol in ("http", "grpc"):

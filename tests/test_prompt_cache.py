@@ -13,8 +13,8 @@ from conftest import FIXTURES
 from cosyvoice_triton.models.demo import write_demo_model
 from cosyvoice_triton.pipeline import CosyVoice2
 from cosyvoice_triton.prompt_cache import PromptCache, prompt_cache_totals, prompt_key
-from cosyvoice_triton.serving.frontend import Preprocessor
-from cosyvoice_triton.serving.speakers import compute_prompt
+from cosyvoice_triton.serving.stages.frontend import Preprocessor
+from cosyvoice_triton.serving.stages.speakers import compute_prompt
 
 SOURCE = FIXTURES / "source_en_5s.wav"
 PROMPT = FIXTURES / "prompt_en_3s.wav"
@@ -230,8 +230,8 @@ def test_preprocess_hit_is_identical_and_options_make_other_entries(demo_dir, mo
 
 
 def test_vc_stream_prompt_hit_skips_features_and_graphs(demo_dir, monkeypatch):
-    from cosyvoice_triton.serving.flow import FlowSolver
-    from cosyvoice_triton.serving.vc_stream import VCStreamer
+    from cosyvoice_triton.serving.stages.flow import FlowSolver
+    from cosyvoice_triton.serving.stages.vc_stream import VCStreamer
 
     model = CosyVoice2.from_pretrained(demo_dir, prompt_cache=False)
     graphs = {**_graphs(model), **{g: _Counting(lambda t: None) for g in
@@ -264,8 +264,8 @@ def test_vc_stream_prompt_hit_skips_features_and_graphs(demo_dir, monkeypatch):
 # ------------------------------------------------------------------------------ Triton's response cache (render)
 
 def test_response_cache_rendered_on_the_prompt_graphs_and_passed_to_the_server(demo_dir, tmp_path):
+    from cosyvoice_triton.serving.launch.server import TritonInstallation, response_cache_flags
     from cosyvoice_triton.serving.repository import RESPONSE_CACHE_GRAPHS, render_repository
-    from cosyvoice_triton.serving.server import TritonInstallation, response_cache_flags
 
     root = tmp_path / "triton"  # never run: the flags only need its root
     inst = TritonInstallation(root=root, binary=root / "bin" / "tritonserver", backends=root / "backends",

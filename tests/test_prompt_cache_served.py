@@ -24,7 +24,7 @@ from conftest import served, speech_pair
 
 from cosyvoice_triton.clients.client import VCClient
 from cosyvoice_triton.loadtest.metrics import counter_total, scrape
-from cosyvoice_triton.serving.metrics import GRAPH_CACHE
+from cosyvoice_triton.serving.stages.metrics import GRAPH_CACHE
 
 GRAPHS = ("speech_tokenizer", "speaker_encoder")
 

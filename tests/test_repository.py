@@ -16,8 +16,6 @@ import pytest
 from conftest import ROOT
 
 from cosyvoice_triton.export.trt import EXCLUDED
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import ParameterError, read_parameters
 from cosyvoice_triton.serving.repository import (
     MARKER,
     RenderError,
@@ -25,6 +23,8 @@ from cosyvoice_triton.serving.repository import (
     render_repository,
     render_template,
 )
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import ParameterError, read_parameters
 from cosyvoice_triton.shapes import GRAPHS, STAGES, VC_INPUTS, VC_MODEL, VC_OUTPUTS
 
 STAGE_NAMES = ("preprocess", "flow", "hift", "postprocess")
@@ -136,7 +136,7 @@ def test_ensemble_wires_the_public_api(rendered):
 
 def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypatch):
     """The convention of model_repository/README.md: a row of SERVED_MODELS + its folder, nothing else."""
-    from cosyvoice_triton.serving import repository
+    from cosyvoice_triton.serving.repository import render, served
     from cosyvoice_triton.shapes import TensorSpec
 
     src = tmp_path / "src"
@@ -144,10 +144,10 @@ def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypa
     shutil.copytree(ROOT / "ensemble", src / "ensemble")
     (src / "ensemble" / "echo_stream").mkdir()
     (src / "ensemble" / "echo_stream" / "model.py").write_text("# an orchestrator\n")
-    row = repository.ServedModel("echo_stream", "ensemble/echo_stream", (TensorSpec("text", "bytes", ("batch", 1)),),
-                                 (TensorSpec("chunk", "float32", ("batch", "n")),), decoupled=True, instances=3,
-                                 max_batch_size=4, doc="echoes")
-    monkeypatch.setattr(repository, "SERVED_MODELS", (*repository.SERVED_MODELS, row))
+    row = served.ServedModel("echo_stream", "ensemble/echo_stream", (TensorSpec("text", "bytes", ("batch", 1)),),
+                             (TensorSpec("chunk", "float32", ("batch", "n")),), decoupled=True, instances=3,
+                             max_batch_size=4, doc="echoes")
+    monkeypatch.setattr(render, "SERVED_MODELS", (*served.SERVED_MODELS, row))
     out = tmp_path / "repo"
     report = render_repository("local", out, model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
                                templates_dir=src / "model_repository")
@@ -319,7 +319,7 @@ def test_render_script(model_dir, tmp_path):
 def test_container_start_renders_and_serves():
     start = (ROOT / "export" / "container_start.sh").read_text()
     assert 'model_repository/render.py --flavor "$SERVE_FLAVOR"' in start
-    assert 'exec "$PYTHON" -m cosyvoice_triton.serving.supervisor' in start  # tritonserver under the supervisor
+    assert 'exec "$PYTHON" -m cosyvoice_triton.serving.launch.supervisor' in start  # tritonserver under the supervisor
     docker = (ROOT / "Dockerfile.triton").read_text()
     assert "COPY model_repository/ model_repository/" in docker and "EXPOSE 8000 8001 8002" in docker
     assert "COPY ensemble/ ensemble/" in docker  # the pipelines' sources, beside the templates

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import PATIENCE_S, served
 
-from cosyvoice_triton.serving.repository import MARKER, RenderError, render_repository, stage_warmup_samples
-from cosyvoice_triton.serving.rollout import (
+from cosyvoice_triton.serving.launch.rollout import (
     VERSIONED,
     Rollout,
     RolloutError,
@@ -27,6 +26,8 @@ from cosyvoice_triton.serving.rollout import (
     read_manifests,
     startup_models,
 )
+from cosyvoice_triton.serving.launch.warmup import stage_warmup_samples
+from cosyvoice_triton.serving.repository import MARKER, RenderError, render_repository
 
 # ---------------------------------------------------------------------------------------------------- split
 

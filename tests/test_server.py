@@ -1,4 +1,5 @@
-"""cosyvoice_triton.serving.server: the wheel's tritonserver started without Docker, on a one-model repository."""
+"""cosyvoice_triton.serving.launch.server: the wheel's tritonserver started without Docker, on a one-model
+repository."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import textwrap
 import pytest
 from conftest import PATIENCE_S, PROBE_TIMEOUT_S
 
-from cosyvoice_triton.serving.server import (
+from cosyvoice_triton.serving.launch.server import (
     ServerError,
     TritonNotInstalled,
     TritonServer,

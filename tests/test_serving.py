@@ -69,7 +69,7 @@ def test_files_and_bytes_inputs(client, tmp_path):
 
 def test_parity_with_in_process_pipeline(served, speech, serving_assets):
     from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     src, ssr, prm, psr = speech
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
@@ -291,7 +291,7 @@ def test_client_cli_converts_several_files_and_reports_failures(triton_server, t
 
 
 def test_run_demo_end_to_end(serving_assets, tmp_path, capsys):
-    from cosyvoice_triton.serving.serve_demo import run_demo
+    from cosyvoice_triton.serving.launch.serve_demo import run_demo
 
     report = run_demo(serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                       repository=tmp_path / "model_repository", output=tmp_path / "demo.wav", repeats=2,

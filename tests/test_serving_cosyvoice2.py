@@ -43,7 +43,7 @@ RUNTIME = "runtime/triton_trtllm"
 
 
 def _request(wave, reference_text=REFERENCE_TEXT, target_text=TARGET_TEXT, pad_to=0):
-    from cosyvoice_triton.serving.official_api import official_request
+    from cosyvoice_triton.serving.stages.official_api import official_request
 
     tensors = official_request(wave, reference_text, target_text)
     if pad_to:
@@ -55,7 +55,7 @@ def _request(wave, reference_text=REFERENCE_TEXT, target_text=TARGET_TEXT, pad_t
 
 def test_pipeline_inputs_cut_the_padding_and_name_what_is_wrong():
     from cosyvoice_triton.errors import CosyVoiceError
-    from cosyvoice_triton.serving.official_api import pipeline_inputs
+    from cosyvoice_triton.serving.stages.official_api import pipeline_inputs
 
     wave = np.linspace(-0.5, 0.5, 1600, dtype=np.float32)
     out = pipeline_inputs(_request(wave, pad_to=16000))
@@ -452,7 +452,7 @@ def test_official_clients_offline(offline, reference, official_runtime, tmp_path
 
 @pytest.mark.parametrize("mode", ["decoupled", "offline"])
 def test_the_warm_up_reaches_cosyvoice2(cosyvoice2, mode):
-    from cosyvoice_triton.serving.warmup import loaded_models, plan, warm_up
+    from cosyvoice_triton.serving.launch.warmup import loaded_models, plan, warm_up
 
     server = cosyvoice2.ensure(mode)
     how = dict(plan(loaded_models(server)))["cosyvoice2"]

@@ -5,7 +5,7 @@ Issue 4: served output equals the in-process pipeline within the fp32 tolerance,
 INT8 variant. So, on the same inputs and noise:
 
 * the served ``cosyvoice_vc`` waveform equals an in-process run of the same int8 graphs
-  (:class:`~cosyvoice_triton.serving.local.LocalPipeline` with its graphs swapped) within the fp32 bar (2e-3);
+  (:class:`~cosyvoice_triton.serving.stages.local.LocalPipeline` with its graphs swapped) within the fp32 bar (2e-3);
 * against the fp32 pipeline, each stage within :data:`cosyvoice_triton.export.quality.BAR` on the output the bar
   judges it by: the served ``flow`` model's mel (mel rel RMS, mean |dB|), the served ``hift`` model's waveform
   given the fp32 mel (log-mel distance). The ensemble only returns the waveform, so these two stages are called
@@ -118,8 +118,8 @@ def speech():
 @pytest.fixture(scope="module")
 def pipelines(serving_assets, int8_onnx):
     """(fp32, int8) in-process pipelines: the same stages, the int8 one with the three int8_cpu graphs."""
-    from cosyvoice_triton.serving.graphs import GraphRunner
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.graphs import GraphRunner
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     fp32 = LocalPipeline(serving_assets["model_dir"], int8_onnx / "fp32")
     int8 = LocalPipeline(serving_assets["model_dir"], int8_onnx / "fp32")
@@ -160,7 +160,7 @@ def _infer(server, model: str, inputs: dict[str, np.ndarray], output: str) -> np
 @pytest.fixture(scope="module")
 def flow_case(int8_server, pipelines, speech):
     """(flow inputs, fp32 mel in-process, int8 mel served by the ``flow`` model)."""
-    from cosyvoice_triton.serving.flow import FlowItem
+    from cosyvoice_triton.serving.stages.flow import FlowItem
 
     fp32, _ = pipelines
     inputs = _flow_inputs(fp32, speech)
@@ -180,7 +180,7 @@ def test_served_int8_flow_mel_is_within_the_int8_bar(flow_case, pipelines):
     assert rel_rms <= BAR.mel_rel_rms and mel_db <= BAR.mel_db
     assert rel_rms > 1e-6  # the int8 graphs are really in use (fp32 ONNX vs itself: ~3e-7)
     # and the served mel is the in-process int8 flow's, within the fp32 tolerance
-    from cosyvoice_triton.serving.flow import FlowItem
+    from cosyvoice_triton.serving.stages.flow import FlowItem
 
     _, int8 = pipelines
     mel_int8 = int8.flow.run([FlowItem.from_tensors(inputs)], int8.graphs["flow_encoder"].run,

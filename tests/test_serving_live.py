@@ -2,7 +2,7 @@
 streamed in real-time-sized pieces is converted as it arrives and equals the library for the same pieces; bad
 input and faults each get a clear error while the server and the other streams go on; state is freed when a
 stream ends, its client vanishes or it goes idle (the ``cosyvoice_live_sessions`` gauge). The session machinery
-(``serving.live.LiveSessions``) is first tested in process with a stand-in ``pb``."""
+(``serving.stages.live.LiveSessions``) is first tested in process with a stand-in ``pb``."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 from conftest import PATIENCE_S, rel_err, served, speech_pair, wait_until
 
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.serving.live import LiveSessions
-from cosyvoice_triton.serving.live_vc import LIVE_VC_MODEL, LiveSettings, LiveVC, convert_pieces
+from cosyvoice_triton.serving.stages.live import LiveSessions
+from cosyvoice_triton.serving.stages.live_vc import LIVE_VC_MODEL, LiveSettings, LiveVC, convert_pieces
 
 SEED = 5
 IDLE_S = 4.0
@@ -238,9 +238,9 @@ def test_the_live_model_is_rendered_with_a_sequence_batcher(serving_assets, tmp_
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-    from cosyvoice_triton.serving.params import read_parameters
     from cosyvoice_triton.serving.repository import RenderError, render_repository
+    from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+    from cosyvoice_triton.serving.stages.params import read_parameters
 
     out = tmp_path / "repo"
     render_repository(flavor, out, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
@@ -279,8 +279,8 @@ def speech():
 
 @pytest.fixture(scope="module")
 def library(serving_assets):
-    from cosyvoice_triton.serving.local import LocalPipeline
-    from cosyvoice_triton.serving.vc_stream import VCStreamer
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.vc_stream import VCStreamer
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
     return LiveVC(VCStreamer(local.pre, local.flow, {k: v.run for k, v in local.graphs.items()}), LiveSettings())

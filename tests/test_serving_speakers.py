@@ -11,7 +11,7 @@ from conftest import FIXTURES, PATIENCE_S
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.serving.speakers import SpeakerService
+from cosyvoice_triton.serving.stages.speakers import SpeakerService
 from cosyvoice_triton.speakers import SpeakerStore
 
 TRANSCRIPT = "Hello, this is my voice."
@@ -32,8 +32,8 @@ def model(serving_assets):
 
 def _service(serving_assets, folder) -> SpeakerService:
     from cosyvoice_triton.frontend.text import TextFrontend
-    from cosyvoice_triton.serving.local import LocalPipeline
-    from cosyvoice_triton.serving.speakers import TEXT_DIR
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.speakers import TEXT_DIR
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
     graphs = {k: v.run for k, v in local.graphs.items()}

@@ -23,9 +23,9 @@ from conftest import FIXTURES, PATIENCE_S, rel_err, served
 from cosyvoice_triton.clients.client import PriorityError, VCClient, VCError, config_priority_levels
 from cosyvoice_triton.errors import AudioError
 from cosyvoice_triton.frontend import audio, features
-from cosyvoice_triton.serving.frontend import UTTERANCES, Preprocessor, utterances_for
+from cosyvoice_triton.serving.launch.warmup import plan
 from cosyvoice_triton.serving.repository import render_repository
-from cosyvoice_triton.serving.warmup import plan
+from cosyvoice_triton.serving.stages.frontend import UTTERANCES, Preprocessor, utterances_for
 from cosyvoice_triton.shapes import SPEAKER_EMBEDDING_MODEL, SPEECH_TOKENS_MODEL
 
 PUBLIC = (SPEECH_TOKENS_MODEL, SPEAKER_EMBEDDING_MODEL)
@@ -182,7 +182,7 @@ def _wav(wave, sr, fmt="WAV") -> bytes:
 
 
 def test_warm_up_reaches_both_models(server):
-    from cosyvoice_triton.serving.warmup import warm_up
+    from cosyvoice_triton.serving.launch.warmup import warm_up
 
     results = warm_up(server, timeout=PATIENCE_S)
     for name in PUBLIC:

@@ -18,12 +18,12 @@ from conftest import FIXTURES, rel_err
 from pb_standin import Err, Response, Tensor
 
 from cosyvoice_triton.errors import AudioError
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.batching import ItemResult, RequestError, chunks_by_rows
-from cosyvoice_triton.serving.flow import FlowItem
-from cosyvoice_triton.serving.graphs import GraphRunner
-from cosyvoice_triton.serving.postprocess import Postprocessor, integrated_loudness
-from cosyvoice_triton.serving.vocoder import nsf_noise, parse_seed
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.batching import ItemResult, RequestError, chunks_by_rows
+from cosyvoice_triton.serving.stages.flow import FlowItem
+from cosyvoice_triton.serving.stages.graphs import GraphRunner
+from cosyvoice_triton.serving.stages.postprocess import Postprocessor, integrated_loudness
+from cosyvoice_triton.serving.stages.vocoder import nsf_noise, parse_seed
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def speech():
 
 @pytest.fixture(scope="module")
 def local(serving_assets):
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
 
@@ -141,7 +141,7 @@ def test_parse_seed():
 
 def test_flow_item_checks(serving_assets):
     from cosyvoice_triton.config import ModelConfig
-    from cosyvoice_triton.serving.flow import FlowSolver
+    from cosyvoice_triton.serving.stages.flow import FlowSolver
 
     solver = FlowSolver(ModelConfig.from_yaml(serving_assets["model_dir"] / "cosyvoice2.yaml").flow.cfm)
     ok = {"source_speech_tokens": np.ones((1, 10), np.int32), "prompt_speech_tokens": np.ones((1, 5), np.int32),
@@ -236,7 +236,7 @@ def test_bls_graph_shapes_rank_one_tensors_and_raises_with_the_callee_code():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_vad_trim_cuts_silence_at_both_ends_and_refuses_no_speech(speech):
     pytest.importorskip("silero_vad", reason="silero-vad not installed (pip install silero-vad==6.2.3)")
-    from cosyvoice_triton.serving.enhance import VadTrimmer
+    from cosyvoice_triton.serving.stages.enhance import VadTrimmer
 
     src, ssr, _, _ = speech
     rng = np.random.default_rng(0)
@@ -253,7 +253,7 @@ def test_vad_trim_cuts_silence_at_both_ends_and_refuses_no_speech(speech):
 def test_preprocess_with_vad_and_denoise_still_gives_features(serving_assets, speech):
     pytest.importorskip("silero_vad", reason="silero-vad not installed")
     from cosyvoice_triton.config import ModelConfig
-    from cosyvoice_triton.serving.frontend import Preprocessor
+    from cosyvoice_triton.serving.stages.frontend import Preprocessor
 
     src, ssr, prm, psr = speech
     cfg = ModelConfig.from_yaml(serving_assets["model_dir"] / "cosyvoice2.yaml")
@@ -266,7 +266,7 @@ def test_preprocess_with_vad_and_denoise_still_gives_features(serving_assets, sp
 
 
 def test_spectral_gate_lowers_the_noise_floor(speech):
-    from cosyvoice_triton.serving.enhance import spectral_gate
+    from cosyvoice_triton.serving.stages.enhance import spectral_gate
 
     src, ssr, _, _ = speech
     rng = np.random.default_rng(3)

@@ -19,7 +19,7 @@ import pytest
 from conftest import PATIENCE_S, rel_err, served, speech_pair
 
 from cosyvoice_triton.clients.client import StreamStats, TTSClient, VCClient
-from cosyvoice_triton.serving.postprocess import Postprocessor, integrated_loudness
+from cosyvoice_triton.serving.stages.postprocess import Postprocessor, integrated_loudness
 
 RATE, LUFS = 16000, -23.0
 SEED = 4
@@ -53,8 +53,8 @@ def _resampled(wave: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------ in process
 def test_stream_resampling_equals_the_whole_answer_resampled(serving_assets, speech, vc_reference):
-    from cosyvoice_triton.serving.local import LocalPipeline
-    from cosyvoice_triton.serving.vc_stream import VCStreamer
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.vc_stream import VCStreamer
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
     graphs = {k: v.run for k, v in local.graphs.items()}

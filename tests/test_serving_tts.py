@@ -242,7 +242,7 @@ def test_lm_engine_cancel_and_queue_policy(serving_assets):
     """In process: a cancelled job leaves the running batch at once; a full queue refuses; nothing hangs."""
     from cosyvoice_triton.config import ModelConfig
     from cosyvoice_triton.models.llm import LMRequest, load_llm
-    from cosyvoice_triton.serving.lm_engine import EngineBusy, JobCancelled, LMEngine
+    from cosyvoice_triton.serving.stages.lm_engine import EngineBusy, JobCancelled, LMEngine
 
     md = serving_assets["model_dir"]
     lm = load_llm(md, ModelConfig.from_yaml(md / "cosyvoice2.yaml"))

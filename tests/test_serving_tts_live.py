@@ -16,7 +16,7 @@ import soundfile as sf
 from conftest import FIXTURES, PATIENCE_S, rel_err, served, wait_until
 from test_serving_live import Stream
 
-from cosyvoice_triton.serving.live_tts import LIVE_TTS_MODEL
+from cosyvoice_triton.serving.stages.live_tts import LIVE_TTS_MODEL
 
 SEED = 3
 TEXT_TIMEOUT_S = 6.0
@@ -99,10 +99,10 @@ def test_the_live_tts_model_is_rendered_with_a_sequence_batcher(serving_assets, 
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
-    from cosyvoice_triton.serving.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_OUTPUTS
-    from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-    from cosyvoice_triton.serving.params import read_parameters
     from cosyvoice_triton.serving.repository import RenderError, render_repository
+    from cosyvoice_triton.serving.stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_OUTPUTS
+    from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+    from cosyvoice_triton.serving.stages.params import read_parameters
 
     out = tmp_path / "repo"
     render_repository(flavor, out, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],

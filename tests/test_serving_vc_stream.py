@@ -17,7 +17,7 @@ from conftest import PATIENCE_S, rel_err, speech_pair, wait_until
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.loadtest.metrics import counter_total, scrape
-from cosyvoice_triton.serving.vc_stream import StreamCancelled, VCStreamer
+from cosyvoice_triton.serving.stages.vc_stream import StreamCancelled, VCStreamer
 from cosyvoice_triton.streaming import stream_chunk_ends
 
 SEED = 3
@@ -30,7 +30,7 @@ def speech():
 
 @pytest.fixture(scope="module")
 def local(serving_assets):
-    from cosyvoice_triton.serving.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
 
     return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
 

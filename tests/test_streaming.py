@@ -107,8 +107,8 @@ def test_schedules_off_the_chunk_grid_are_config_errors(args, words):
 
 
 def test_tunables_render_the_schedule_and_refuse_a_bad_one():
-    from cosyvoice_triton.serving.model_params import MODEL_PARAMS
     from cosyvoice_triton.serving.repository import RenderError, Tunables
+    from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 
     names = {"stream_first_hop", "stream_hop_growth", "stream_max_hop"}
     for model in ("cosyvoice_tts_stream", "cosyvoice_vc_stream"):
@@ -154,8 +154,8 @@ def test_pipeline_schedule_default_equals_today_and_a_profile_differs(oracle_mod
 
 def test_served_streamer_takes_the_schedule(oracle_model, tiny_dir):
     from cosyvoice_triton.errors import ConfigError
-    from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-    from cosyvoice_triton.serving.vc_stream import build_streamer, stream_schedule
+    from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+    from cosyvoice_triton.serving.stages.vc_stream import build_streamer, stream_schedule
     from cosyvoice_triton.streaming import StreamSchedule
 
     params = {"stream_first_hop": 10, "stream_hop_growth": 5, "stream_max_hop": 100}

@@ -21,8 +21,14 @@ import psutil
 import pytest
 from conftest import PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, ROOT, wait_until
 
-from cosyvoice_triton.serving.server import SHM_DIR, TritonNotInstalled, TritonServer, find_installation, free_ports
-from cosyvoice_triton.serving.supervisor import Supervisor
+from cosyvoice_triton.serving.launch.server import (
+    SHM_DIR,
+    TritonNotInstalled,
+    TritonServer,
+    find_installation,
+    free_ports,
+)
+from cosyvoice_triton.serving.launch.supervisor import Supervisor
 
 pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 
@@ -163,7 +169,7 @@ def test_the_cli_restarts_within_its_budget_then_gives_up_with_exit_code_1(tmp_p
     http, grpc, metrics = free_ports(3)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = subprocess.Popen(
-        [sys.executable, "-m", "cosyvoice_triton.serving.supervisor", "--model-repository", str(repo),
+        [sys.executable, "-m", "cosyvoice_triton.serving.launch.supervisor", "--model-repository", str(repo),
          "--work-dir", str(tmp_path / "work"), "--http-port", str(http), "--grpc-port", str(grpc),
          "--metrics-port", str(metrics), "--interval", "0.25", "--max-restarts", "1", "--restart-window", "3600",
          "--no-warmup"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -1,7 +1,7 @@
-"""A rollout under the production launcher (``python -m cosyvoice_triton.serving.supervisor``, the container's entry
-point): it starts a versioned repository (the live version's pipeline and the router, not every model), the
-supervisor takes the rollout's reloads (the router with a new split, the stages with a new version policy) for
-what they are rather than for dead stubs, and traffic shifts from v1 to v2."""
+"""A rollout under the production launcher (``python -m cosyvoice_triton.serving.launch.supervisor``, the
+container's entry point): it starts a versioned repository (the live version's pipeline and the router, not every
+model), the supervisor takes the rollout's reloads (the router with a new split, the stages with a new version
+policy) for what they are rather than for dead stubs, and traffic shifts from v1 to v2."""
 
 from __future__ import annotations
 
@@ -14,10 +14,17 @@ import time
 import pytest
 from conftest import PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, ROOT, wait_until
 
-from cosyvoice_triton.serving.repository import render_repository, stage_warmup_samples
-from cosyvoice_triton.serving.rollout import Rollout, VersionSpec, startup_models
-from cosyvoice_triton.serving.server import TritonNotInstalled, TritonServer, admin_key, find_installation, free_ports
-from cosyvoice_triton.serving.supervisor import models_to_load
+from cosyvoice_triton.serving.launch.rollout import Rollout, VersionSpec, startup_models
+from cosyvoice_triton.serving.launch.server import (
+    TritonNotInstalled,
+    TritonServer,
+    admin_key,
+    find_installation,
+    free_ports,
+)
+from cosyvoice_triton.serving.launch.supervisor import models_to_load
+from cosyvoice_triton.serving.launch.warmup import stage_warmup_samples
+from cosyvoice_triton.serving.repository import render_repository
 
 pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 
@@ -51,7 +58,7 @@ def test_a_rollout_shifts_traffic_to_v2_under_the_supervisor_cli(two_versions, t
     key = admin_key()
     log = open(tmp_path / "supervisor.log", "w+")  # noqa: SIM115 (closed below)
     cli = subprocess.Popen(
-        [sys.executable, "-m", "cosyvoice_triton.serving.supervisor", "--model-repository", str(two_versions),
+        [sys.executable, "-m", "cosyvoice_triton.serving.launch.supervisor", "--model-repository", str(two_versions),
          "--work-dir", str(work), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port",
          str(metrics), "--interval", "0.25", "--start-timeout", str(PATIENCE_S)],
         stdout=log, stderr=subprocess.STDOUT,

@@ -6,7 +6,7 @@ as transformers initialises them), the flow and HiFT all sit on the device. Each
 text, prompt-text and prompt-speech token ids fed straight to the LM (no text front end), a random prompt mel and
 speaker embedding for the flow, and exactly ``seconds`` of speech tokens (end-of-speech is masked until then and
 the length is capped there). Concurrency N: N requests submitted at once to one
-:class:`~cosyvoice_triton.serving.lm_engine.LMEngine` (their tokens are sampled in one batched decode step), each
+:class:`~cosyvoice_triton.serving.stages.lm_engine.LMEngine` (their tokens are sampled in one batched decode step), each
 request's tokens turned into audio by :meth:`CosyVoice2.tokens2wav_stream
 <cosyvoice_triton.pipeline.CosyVoice2.tokens2wav_stream>` in its own thread (the official chunk schedule: the
 first chunk after 25 tokens plus the padding to the prompt's 25-token grid and 3 look-ahead tokens; incremental
@@ -116,7 +116,7 @@ def run_tts_scenario(model, lm, reqs: list[dict], device: torch.device, dtype, d
     """The requests at once (one LM engine, a token-to-wav thread each); per-request timings. A run still going at
     ``deadline`` (time.perf_counter) is cancelled and raises TimeoutError."""
     from ..models.llm import LMRequest
-    from ..serving.lm_engine import LMEngine
+    from ..serving.stages.lm_engine import LMEngine
 
     pipeline = _pipeline()
 

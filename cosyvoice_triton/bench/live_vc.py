@@ -1,4 +1,4 @@
-"""The cost of going live: live voice conversion (source in pieces, :mod:`cosyvoice_triton.serving.live_vc`)
+"""The cost of going live: live voice conversion (source in pieces, :mod:`cosyvoice_triton.serving.stages.live_vc`)
 against offline conversion of the same whole source, in process over the ONNX graphs.
 
 For each source it prints: the share of live speech tokens equal to the whole-utterance tokenizer's, the log-mel
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..frontend import features
-from ..serving.live_vc import LiveSettings, LiveVC, LiveVCSession
+from ..serving.stages.live_vc import LiveSettings, LiveVC, LiveVCSession
 from ..streaming import MEL_CACHE
 
 CROSSFADE = MEL_CACHE * 480  # HiFT's crossfade at 24 kHz
@@ -90,8 +90,8 @@ def seams(y: np.ndarray, chunk_lengths: Sequence[int]) -> list[dict[str, float]]
 
 def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, prompt_sr: int, *,
             piece_seconds: float = 0.2, settings: LiveSettings | None = None, seed: int = 0) -> dict:
-    """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.local.LocalPipeline`)."""
-    from ..serving.vc_stream import VCStreamer
+    """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.stages.local.LocalPipeline`)."""
+    from ..serving.stages.vc_stream import VCStreamer
 
     graphs = {k: v.run for k, v in pipeline.graphs.items()}
     streamer = VCStreamer(pipeline.pre, pipeline.flow, graphs)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flow-context-tokens", type=int, default=LiveSettings.flow_context_tokens)
     ap.add_argument("--json", action="store_true", help="one JSON object per source instead of the table")
     ns = ap.parse_args(argv)
-    from ..serving.local import LocalPipeline
+    from ..serving.stages.local import LocalPipeline
 
     settings = LiveSettings(chunk_tokens=ns.chunk_tokens, tokenizer_context_tokens=ns.tokenizer_context_tokens,
                             tokenizer_lookahead_tokens=ns.tokenizer_lookahead_tokens,

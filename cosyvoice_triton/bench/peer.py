@@ -10,7 +10,7 @@ output for ``--source`` / ``--prompt``: speech tokens, prompt mel, speaker embed
   dependencies from ``--official-deps``), in a worker process of its own;
 * ``library``: :meth:`CosyVoice2.token2wav <cosyvoice_triton.pipeline.CosyVoice2.token2wav>` (PyTorch fp32), in a
   worker process of its own;
-* ``library_onnx``: the library's other in-process path, :class:`~cosyvoice_triton.serving.local.LocalPipeline`'s
+* ``library_onnx``: the library's other in-process path, :class:`~cosyvoice_triton.serving.stages.local.LocalPipeline`'s
   flow solver and HiFT runner on the exported fp32 onnxruntime graphs (what the served stages run, without a
   server), in a worker process of its own;
 * ``served`` (and ``served_int8`` when ``<onnx>/int8_cpu`` exists): a live ``tritonserver`` on the rendered local
@@ -333,8 +333,8 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
             wave = model.token2wav(inputs, seed=0, timer=timer)
             return wave, {g: timer.seconds.get(stage, 0.0) for g, stage in LIBRARY_STAGES.items()}
     elif side == "library_onnx":
-        from ..serving.flow import FlowItem
-        from ..serving.local import LocalPipeline
+        from ..serving.stages.flow import FlowItem
+        from ..serving.stages.local import LocalPipeline
 
         pipe = LocalPipeline(ns.model_dir, ns.onnx_dir, intra_op_threads=ns.threads)
         inputs = _load_inputs(out_dir / "inputs.npz")
@@ -413,8 +413,8 @@ class ServedSide:
     def __init__(self, name: str, model_dir: Path, onnx_dir: Path, precision: str, threads: int, out_dir: Path):
         from ..clients.plain import PlainPipeline
         from ..loadtest.sampler import ServerSampler
+        from ..serving.launch.server import TritonServer
         from ..serving.repository import render_repository
-        from ..serving.server import TritonServer
 
         self.name = name
         repo = out_dir / f"repository_{name}"

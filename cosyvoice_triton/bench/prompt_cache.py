@@ -76,8 +76,8 @@ def served(model_dir: Path, onnx_dir: Path, work: Path, requests: int, concurren
     import contextlib
 
     from ..clients.client import VCClient
+    from ..serving.launch.server import TritonServer
     from ..serving.repository import render_repository
-    from ..serving.server import TritonServer
 
     prompt_bytes = PROMPT.read_bytes()
     sources = _sources(requests)

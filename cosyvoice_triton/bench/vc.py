@@ -134,14 +134,14 @@ PREPROCESS_VARIANTS = {"plain": (False, False), "+vad": (True, False), "+denoise
 def run_preprocess_bench(model_dir: str | Path | None = None, *, source: str | None = None,
                          prompt: str | None = None, repeats: int = 20, warmup: int = 2, threads: int = 1,
                          out_json: str | Path | None = "build/bench-preprocess.json") -> dict:
-    """Wall time of the served ``preprocess`` stage (:class:`~cosyvoice_triton.serving.frontend.Preprocessor`,
+    """Wall time of the served ``preprocess`` stage (:class:`~cosyvoice_triton.serving.stages.frontend.Preprocessor`,
     one request: validation, resampling, Whisper log-mel, fbank, prompt mel) per variant of the optional
     clean-up (``vad_trim``, ``denoise_prompt``), median of ``repeats`` calls after ``warmup`` calls (the
     variants interleaved), plus the samples Silero VAD trims from each end of source and prompt. ``model_dir``:
     whose mel settings (default: the release's, which every CosyVoice2 folder shares). Figures, not assertions."""
     from ..config import ModelConfig
-    from ..serving.enhance import VadTrimmer, spectral_gate
-    from ..serving.frontend import Preprocessor
+    from ..serving.stages.enhance import VadTrimmer, spectral_gate
+    from ..serving.stages.frontend import Preprocessor
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"bench-preprocess: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")

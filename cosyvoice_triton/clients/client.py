@@ -157,7 +157,7 @@ def _no_stream_priority(model: str, priority) -> None:
 
 def _admin_key(key: str | None) -> str | None:
     """The admin key that opens the config API: the one given, else ``$COSYVOICE_TRITON_ADMIN_KEY`` (never drawn)."""
-    from ..serving.server import ADMIN_KEY_ENV
+    from ..serving.launch.server import ADMIN_KEY_ENV
 
     return key or os.environ.get(ADMIN_KEY_ENV) or None
 
@@ -505,7 +505,7 @@ def connect(url: str, protocol: str, *, timeout: float, concurrency: int = 1, ve
 def inference_statistics(client, protocol: str, model: str = "") -> dict:
     """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict.
     The statistics API is restricted: the request carries the admin header (:func:`server.admin_headers`)."""
-    from ..serving.server import admin_headers
+    from ..serving.launch.server import admin_headers
 
     if protocol == "http":
         return client.get_inference_statistics(model, headers=admin_headers("http"))
@@ -561,7 +561,7 @@ class VCClient:
         return inference_statistics(self._client, self.protocol, model)
 
     def _model_config(self, model: str) -> dict:
-        from ..serving.server import admin_headers
+        from ..serving.launch.server import admin_headers
 
         headers = admin_headers(self.protocol, _admin_key(self.admin_key))
         if self.protocol == "http":
@@ -886,14 +886,14 @@ class AsyncVCClient:
         await self.close()
 
     async def statistics(self, model: str = "") -> dict:
-        from ..serving.server import admin_headers
+        from ..serving.launch.server import admin_headers
 
         if self.protocol == "http":
             return await self._client.get_inference_statistics(model, headers=admin_headers("http"))
         return await self._client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
     async def _model_config(self, model: str) -> dict:
-        from ..serving.server import admin_headers
+        from ..serving.launch.server import admin_headers
 
         headers = admin_headers(self.protocol, _admin_key(self.admin_key))
         if self.protocol == "http":

@@ -1,9 +1,9 @@
 """The "plain separate calls" client: the baseline a team that just wraps the official code would deploy.
 
 The client does what the ``cosyvoice_vc`` ensemble does inside the server, itself: it runs the front end
-in-process (:class:`~cosyvoice_triton.serving.frontend.Preprocessor`: validation, resampling, Whisper log-mel,
+in-process (:class:`~cosyvoice_triton.serving.stages.frontend.Preprocessor`: validation, resampling, Whisper log-mel,
 Kaldi fbank, prompt mel), then calls the stage models over the network one request at a time, in order, and
-runs the post-processing in-process (:class:`~cosyvoice_triton.serving.postprocess.Postprocessor`):
+runs the post-processing in-process (:class:`~cosyvoice_triton.serving.stages.postprocess.Postprocessor`):
 
     speech_tokenizer(source)  ->  speech_tokenizer(prompt)  ->  speaker_encoder(prompt fbank)
         ->  flow(tokens, prompt mel, embedding)  ->  hift(mel, seed)
@@ -37,9 +37,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..frontend import audio
-from ..serving.frontend import Preprocessor
-from ..serving.postprocess import Postprocessor
-from ..serving.vocoder import parse_seed
+from ..serving.stages.frontend import Preprocessor
+from ..serving.stages.postprocess import Postprocessor
+from ..serving.stages.vocoder import parse_seed
 from ..shapes import GRAPHS, STAGES
 from .client import DEFAULT_URLS, PROTOCOLS, VCError, connect, inference_statistics
 

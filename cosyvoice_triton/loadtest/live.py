@@ -151,7 +151,7 @@ def _ready(url: str, model: str) -> bool:
 def run_live(opts, args) -> dict[str, Any]:
     """The figures for the runner's ``Options`` (model, ONNX, render tunables, server flags) and this module's
     ``args``; writes ``report.md`` / ``report.json`` into ``opts.out_dir``."""
-    from ..serving.server import TritonServer
+    from ..serving.launch.server import TritonServer
     from ..shapes import GRAPHS
     from .setup import _versions, ensure_assets, machine, render
     from .workload import cached_workload

@@ -330,7 +330,7 @@ def _partial(out_dir: Path, scenarios: list[dict]) -> None:
 
 def run_mixed(opts) -> dict[str, Any]:
     """Both servers (without, then with the policy), every scenario on each; report.md / report.json / mixed.png."""
-    from ..serving.server import TritonServer
+    from ..serving.launch.server import TritonServer
     from ..shapes import GRAPHS
     from .report import write_report
     from .sampler import ServerSampler

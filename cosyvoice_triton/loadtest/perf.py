@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..serving.server import admin_headers, admin_key
+from ..serving.launch.server import admin_headers, admin_key
 from ..shapes import VC_MODEL
 from .workload import Workload
 
@@ -44,7 +44,7 @@ def find_perf_analyzer() -> Path | None:
 
 def library_dir(out: str | Path) -> Path:
     """A folder with ``libb64.so.0d`` / ``libcudart.so.12`` linked from the nvidia-pytriton wheel's libraries."""
-    from ..serving.server import find_installation
+    from ..serving.launch.server import find_installation
 
     libs = find_installation().libs
     out = Path(out)

@@ -189,7 +189,7 @@ def run_prompt_cache(opts) -> dict[str, Any]:
     """Run the comparison of :mod:`this module <.repeated>` for the runner's ``Options`` (``users``, ``requests``:
     per mode, ``speakers``, ``model_dir`` / ``onnx_dir``, ``integrated_tunables``, ``server_args``, ``seed``); write
     ``report.md`` / ``report.json`` into ``opts.out_dir`` and return the report."""
-    from ..serving.server import TritonServer
+    from ..serving.launch.server import TritonServer
     from .metrics import fetch_statistics
     from .setup import ROOT, ensure_assets, machine, render
     from .workload import cached_workload

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..serving.rollout import Rollout, VersionSpec, startup_models
+from ..serving.launch.rollout import Rollout, VersionSpec, startup_models
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def summarize(phases: list[dict], records: Sequence[Sequence]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..serving.serve_demo import prepare
-    from ..serving.server import TritonServer
+    from ..serving.launch.serve_demo import prepare
+    from ..serving.launch.server import TritonServer
     from .setup import locust_command
     from .workload import cached_workload
 

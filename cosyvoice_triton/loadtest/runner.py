@@ -1,9 +1,9 @@
 """The whole comparison: prepare the model, render a repository per column, serve each in turn, load it with
 Locust (both protocols, then a concurrency sweep), run perf_analyzer on the ensemble, and write the report.
 
-Per column, one ``tritonserver`` (:class:`~cosyvoice_triton.serving.server.TritonServer`, free ports, stopped at the end
-whatever happens) with a :class:`~.sampler.ServerSampler` on it. Before the measured runs, each protocol converts
-a few sources sequentially (warm-up) and one conversion is profiled: the increase of every model's success
+Per column, one ``tritonserver`` (:class:`~cosyvoice_triton.serving.launch.server.TritonServer`, free ports, stopped at
+the end whatever happens) with a :class:`~.sampler.ServerSampler` on it. Before the measured runs, each protocol
+converts a few sources sequentially (warm-up) and one conversion is profiled: the increase of every model's success
 counter gives the calls one conversion makes, for the cross-check. Each Locust run is a subprocess
 (``locust -f loadtest/locustfile.py --headless``) described by a :class:`~.recording.RunConfig` file; it writes a
 :class:`~.recording.RunResult` that is summarised here with the sampler's figures over the measured window.
@@ -72,7 +72,7 @@ def check_model(column: str) -> str:
 
 
 def run_column(column: str, opts: Options, workload_path: Path, workload: Workload) -> dict[str, Any]:
-    from ..serving.server import TritonServer
+    from ..serving.launch.server import TritonServer
 
     work = Path(opts.out_dir) / column
     work.mkdir(parents=True, exist_ok=True)
@@ -305,7 +305,7 @@ def run_tts(opts: Options) -> dict[str, Any]:
     other (streaming TTS, offline TTS, streaming VC), each at every ``tts_concurrency``; then perf_analyzer's
     streaming mode on ``cosyvoice_tts_stream`` at the same concurrencies. Writes report.md / report.json and
     ``first_chunk.png`` into ``opts.out_dir``."""
-    from ..serving.server import TritonServer
+    from ..serving.launch.server import TritonServer
     from .plots import plot_first_chunk
 
     bad = [c for c in opts.tts_columns if c not in TTS_COLUMNS]

@@ -115,7 +115,7 @@ def _queue_compute(metrics_url: str, before: list, model: str = "cosyvoice_vc") 
 
 def run_soak(server, *, minutes: float, users: int, seed: int = 0, sample_every: float = 5.0,
              max_growth: float = 0.05, progress_every: float = 60.0) -> tuple[SoakResult, dict]:
-    """Load the running ``server`` (a started :class:`~cosyvoice_triton.serving.server.TritonServer`) for
+    """Load the running ``server`` (a started :class:`~cosyvoice_triton.serving.launch.server.TritonServer`) for
     ``minutes``; returns the result and the series for the plot."""
     from ..clients.client import VCClient, VCError
     from .metrics import scrape
@@ -254,9 +254,9 @@ def report_md(result: SoakResult, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..serving.serve_demo import DEFAULT_MODEL_DIR, prepare
-    from ..serving.server import TritonServer
-    from ..serving.supervisor import Supervisor
+    from ..serving.launch.serve_demo import DEFAULT_MODEL_DIR, prepare
+    from ..serving.launch.server import TritonServer
+    from ..serving.launch.supervisor import Supervisor
 
     p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.loadtest.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

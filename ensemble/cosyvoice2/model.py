@@ -1,6 +1,6 @@
 """Triton Python-backend adapter of ``cosyvoice2``, the official CosyVoice runtime's interface
-(``cosyvoice_triton.serving.official_api``): decoupled (the config's transaction policy), each request streams its
-chunks from ``cosyvoice_tts_stream`` in a worker thread, then the empty FINAL response; not decoupled, each request
+(``cosyvoice_triton.serving.stages.official_api``): decoupled (the config's transaction policy), each request streams
+its chunks from ``cosyvoice_tts_stream`` in a worker thread, then the empty FINAL response; not decoupled, each request
 of a batch gets its whole answer from ``cosyvoice_tts``, all at once."""
 
 import contextlib
@@ -9,10 +9,10 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.official_api import INPUT_NAMES, OfficialFront, answer_error
-from cosyvoice_triton.serving.params import read_parameters
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.official_api import INPUT_NAMES, OfficialFront, answer_error
+from cosyvoice_triton.serving.stages.params import read_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 

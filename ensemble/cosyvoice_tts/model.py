@@ -8,12 +8,12 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.metrics import SpeechMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
-from cosyvoice_triton.serving.postprocess import Postprocessor
-from cosyvoice_triton.serving.tts import error_code
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages.postprocess import Postprocessor
+from cosyvoice_triton.serving.stages.tts import error_code
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS
 
 INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]

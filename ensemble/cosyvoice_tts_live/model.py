@@ -13,11 +13,11 @@ code's name (``INVALID_ARGUMENT: ...``)."""
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving.live import LiveSessions, SessionGauge
-from cosyvoice_triton.serving.live_tts import LIVE_TTS_INPUTS, serve_session
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.tts import build_service
+from cosyvoice_triton.serving.stages.live import LiveSessions, SessionGauge
+from cosyvoice_triton.serving.stages.live_tts import LIVE_TTS_INPUTS, serve_session
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.tts import build_service
 
 CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to stop and close their senders
 

@@ -1,7 +1,7 @@
 """Triton Python-backend adapter of ``cosyvoice_tts_stream`` (decoupled BLS orchestrator): each request gets a
 worker thread that runs ``TTSService.prepare`` + ``synthesize`` and sends one response per audio chunk (or per
 text segment when ``stream`` is false) at the configured output rate, then the FINAL flag; ``execute`` returns at
-once. The instance holds ONE in-flight LM decode loop (``cosyvoice_triton.serving.lm_engine``); its counters are
+once. The instance holds ONE in-flight LM decode loop (``cosyvoice_triton.serving.stages.lm_engine``); its counters are
 Triton custom metrics."""
 
 import contextlib
@@ -9,12 +9,12 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.lm_engine import JobCancelled
-from cosyvoice_triton.serving.metrics import METRIC_LOCK, SpeechMetrics, streaming
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.tts import build_service, error_response
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.lm_engine import JobCancelled
+from cosyvoice_triton.serving.stages.metrics import METRIC_LOCK, SpeechMetrics, streaming
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.tts import build_service, error_response
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
 
 INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]

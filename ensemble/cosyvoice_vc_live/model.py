@@ -4,12 +4,12 @@ of a live stream's source audio; ``LiveSessions`` keeps the sessions by correlat
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.live import LiveSessions, SessionGauge
-from cosyvoice_triton.serving.live_vc import LIVE_VC_INPUTS, build_live, serve_session
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.speakers import BlsSpeakers
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.live import LiveSessions, SessionGauge
+from cosyvoice_triton.serving.stages.live_vc import LIVE_VC_INPUTS, build_live, serve_session
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.speakers import BlsSpeakers
 
 
 class TritonPythonModel:

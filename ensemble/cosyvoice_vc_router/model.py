@@ -1,6 +1,6 @@
 """Triton Python-backend router of ``cosyvoice_vc`` in a versioned repository (BLS): each request goes on, as it
 is, to the pipeline of one version (``cosyvoice_vc_v<N>``) picked by the split of the config's ``parameters``
-(:class:`cosyvoice_triton.serving.rollout.Split`), by one synchronous BLS call: requests run concurrently in the
+(:class:`cosyvoice_triton.serving.launch.rollout.Split`), by one synchronous BLS call: requests run concurrently in the
 model's instances. A request whose
 version's pipeline is gone (being unloaded by a promote or rollback while this instance is being replaced) goes to
 another version of the split instead."""
@@ -9,8 +9,8 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.rollout import ROUTER_PARAMS, Split, pipeline_gone
+from cosyvoice_triton.serving.launch.rollout import ROUTER_PARAMS, Split, pipeline_gone
+from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.shapes import VC_INPUTS, VC_OPTIONAL_INPUTS
 
 INPUTS = [t.name for t in (*VC_INPUTS, *VC_OPTIONAL_INPUTS)]

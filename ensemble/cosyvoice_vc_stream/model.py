@@ -4,12 +4,12 @@ chunked flow and HiFT graphs by BLS; one response per chunk on the official sche
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.metrics import SpeechMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.speakers import BlsSpeakers
-from cosyvoice_triton.serving.vc_stream import STREAM_INPUTS, StreamWorkers, build_streamer, chunk_tensors
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.speakers import BlsSpeakers
+from cosyvoice_triton.serving.stages.vc_stream import STREAM_INPUTS, StreamWorkers, build_streamer, chunk_tensors
 
 
 class TritonPythonModel:

@@ -5,10 +5,10 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.config import ModelConfig
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.flow import FlowSolver
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.flow import FlowSolver
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
 from cosyvoice_triton.shapes import STAGES
 
 INPUTS = [t.name for t in STAGES["flow"].inputs]

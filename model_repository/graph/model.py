@@ -9,11 +9,11 @@ import os
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.graphs import GraphRunner
-from cosyvoice_triton.serving.metrics import FallbackMetrics, GraphCacheMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.graphs import GraphRunner
+from cosyvoice_triton.serving.stages.metrics import FallbackMetrics, GraphCacheMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
 
 
 class TritonPythonModel:

@@ -4,10 +4,10 @@ of the batch (equal mel lengths share hift_source / hift_decoder calls), tensors
 import torch
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
-from cosyvoice_triton.serving.vocoder import HiftRunner
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages.vocoder import HiftRunner
 
 
 class TritonPythonModel:

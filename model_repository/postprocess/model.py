@@ -2,11 +2,11 @@
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.metrics import SpeechMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
-from cosyvoice_triton.serving.postprocess import Postprocessor
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages.postprocess import Postprocessor
 
 
 class TritonPythonModel:

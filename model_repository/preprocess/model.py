@@ -4,11 +4,11 @@ import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.config import ModelConfig
 from cosyvoice_triton.prompt_cache import PromptCache
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.frontend import Preprocessor, utterances_for
-from cosyvoice_triton.serving.metrics import SpeechMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters, set_niceness
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.frontend import Preprocessor, utterances_for
+from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
 from cosyvoice_triton.shapes import STAGES
 
 INPUTS = [t.name for t in STAGES["preprocess"].inputs]

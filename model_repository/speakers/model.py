@@ -3,12 +3,12 @@
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving import triton_io
-from cosyvoice_triton.serving.batching import run_per_item
-from cosyvoice_triton.serving.metrics import SpeechMetrics
-from cosyvoice_triton.serving.model_params import MODEL_PARAMS
-from cosyvoice_triton.serving.params import read_parameters
-from cosyvoice_triton.serving.speakers import SPEAKER_INPUTS, build_service
+from cosyvoice_triton.serving.stages import triton_io
+from cosyvoice_triton.serving.stages.batching import run_per_item
+from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
+from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
+from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.speakers import SPEAKER_INPUTS, build_service
 
 INPUTS = [t.name for t in SPEAKER_INPUTS]
 

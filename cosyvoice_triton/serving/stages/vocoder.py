@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CosyVoiceError
-from ..models.hift import draw_nsf_noise
-from ..shapes import GRAPHS, NSF_HARMONICS, SAMPLES_PER_MEL_FRAME
+from ...errors import CosyVoiceError
+from ...models.hift import draw_nsf_noise
+from ...shapes import GRAPHS, NSF_HARMONICS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, run_per_item
 from .flow import GraphFn
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..shapes import GRAPHS
+from ...config import ModelConfig
+from ...shapes import GRAPHS
 from .batching import ItemResult
 from .flow import FlowItem, FlowSolver
 from .frontend import Preprocessor

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import CosyVoiceError
-from ..models.hift import draw_nsf_noise
-from ..prompt_cache import PromptCache, prompt_key
-from ..shapes import (
+from ...errors import CosyVoiceError
+from ...models.hift import draw_nsf_noise
+from ...prompt_cache import PromptCache, prompt_key
+from ...shapes import (
     GRAPHS,
     MAX_LOOKAHEAD,
     NSF_HARMONICS,
@@ -40,8 +40,8 @@ from ..shapes import (
     VC_OUTPUTS,
     TensorSpec,
 )
-from ..speakers import SpeakerPrompt
-from ..streaming import MEL_CACHE, StreamSchedule, stream_chunks
+from ...speakers import SpeakerPrompt
+from ...streaming import MEL_CACHE, StreamSchedule, stream_chunks
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
@@ -293,7 +293,7 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
     (``MODEL_PARAMS["cosyvoice_vc_stream"]``); ``graph_fn(model, graph)`` as in :func:`.speakers.build_service`."""
     from pathlib import Path
 
-    from ..config import ModelConfig
+    from ...config import ModelConfig
 
     model_dir = Path(params["model_dir"])
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
@@ -310,8 +310,8 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
 
 
 def stream_schedule(params: Mapping, config=None) -> StreamSchedule:
-    """The :class:`~..streaming.StreamSchedule` of the ``stream_*`` config parameters (absent: the official hops),
-    aligned to the flow's attention chunk of ``config`` (a :class:`~..config.ModelConfig`; None: 25 tokens)."""
+    """The :class:`~...streaming.StreamSchedule` of the ``stream_*`` config parameters (absent: the official hops),
+    aligned to the flow's attention chunk of ``config`` (a :class:`~...config.ModelConfig`; None: 25 tokens)."""
     chunk = 25 if config is None else config.flow.encoder.static_chunk_size
     return StreamSchedule(int(params.get("stream_first_hop", 25)), int(params.get("stream_hop_growth", 2)),
                           int(params.get("stream_max_hop", 100)), chunk=chunk)

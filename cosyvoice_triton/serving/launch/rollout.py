@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..hashing import file_sha256
-from ..shapes import GRAPHS, VC_MODEL
-from .params import Param
+from ...hashing import file_sha256
+from ...shapes import GRAPHS, VC_MODEL
+from ..stages.params import Param
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def version_manifest(spec: VersionSpec, served: Mapping[str, Path], precisions: 
                      flavor: str) -> dict[str, Any]:
     """The record of a rendered version: checkpoint digests, each graph's served file with its digest, its
     precision and what its export says it was made from, and the model's settings (``cosyvoice2.yaml``)."""
-    from ..config import ModelConfig
+    from ...config import ModelConfig
 
     model_dir = Path(spec.model_dir).resolve()
     checkpoint = {f: file_sha256(model_dir / f) for f in CHECKPOINT_FILES if (model_dir / f).is_file()}
@@ -473,7 +473,7 @@ class Rollout:
         """Both pipelines on the same fixed input and seed: the mean |log-mel difference| of their outputs."""
         import numpy as np
 
-        from ..export.quality import logmel_db
+        from ...export.quality import logmel_db
         from .warmup import stage_warmup_samples
 
         sample = stage_warmup_samples("preprocess", 2.0)

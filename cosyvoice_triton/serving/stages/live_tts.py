@@ -19,8 +19,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from ..errors import TextError
-from ..shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS, TensorSpec
+from ...errors import TextError
+from ...shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS, TensorSpec
 from .vc_stream import StreamCancelled
 
 __all__ = ["LIVE_TTS_INPUTS", "LIVE_TTS_MODEL", "LIVE_TTS_OUTPUTS", "serve_session"]

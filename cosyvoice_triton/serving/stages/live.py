@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CosyVoiceError
+from ...errors import CosyVoiceError
 from .triton_io import triton_error
 from .vc_stream import StreamCancelled
 

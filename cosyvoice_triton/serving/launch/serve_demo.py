@@ -1,13 +1,13 @@
 """The served demo, end to end, and a foreground server.
 
-``python -m cosyvoice_triton.serving.serve_demo demo``: demo model (if missing) -> ONNX export (if missing) -> render
-``build/model_repository`` (flavor ``local``) -> start the ``tritonserver`` of the ``nvidia-pytriton`` wheel
+``python -m cosyvoice_triton.serving.launch.serve_demo demo``: demo model (if missing) -> ONNX export (if missing) ->
+render ``build/model_repository`` (flavor ``local``) -> start the ``tritonserver`` of the ``nvidia-pytriton`` wheel
 -> convert the bundled sample through the ``cosyvoice_vc`` ensemble with the client -> write the result ->
 speak one sentence through ``cosyvoice_tts`` in the prompt's voice (when the model folder has the TTS files) ->
 print the latency and per-stage figures from Triton's statistics API -> stop the server.
 
-``python -m cosyvoice_triton.serving.serve_demo serve``: the same preparation, then serve in the foreground on fixed
-ports until Ctrl-C, with the OpenAI speech gateway (``cosyvoice_triton.gateway``) beside it on ``--gateway-port``.
+``python -m cosyvoice_triton.serving.launch.serve_demo serve``: the same preparation, then serve in the foreground on
+fixed ports until Ctrl-C, with the OpenAI speech gateway (``cosyvoice_triton.gateway``) beside it on ``--gateway-port``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..shapes import GRAPHS
+from ...shapes import GRAPHS
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DemoReport", "format_statistics", "main", "prepare", "run_demo", "serve"]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_DIR = "models/cosyvoice2-demo-tiny"
 DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "source_en_5s.wav"
 DEFAULT_PROMPT = ROOT / "tests" / "fixtures" / "prompt_en_3s.wav"
@@ -57,19 +57,19 @@ def prepare(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path =
             repository: str | Path = "build/model_repository", flavor: str = "local", precision: str = "fp32",
             demo_size: str = "tiny", **tunables) -> Path:
     """Make sure the model folder and its ONNX export exist, then render the repository. Returns its path."""
-    from .repository import render_repository
+    from ..repository import render_repository
 
     model_dir, onnx_dir = Path(model_dir), Path(onnx_dir)
     if not (model_dir / "flow.pt").is_file():
         if "demo" not in model_dir.name:
             raise FileNotFoundError(f"{model_dir}/flow.pt not found: point --model-dir at a CosyVoice2 folder")
-        from ..models.demo import write_demo_model
+        from ...models.demo import write_demo_model
 
         print(f"== writing the {demo_size} demo model (random weights) to {model_dir}")
         write_demo_model(model_dir, size=demo_size)
     missing = [g for g in GRAPHS if not (onnx_dir / "fp32" / f"{g}.onnx").is_file()]  # every precision's fallback
     if missing and flavor != "trt":
-        from ..export.onnx_export import export_onnx
+        from ...export.onnx_export import export_onnx
 
         print(f"== exporting ONNX graphs to {onnx_dir / 'fp32'} (missing: {', '.join(missing)})")
         export_onnx(model_dir, onnx_dir / "fp32")
@@ -105,8 +105,8 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
              tts_text: str = DEFAULT_TTS_TEXT, tts_output: str | Path = "build/tts_served_demo.wav",
              **tunables) -> DemoReport:
     """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
-    from ..clients.client import VCClient
-    from .repository import MARKER
+    from ...clients.client import VCClient
+    from ..repository import MARKER
     from .server import TritonServer
 
     repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, **tunables)
@@ -201,7 +201,7 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serving.serve_demo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serving.launch.serve_demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("demo", "serve"):
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--gateway-port", type=int, default=8080, help="the OpenAI speech gateway's port; 0: none")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from ..errors import CosyVoiceError
+    from ...errors import CosyVoiceError
     from .server import ServerError, TritonNotInstalled
 
     try:

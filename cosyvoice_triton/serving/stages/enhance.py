@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from scipy.ndimage import uniform_filter
 
-from ..errors import AudioError
-from ..frontend import audio
+from ...errors import AudioError
+from ...frontend import audio
 
 __all__ = ["VAD_REQUIREMENT", "VadTrimmer", "spectral_gate"]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SpeakerError
-from ..prompt_cache import PromptCache, prompt_key
-from ..shapes import TensorSpec
-from ..speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
+from ...errors import SpeakerError
+from ...prompt_cache import PromptCache, prompt_key
+from ...shapes import TensorSpec
+from ...speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
 from .batching import RequestError
 from .flow import GraphFn
 from .frontend import Preprocessor
@@ -183,7 +183,7 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
     ``speaker_dir`` is under the server's working directory."""
     from pathlib import Path
 
-    from ..config import ModelConfig
+    from ...config import ModelConfig
 
     model_dir = Path(params["model_dir"])
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
@@ -196,7 +196,7 @@ def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], Grap
     text = None
     if (model_dir / TEXT_DIR).is_dir():
         def text():
-            from ..frontend.text import TextFrontend
+            from ...frontend.text import TextFrontend
 
             return TextFrontend(model_dir / TEXT_DIR)
     graphs = {"speech_tokenizer": graph_fn(graph_models[0], "speech_tokenizer"),

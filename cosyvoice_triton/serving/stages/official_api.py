@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..shapes import TensorSpec
+from ...shapes import TensorSpec
 from .batching import RequestError
 from .triton_io import triton_error
 from .tts import bytes_input, error_code, error_response

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AudioError, CosyVoiceError, LLMError, SpeakerError, TextError
+from ...errors import AudioError, CosyVoiceError, LLMError, SpeakerError, TextError
 
 log = logging.getLogger(__name__)
 

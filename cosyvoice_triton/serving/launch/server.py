@@ -205,9 +205,9 @@ def server_flags(installation: TritonInstallation) -> str:
 
 
 def _rendered_tunables(model_repository: str | Path) -> dict:
-    """The render tunables recorded in a repository's marker (:data:`~.marker.MARKER`); raises OSError /
+    """The render tunables recorded in a repository's marker (:data:`~..marker.MARKER`); raises OSError /
     ValueError / AttributeError for a folder that cosyvoice_triton did not render."""
-    from .marker import read_marker
+    from ..marker import read_marker
 
     return read_marker(model_repository).get("tunables", {})
 

@@ -11,7 +11,7 @@ Two ways a hostile request breaks Triton 2.51 that no model code can prevent:
 * an HTTP JSON body nested ~100,000 levels deep overflows the stack of Triton's JSON parser: the server itself
   dies with SIGSEGV.
 
-:class:`Supervisor` watches a :class:`~cosyvoice_triton.serving.server.TritonServer` started with
+:class:`Supervisor` watches a :class:`~cosyvoice_triton.serving.launch.server.TritonServer` started with
 ``model_control="explicit"`` from a thread (or the foreground, :meth:`Supervisor.run`). Every ``interval`` s it
 compares the server's stub processes with those it saw when the models were last loaded: a stub that died
 (zombie or gone) gets its model unloaded at once (with ``--strict-readiness`` the server, and the ensemble that
@@ -36,7 +36,7 @@ outlives it. Regions of other servers on the machine are never touched: only nam
 stubs are candidates.
 
 After every (re)start and every reload it warms the server up (``warmup``, default
-:func:`~cosyvoice_triton.serving.warmup.warm_up`: one request through every public pipeline) from a thread of its
+:func:`~cosyvoice_triton.serving.launch.warmup.warm_up`: one request through every public pipeline) from a thread of its
 own, so that the checks go on meanwhile (a warm-up that waited on a stage killed during it would otherwise blind
 the supervisor), and then writes ``<work dir>/warm`` (removed while a restart runs): the Kubernetes
 ``startupProbe`` waits for that file; :meth:`Supervisor.start` waits for the first warm-up. On SIGTERM
@@ -47,10 +47,10 @@ flight (up to ``--exit-timeout`` s), unloads and exits; the CLI exits 0 (1 after
     with Supervisor(server, interval=1.0):    # starts the server if needed, then watches it
         ...
 
-CLI (the container's entry point runs it): ``python -m cosyvoice_triton.serving.supervisor --model-repository REPO
-[--triton-root /opt/tritonserver] [--host 127.0.0.1] [--http-port 8000] ...``. On a repository rendered with
-versions (:mod:`~cosyvoice_triton.serving.rollout`) it loads what :func:`~.rollout.startup_models` names (the live
-version's pipeline, the router, and each versioned stage's versions of its config) instead of every model.
+CLI (the container's entry point runs it): ``python -m cosyvoice_triton.serving.launch.supervisor --model-repository
+REPO [--triton-root /opt/tritonserver] [--host 127.0.0.1] [--http-port 8000] ...``. On a repository rendered with
+versions (:mod:`~cosyvoice_triton.serving.launch.rollout`) it loads what :func:`~.rollout.startup_models` names (the
+live version's pipeline, the router, and each versioned stage's versions of its config) instead of every model.
 """
 
 from __future__ import annotations
@@ -375,7 +375,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serving.supervisor", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.serving.launch.supervisor", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-repository", required=True, help="the rendered repository")
     p.add_argument("--triton-root", default=None,

@@ -27,8 +27,8 @@ import pyloudnorm
 import soundfile
 import soxr
 
-from ..frontend import audio
-from ..shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
+from ...frontend import audio
+from ...shapes import GRAPHS, SAMPLES_PER_MEL_FRAME
 from .batching import ItemResult, RequestError, run_per_item
 
 __all__ = ["OUTPUT_FORMATS", "ChunkPostprocessor", "Postprocessor", "integrated_loudness"]

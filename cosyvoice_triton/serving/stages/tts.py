@@ -3,7 +3,7 @@
 :class:`TTSService` does what :meth:`CosyVoice2.tts_stream <cosyvoice_triton.pipeline.CosyVoice2.tts_stream>`
 does, with the served pieces:
 
-- the request's tensors are checked (:meth:`TTSService.prepare`): text (UTF-8, :class:`~..text.TextFrontend`
+- the request's tensors are checked (:meth:`TTSService.prepare`): text (UTF-8, :class:`~...text.TextFrontend`
   rules), mode, the prompt as audio (samples + rate or an encoded file) or a registered ``speaker_id``;
 - prompt features: the 16 kHz Whisper log-mel and Kaldi fbank and the 24 kHz mel computed here (as
   ``CosyVoice2.prompt``), the speech tokens and CAM++ embedding from the ``speech_tokenizer`` and
@@ -20,7 +20,7 @@ does, with the served pieces:
   the whole utterance, is left to ``cosyvoice_tts``).
 
 Live requests (:meth:`TTSService.live`: the text arrives in pieces while audio is answered) decode with
-:class:`~..models.bistream.LiveDecode` in the caller's thread, outside the engine's batch, and stream their chunks the
+:class:`~...models.bistream.LiveDecode` in the caller's thread, outside the engine's batch, and stream their chunks the
 same way.
 
 The stages keep no per-request state, which a stream needs (the HiFT cache, the noise generator, the chunk
@@ -39,15 +39,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig
-from ..errors import CosyVoiceError, LLMError, TextError, shown
-from ..models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
-from ..pipeline import lm_prompt
-from ..prompt_cache import PromptCache
-from ..shapes import GRAPHS
-from ..speaker_state import SpeakerState
-from ..speakers import SpeakerPrompt
-from ..streaming import StreamSchedule
+from ...config import ModelConfig
+from ...errors import CosyVoiceError, LLMError, TextError, shown
+from ...models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
+from ...pipeline import lm_prompt
+from ...prompt_cache import PromptCache
+from ...shapes import GRAPHS
+from ...speaker_state import SpeakerState
+from ...speakers import SpeakerPrompt
+from ...streaming import StreamSchedule
 from .batching import RequestError
 from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
@@ -111,7 +111,7 @@ class TTSService:
     Args:
         model_dir: the CosyVoice2 folder (``llm.pt``, ``CosyVoice-BlankEN/``, ``cosyvoice2.yaml``).
         graphs: callables of ``speech_tokenizer``, ``speaker_encoder``, ``flow_encoder``, ``flow_estimator``,
-            ``hift_source``, ``hift_decoder`` (numpy dicts named as :data:`~..shapes.GRAPHS`).
+            ``hift_source``, ``hift_decoder`` (numpy dicts named as :data:`~...shapes.GRAPHS`).
         flow, hift: the non-streaming stages (None: :class:`FlowSolver` / HiFT on ``graphs`` here).
         speakers: ``speaker_id -> SpeakerPrompt`` (None: ``speaker_id`` is refused).
         max_active, max_waiting, wait_timeout_s: the LM engine's queue policy.
@@ -120,10 +120,10 @@ class TTSService:
         prompt_cache: a prompt recording seen before skips the front end and both graphs (:func:`.compute_prompt`).
         output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
             ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
-        lm_precision: ``fp32`` or ``int8`` (:mod:`~..models.lm_quant`).
-        stream_schedule: the streaming hops (:class:`~..streaming.StreamSchedule`; None: the official ones).
+        lm_precision: ``fp32`` or ``int8`` (:mod:`~...models.lm_quant`).
+        stream_schedule: the streaming hops (:class:`~...streaming.StreamSchedule`; None: the official ones).
         lm_prefix_cache_mb: a registered speaker's requests share the LM's KV cache of sos + its transcript
-            (:class:`~..speaker_state.SpeakerState`, keyed by the tokens: never stale; 0: off).
+            (:class:`~...speaker_state.SpeakerState`, keyed by the tokens: never stale; 0: off).
     """
 
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
@@ -133,7 +133,7 @@ class TTSService:
                  prompt_cache: PromptCache | None = None,
                  device: str = "cpu", output: Mapping[str, Any] | None = None, lm_precision: str = "fp32",
                  stream_schedule: StreamSchedule | None = None, lm_prefix_cache_mb: float = 64.0):
-        from ..frontend.text import TextFrontend
+        from ...frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
         self.config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
@@ -168,7 +168,7 @@ class TTSService:
 
     def prepare(self, t: Mapping[str, np.ndarray | None]) -> TTSPlan:
         """Check one request's tensors and compute its prompt: :class:`TTSPlan`, or a client error
-        (:class:`~..errors.CosyVoiceError`: TextError, AudioError, RequestError, SpeakerError)."""
+        (:class:`~...errors.CosyVoiceError`: TextError, AudioError, RequestError, SpeakerError)."""
         if t.get("text") is None:
             raise TextError("text: missing input (the text to speak, UTF-8)")
         text = self.text.check(bytes_input(t["text"], "text"))
@@ -271,18 +271,18 @@ class TTSService:
     def live(self, t: Mapping[str, np.ndarray | None], text_pieces: Iterable[str | bytes], *,
              cancelled: Callable[[], bool] = lambda: False, max_token_text_ratio: float = 20.0) -> LiveResponses:
         """A live request: the text arrives as ``text_pieces`` (``str`` / UTF-8 ``bytes``, possibly blocking; a
-        :class:`~..frontend.text.live.LiveText` ends with what it has) while audio is answered, as the response
+        :class:`~...frontend.text.live.LiveText` ends with what it has) while audio is answered, as the response
         tensors of :meth:`responses` on the streaming schedule (``t``: its inputs without ``text``).
 
         The pieces are tokenized one by one, not normalised, as the official front end does with a text
-        generator; the LM decodes them live (:class:`~..models.bistream.LiveDecode`: the official
+        generator; the LM decodes them live (:class:`~...models.bistream.LiveDecode`: the official
         ``inference_bistream`` with a step limit of ``max_token_text_ratio`` speech tokens per text token and
         a stop reason, :attr:`LiveResponses.stop_reason`). That decode runs in the calling thread on its own KV
         cache, outside the engine's in-flight batch (the batch takes whole texts). Raises
         :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true; bad pieces raise
-        :class:`~..errors.TextError` when they are read."""
-        from ..frontend.text.live import piece_tokens
-        from ..models.bistream import live_decode
+        :class:`~...errors.TextError` when they are read."""
+        from ...frontend.text.live import piece_tokens
+        from ...models.bistream import live_decode
 
         plan = self.prepare_live(t)
         tokens = piece_tokens(self.text.tokenizer, text_pieces, max_chars=self.text.max_chars,
@@ -349,7 +349,7 @@ class TTSService:
 
 class LiveResponses(Iterator[dict[str, np.ndarray]]):
     """The response tensors of :meth:`TTSService.live`; after the last, :attr:`stop_reason` says why the LM
-    stopped (:data:`~..models.bistream.STOP_REASONS`) and :attr:`decode` holds its tokens."""
+    stopped (:data:`~...models.bistream.STOP_REASONS`) and :attr:`decode` holds its tokens."""
 
     def __init__(self, responses: Iterator[dict[str, np.ndarray]], decode):
         self._responses, self.decode = responses, decode
@@ -447,7 +447,7 @@ def bls(pb, model: str, tensors: Mapping[str, np.ndarray], outputs: Iterable[str
 def stage_callables(pb, *, flow_model: str = "flow", hift_model: str = "hift", speakers_model: str = "speakers",
                     timeout_us: int = 0) -> tuple[FlowFn, HiftFn, SpeakerFn]:
     """The ``flow`` / ``hift`` stages and the ``speakers`` model as :class:`TTSService` callables (BLS)."""
-    from ..errors import SpeakerError
+    from ...errors import SpeakerError
     from .triton_io import BlsError
 
     def flow(item: FlowItem) -> np.ndarray:
@@ -484,7 +484,7 @@ def build_service(pb, p: Mapping[str, Any]) -> TTSService:
     """The :class:`TTSService` of a served TTS model from its config parameters (``MODEL_PARAMS``' TTS service
     keys): the graphs, ``flow`` / ``hift`` and the speakers model by BLS (``pb``: ``triton_python_backend_utils``),
     the instance's niceness and torch threads set first (before it starts its threads)."""
-    from ..shapes import GRAPHS
+    from ...shapes import GRAPHS
     from .params import set_niceness
     from .triton_io import BlsGraph
     from .vc_stream import stream_schedule

@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..errors import CosyVoiceError
+from ...errors import CosyVoiceError
 
 __all__ = ["ItemResult", "RequestError", "chunks_by_rows", "drop_traceback", "group_by", "pad_to", "run_per_item"]
 

@@ -1,4 +1,4 @@
-"""One in-flight batched LM decode loop: requests join and leave a running :class:`~..models.llm.BatchDecoder`.
+"""One in-flight batched LM decode loop: requests join and leave a running :class:`~...models.llm.BatchDecoder`.
 
 :class:`LMEngine` owns the decoder and ONE background thread that steps it. :meth:`LMEngine.submit` queues a
 request and returns an :class:`LMJob` at once; the loop admits waiting jobs between steps (at most
@@ -27,8 +27,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CosyVoiceError, LLMError
-from ..models.llm import END, LMRequest, Qwen2LM
+from ...errors import CosyVoiceError, LLMError
+from ...models.llm import END, LMRequest, Qwen2LM
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class LMEngine:
     """ONE decode loop over ``lm`` in a background thread (see the module docstring).
 
     Args:
-        lm: the loaded :class:`~..models.llm.Qwen2LM`.
+        lm: the loaded :class:`~cosyvoice_triton.models.llm.Qwen2LM`.
         max_active: rows decoding together.
         max_waiting: jobs waiting for a row; more are refused at once.
         wait_timeout_s: longest wait for a row.
@@ -121,7 +121,7 @@ class LMEngine:
     # --------------------------------------------------------------------------------------------- API
 
     def submit(self, request: LMRequest, *, cancelled: Callable[[], bool] = lambda: False) -> LMJob:
-        """Queue ``request`` (its tokens checked now: :class:`~..errors.LLMError`); returns at once."""
+        """Queue ``request`` (its tokens checked now: :class:`~...errors.LLMError`); returns at once."""
         self.lm.check_inputs(request.text_tokens, request.prompt_text_tokens, request.prompt_speech_tokens)
         with self._cond:
             if self._stop:

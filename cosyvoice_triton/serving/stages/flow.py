@@ -8,7 +8,7 @@ of each item's prompt frames. The noise is the official fixed buffer (``rand_noi
 gets exactly what it would get alone; nothing is random per request.
 
 In Triton the two callables are BLS calls to the ``flow_encoder`` and ``flow_estimator`` models; in-process
-they are :class:`~cosyvoice_triton.serving.graphs.GraphRunner` calls. Both take and return numpy dicts named as
+they are :class:`~cosyvoice_triton.serving.stages.graphs.GraphRunner` calls. Both take and return numpy dicts named as
 :data:`~cosyvoice_triton.shapes.GRAPHS`.
 """
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..config import CFMConfig
-from ..errors import CosyVoiceError
-from ..models.cfm import cfm_noise, cosine_t_span, solve_euler
-from ..shapes import GRAPHS, MAX_LOOKAHEAD
+from ...config import CFMConfig
+from ...errors import CosyVoiceError
+from ...models.cfm import cfm_noise, cosine_t_span, solve_euler
+from ...shapes import GRAPHS, MAX_LOOKAHEAD
 from .batching import ItemResult, RequestError, run_per_item
 
 log = logging.getLogger(__name__)

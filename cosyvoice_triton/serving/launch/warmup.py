@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .marker import MARKER, read_marker
+from ..marker import MARKER, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _official(server, name: str, audio, sr: int, *, stream: bool, timeout: float
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import np_to_triton_dtype
 
-    from .official_api import REFERENCE_SAMPLE_RATE, official_request
+    from ..stages.official_api import REFERENCE_SAMPLE_RATE, official_request
 
     if sr != REFERENCE_SAMPLE_RATE:
         raise ValueError(f"the warm-up sample is {sr} Hz, {name} takes {REFERENCE_SAMPLE_RATE} Hz")
@@ -152,9 +152,9 @@ def _official(server, name: str, audio, sr: int, *, stream: bool, timeout: float
 
 def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
     """One request through every public pipeline of the running ``server`` (a
-    :class:`~cosyvoice_triton.serving.server.TritonServer`); returns model -> seconds it took, or the error."""
-    from ..clients.client import VCClient
-    from ..clients.retry import NO_RETRY
+    :class:`~cosyvoice_triton.serving.launch.server.TritonServer`); returns model -> seconds it took, or the error."""
+    from ...clients.client import VCClient
+    from ...clients.retry import NO_RETRY
 
     audio, sr = _sample(server)
     results: dict[str, float | str] = {}

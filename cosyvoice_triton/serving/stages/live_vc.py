@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import soxr
 
-from ..errors import AudioError, CosyVoiceError
-from ..frontend import audio, features
-from ..shapes import GRAPHS, MAX_LOOKAHEAD, TensorSpec
-from ..streaming import TOKEN_HOP
+from ...errors import AudioError, CosyVoiceError
+from ...frontend import audio, features
+from ...shapes import GRAPHS, MAX_LOOKAHEAD, TensorSpec
+from ...streaming import TOKEN_HOP
 from .batching import RequestError
 from .vc_stream import STREAM_INPUTS, VC_STREAM_OUTPUTS, StreamCancelled, StreamPrompt, VCStreamer
 

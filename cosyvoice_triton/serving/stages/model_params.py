@@ -23,7 +23,7 @@ _PROMPT_CACHE = (
     Param("prompt_cache_entries", int, 256, "prompts kept by content hash (cosyvoice_triton.prompt_cache; 0: off)"),
     Param("prompt_cache_mb", float, 64.0, "most MiB of arrays the prompt cache keeps (0: off)"),
 )
-#: The session limits of the live models (``cosyvoice_vc_live``, ``cosyvoice_tts_live``: serving/live.py).
+#: The session limits of the live models (``cosyvoice_vc_live``, ``cosyvoice_tts_live``: serving/stages/live.py).
 _LIVE_SESSIONS = (
     Param("max_sessions", int, 4, "live sessions held at once; a stream beyond is refused at its start (UNAVAILABLE)"),
     Param("max_queued", int, 8, "pieces waiting per session; a faster sender's next piece is refused (UNAVAILABLE)"),
@@ -44,7 +44,8 @@ _OUTPUT = (
     Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
 )
 
-#: What builds a served TTSService (``cosyvoice_tts_stream``, ``cosyvoice_tts_live``: serving/tts.py build_service).
+#: What builds a served TTSService (``cosyvoice_tts_stream``, ``cosyvoice_tts_live``: serving/stages/tts.py
+#: build_service).
 _TTS_SERVICE = (
     Param("model_dir", str, None, "the CosyVoice2 folder (llm.pt, CosyVoice-BlankEN/, cosyvoice2.yaml)"),
     Param("max_active_requests", int, 8, "rows of the in-flight LM batch (one decode loop per instance)"),
@@ -100,7 +101,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("encoder_model", str, "flow_encoder", "the Triton model of the flow_encoder graph"),
         Param("estimator_model", str, "flow_estimator", "the Triton model of the flow_estimator graph"),
         Param("pin_graph_version", bool, False, "call the graphs' version numbered as this model's (a versioned "
-              "repository: cosyvoice_triton.serving.rollout), else their latest"),
+              "repository: cosyvoice_triton.serving.launch.rollout), else their latest"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
         _NICE,
@@ -109,7 +110,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("source_model", str, "hift_source", "the Triton model of the hift_source graph"),
         Param("decoder_model", str, "hift_decoder", "the Triton model of the hift_decoder graph"),
         Param("pin_graph_version", bool, False, "call the graphs' version numbered as this model's (a versioned "
-              "repository: cosyvoice_triton.serving.rollout), else their latest"),
+              "repository: cosyvoice_triton.serving.launch.rollout), else their latest"),
         Param("default_seed", int, 0, "seed of the NSF noise when a request gives none"),
         _BLS_TIMEOUT,
         _TORCH_THREADS,
@@ -130,7 +131,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         _BLS_TIMEOUT,
         _NICE,
     ),
-    "cosyvoice2": (  # the official runtime's interface (serving/official_api.py)
+    "cosyvoice2": (  # the official runtime's interface (serving/stages/official_api.py)
         Param("offline_model", str, "cosyvoice_tts", "the TTS model a request is sent to when not decoupled"),
         Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model a request streams from"),
         _BLS_TIMEOUT,

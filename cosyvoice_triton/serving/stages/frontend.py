@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import MelConfig
-from ..errors import AudioError
-from ..frontend import audio, features
-from ..prompt_cache import PromptCache, prompt_key
-from ..shapes import VC_UTTERANCE_INPUTS
+from ...config import MelConfig
+from ...errors import AudioError
+from ...frontend import audio, features
+from ...prompt_cache import PromptCache, prompt_key
+from ...shapes import VC_UTTERANCE_INPUTS
 from .batching import ItemResult, run_per_item
 
 __all__ = ["UTTERANCES", "UTTERANCE_OUTPUTS", "FrontendFeatures", "Preprocessor", "utterances_for"]

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CosyVoiceError
-from ..shapes import GRAPHS, GraphSpec
+from ...errors import CosyVoiceError
+from ...shapes import GRAPHS, GraphSpec
 from .batching import ItemResult
 
 log = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import CosyVoiceError
-from ..frontend.speech_models import speech_token_count
-from ..prompt_cache import PromptCache
-from ..shapes import GRAPHS, GraphSpec
+from ...errors import CosyVoiceError
+from ...frontend.speech_models import speech_token_count
+from ...prompt_cache import PromptCache
+from ...shapes import GRAPHS, GraphSpec
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
@@ -276,7 +276,7 @@ class GraphRunner:
     def _load_torch(self, model_dir: Path) -> None:
         import torch
 
-        from ..export.onnx_export import load_source_models
+        from ...export.onnx_export import load_source_models
 
         flow = self.name.startswith("flow")
         models = load_source_models(model_dir, flow=flow, hift=not flow)

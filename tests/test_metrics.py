@@ -87,6 +87,11 @@ def test_audio_seconds_samples_and_encoded():
     (RuntimeError("x"), "internal"), (MemoryError(), "internal"),
     (f"{BUSY}too many", "busy"), ("cosyvoice_vc_stream: too many concurrent streams (1 running)", "busy"),
     ("internal error: RuntimeError: x", "internal"), ("text: empty", "bad_request"),
+    ("the client cancelled the stream", "cancelled"), ("cosyvoice_vc_stream: cancelled by the client", "cancelled"),
+    # text a client sent, quoted in a refusal, never picks the reason
+    (f"unknown speaker_id '{BUSY}x'", "bad_request"),
+    ("unknown speaker 'x: too many concurrent streams'", "bad_request"),
+    ("text segment 'cancelled' is empty", "bad_request"),
 ])
 def test_reject_reason(error, reason):
     assert reason in m.REASONS

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -98,18 +99,20 @@ CACHE_RESULTS = ("hit", "miss")
 #: Every reject reason (a series each, created at zero so that rates and alerts see them from the start).
 REASONS = ("bad_audio", "bad_text", "bad_speaker", "bad_request", "busy", "cancelled", "internal")
 
-#: How the message of a full LM queue starts (``lm_engine.BUSY``) and what StreamWorkers' refusal says.
-_BUSY_MARKS = ("TTS busy: ", "too many concurrent streams")
+#: How the message of a full LM queue starts (``lm_engine.BUSY``) and StreamWorkers' refusal (after the model's
+#: name), and a cancelled stream's: read at the start only, so text a client sent (quoted further on) never counts.
+_BUSY = re.compile(r"TTS busy: |[\w.-]+: too many concurrent streams")
+_CANCELLED = re.compile(r"(?i)([\w.-]+: )?(the client )?cancel")
 
 
 def reject_reason(error: BaseException | str) -> str:
     """The :data:`REASONS` entry of an exception, or of an error message (a decoupled BLS answer keeps only that)."""
     if isinstance(error, str):
-        if any(m in error for m in _BUSY_MARKS):
+        if _BUSY.match(error):
             return "busy"
         if error.startswith("internal error"):
             return "internal"
-        return "cancelled" if "cancelled" in error.lower() else "bad_request"
+        return "cancelled" if _CANCELLED.match(error) else "bad_request"
     name = type(error).__name__
     if name in ("EngineBusy",):
         return "busy"

@@ -172,8 +172,15 @@ def test_tts_models_follow_the_public_api(rendered, model_dir, tmp_path):
     assert [i.name for i in whole.input] == names and [i.name for i in stream.input] == [*names, "stream"]
     assert [i.name for i in whole.input if not i.optional] == ["text"]
     assert [o.name for o in stream.output] == [t.name for t in TTS_STREAM_OUTPUTS]
-    read_parameters(_config_dict(stream), MODEL_PARAMS["cosyvoice_tts_stream"])
+    params = read_parameters(_config_dict(stream), MODEL_PARAMS["cosyvoice_tts_stream"])
     assert stream.parameters["max_active_requests"].string_value == "8"
+    assert (params["max_text_digit_run"], params["max_text_digits"]) == (32, 256)  # the front end's bounds
+    tuned = render_repository("local", tmp_path / "tuned", model_dir=model_dir, onnx_dir=tmp_path, allow_missing=True,
+                              max_text_digit_run=8, max_text_digits=40)
+    assert "cosyvoice_tts_stream" in tuned.models
+    tuned_params = read_parameters(_config_dict(_parse(tmp_path / "tuned" / "cosyvoice_tts_stream" / "config.pbtxt")),
+                                   MODEL_PARAMS["cosyvoice_tts_stream"])
+    assert (tuned_params["max_text_digit_run"], tuned_params["max_text_digits"]) == (8, 40)
     # a voice-conversion-only folder (no llm.pt) serves no TTS, unless asked
     vc_only = tmp_path / "vc_only"
     shutil.copytree(model_dir, vc_only, ignore=shutil.ignore_patterns("llm.pt"))
@@ -235,6 +242,7 @@ def test_tunables_reach_the_configs(model_dir, tmp_path):
     ({"output_format": "mp3"}, "output_format"),
     ({"runtime": "tensorflow"}, "runtime"),
     ({"max_queue_size": 0}, "max_queue_size"),
+    ({"max_text_digits": 0}, "max_text_digits"),
 ])
 def test_bad_tunables_are_refused(model_dir, tmp_path, bad, words):
     with pytest.raises(RenderError, match=words):

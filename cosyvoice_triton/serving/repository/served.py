@@ -157,7 +157,8 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
     tun = ctx.tunables
     return {**_output_params(ctx), "model_dir": str(ctx.model_dir), "max_active_requests": tun.max_active_requests,
             "max_waiting_requests": tun.max_waiting_requests, "wait_timeout_s": tun.tts_wait_timeout_s,
-            "max_text_chars": tun.max_text_chars, "n_timesteps": tun.n_timesteps,
+            "max_text_chars": tun.max_text_chars, "max_text_digit_run": tun.max_text_digit_run,
+            "max_text_digits": tun.max_text_digits, "n_timesteps": tun.n_timesteps,
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
             "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx),
             "stage_suffix": TASK_SUFFIX if tun.task_isolation else "", "lm_precision": tun.lm_precision,

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ...errors import ConfigError
+from ...frontend.text.frontend import MAX_DIGIT_RUN, MAX_DIGITS
 from ...shapes import (
     GRAPHS,
 )
@@ -75,6 +76,8 @@ class Tunables:
     max_waiting_requests: int = 16  # TTS: requests waiting for an LM row; beyond, refused at once (UNAVAILABLE)
     tts_wait_timeout_s: float = 60.0  # TTS: a request that waits longer for an LM row is refused
     max_text_chars: int = 2000  # TTS: longest accepted text
+    max_text_digit_run: int = MAX_DIGIT_RUN  # TTS: longest run of digits (refused before number normalisation)
+    max_text_digits: int = MAX_DIGITS  # TTS: most digits in one text
     #: GPU flavors: also render the TensorRT-LLM backend's ``tensorrt_llm`` model for the LM (``tensorrtllm``; its
     #: engine from ``<engine_dir>/llm``, see model_repository/README.md), or not (``python``: the in-process loop)
     lm_backend: str = "python"
@@ -171,7 +174,7 @@ class Tunables:
             self.stream_schedule()
         except ConfigError as exc:
             raise RenderError(f"tunables stream_*: {exc}") from exc
-        for name in ("max_active_requests", "max_text_chars"):
+        for name in ("max_active_requests", "max_text_chars", "max_text_digit_run", "max_text_digits"):
             if int(getattr(self, name)) < 1:
                 raise RenderError(f"tunable {name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting_requests < 0 or not self.tts_wait_timeout_s > 0:

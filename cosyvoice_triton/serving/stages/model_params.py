@@ -52,6 +52,8 @@ _TTS_SERVICE = (
     Param("max_waiting_requests", int, 16, "requests waiting for an LM row; more are refused (UNAVAILABLE)"),
     Param("wait_timeout_s", float, 60.0, "a request that waits longer for an LM row is refused"),
     Param("max_text_chars", int, 2000, "longest accepted text"),
+    Param("max_text_digit_run", int, 32, "longest run of digits in a text (number normalisation's cost grows with it)"),
+    Param("max_text_digits", int, 256, "most digits in one text"),
     Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
     Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
           "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar)",

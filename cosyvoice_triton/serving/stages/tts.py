@@ -41,6 +41,7 @@ import torch
 
 from ...config import ModelConfig
 from ...errors import CosyVoiceError, LLMError, TextError, shown
+from ...frontend.text.frontend import MAX_DIGIT_RUN, MAX_DIGITS
 from ...models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
 from ...pipeline import lm_prompt
 from ...prompt_cache import PromptCache
@@ -115,7 +116,8 @@ class TTSService:
         flow, hift: the non-streaming stages (None: :class:`FlowSolver` / HiFT on ``graphs`` here).
         speakers: ``speaker_id -> SpeakerPrompt`` (None: ``speaker_id`` is refused).
         max_active, max_waiting, wait_timeout_s: the LM engine's queue policy.
-        max_text_chars: longest accepted text.
+        max_text_chars: longest accepted text; max_digit_run, max_digits: the longest run of digits and the most
+            digits in it (refused before number normalisation, whose cost grows with them).
         min_seconds, max_seconds: accepted prompt duration.
         prompt_cache: a prompt recording seen before skips the front end and both graphs (:func:`.compute_prompt`).
         output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
@@ -129,7 +131,8 @@ class TTSService:
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
                  hift: HiftFn | None = None, speakers: SpeakerFn | None = None, max_active: int = 8,
                  max_waiting: int = 16, wait_timeout_s: float = 60.0, max_text_chars: int = 2000,
-                 n_timesteps: int | None = None, min_seconds: float = 0.1, max_seconds: float = 30.0,
+                 max_digit_run: int = MAX_DIGIT_RUN, max_digits: int = MAX_DIGITS, n_timesteps: int | None = None,
+                 min_seconds: float = 0.1, max_seconds: float = 30.0,
                  prompt_cache: PromptCache | None = None,
                  device: str = "cpu", output: Mapping[str, Any] | None = None, lm_precision: str = "fp32",
                  stream_schedule: StreamSchedule | None = None, lm_prefix_cache_mb: float = 64.0):
@@ -141,7 +144,8 @@ class TTSService:
                      Postprocessor(model_sample_rate=self.config.sample_rate))
         #: the rate of the answered chunks (the output rate)
         self.sample_rate = self.post.output_sample_rate
-        self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars)
+        self.text = TextFrontend(model_dir / QWEN_DIR, max_chars=max_text_chars, max_digit_run=max_digit_run,
+                                 max_digits=max_digits)
         self.lm = load_llm(model_dir, self.config, device=device, precision=lm_precision)
         self.engine = LMEngine(self.lm, max_active=max_active, max_waiting=max_waiting, wait_timeout_s=wait_timeout_s)
         self.prefixes = SpeakerState(int(lm_prefix_cache_mb * (1 << 20))) if lm_prefix_cache_mb > 0 else None
@@ -498,6 +502,7 @@ def build_service(pb, p: Mapping[str, Any]) -> TTSService:
     return TTSService(p["model_dir"], graphs, flow=flow, hift=hift, speakers=speakers,
                       max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
                       wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],
+                      max_digit_run=p["max_text_digit_run"], max_digits=p["max_text_digits"],
                       n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
                       max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
                       stream_schedule=stream_schedule(p), lm_prefix_cache_mb=p["lm_prefix_cache_mb"],

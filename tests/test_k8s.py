@@ -104,8 +104,9 @@ def test_service_exposes_only_the_gateway_and_selects_the_pods():
     assert all(labels.get(k) == v for k, v in dep["spec"]["selector"]["matchLabels"].items())
     containers = dep["spec"]["template"]["spec"]["containers"]
     declared = {p["name"]: (c["name"], p["containerPort"]) for c in containers for p in c.get("ports", [])}
-    assert declared == {"gateway": ("gateway", 8080)}, declared
-    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [("http", 8080, "gateway")]
+    assert declared == {"gateway": ("gateway", 8080), "gateway-grpc": ("gateway", 8081)}, declared
+    assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
+        ("http", 8080, "gateway"), ("grpc", 8081, "gateway-grpc")]
     assert not {8000, 8001, 8002} & {p["port"] for p in svc["spec"]["ports"]}
     assert svc["spec"]["type"] == "ClusterIP"  # nothing leaves the cluster without an ingress in front
 
@@ -133,15 +134,17 @@ def test_triton_binds_loopback_and_the_gateway_reaches_it_there(tmp_path):
     from cosyvoice_triton.gateway.config import from_args
 
     config = from_args(gateway["args"])
-    assert (config.host, config.port) == ("0.0.0.0", 8080)
+    assert (config.host, config.port, config.grpc_port) == ("0.0.0.0", 8080, 8081)
     assert config.triton_grpc == "127.0.0.1:8001" and config.triton_metrics == "http://127.0.0.1:8002/metrics"
+    assert config.triton_http == "127.0.0.1:8000"
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "gateway"}
     assert gateway["livenessProbe"]["tcpSocket"] == {"port": "gateway"}
     sec = gateway["securityContext"]
     assert sec["allowPrivilegeEscalation"] is False and sec["capabilities"]["drop"] == ["ALL"]
     if sec.get("readOnlyRootFilesystem"):  # uploads are spooled to /tmp
         assert "/tmp" in {m["mountPath"] for m in gateway["volumeMounts"]}
-    assert "8080" in re.search(r"^EXPOSE (.*)$", (ROOT / "Dockerfile.triton").read_text(), re.M).group(1).split()
+    assert {"8080", "8081"} <= set(re.search(r"^EXPOSE (.*)$", (ROOT / "Dockerfile.triton").read_text(),
+                                             re.M).group(1).split())
 
 
 def test_scrape_config_points_at_the_gateways_metrics():

@@ -167,9 +167,11 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     gateway = None
     if gateway_port:
         gateway = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                    f"{host}:{grpc_port}", "--host", host, "--port", str(gateway_port),
+                                    f"{host}:{grpc_port}", "--triton-http", f"{host}:{http_port}", "--host", host,
+                                    "--port", str(gateway_port), "--grpc-port", str(gateway_port + 1),
                                     "--triton-metrics", f"http://{host}:{metrics_port}/metrics"])
-        print(f"gateway (OpenAI speech API): http://{host}:{gateway_port}/v1/audio/speech (pid {gateway.pid})")
+        print(f"gateway (OpenAI speech API): http://{host}:{gateway_port}/v1/audio/speech, Triton's API checked: "
+              f"http://{host}:{gateway_port}/v2 and gRPC {host}:{gateway_port + 1} (pid {gateway.pid})")
     stop = {"now": False}
 
     def handler(signum, frame):

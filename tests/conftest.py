@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -250,3 +254,43 @@ def external_oracle_model(external_tiny_dir, tmp_path_factory):
     """``CosyVoice2`` on the external reference folder's flow.pt / hift.pt."""
     return _model_on(external_tiny_dir, tmp_path_factory.mktemp("external_oracle"))
 
+
+@dataclass(frozen=True)
+class GatewayUrls:
+    http: str  # host:port of the HTTP side (OpenAI's API, CosyVoice's, /v2)
+    grpc: str  # host:port of the KServe gRPC side
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.http}"
+
+
+@contextlib.contextmanager
+def gateway_process(triton_server, log: Path, *args: str):
+    """``python -m cosyvoice_triton.gateway`` in front of ``triton_server`` (both its ports), on free ports, until
+    its ``/health`` answers 200; stopped at the end."""
+    from cosyvoice_triton.serving.launch.server import free_ports
+
+    port, grpc_port = free_ports(2)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
+                                 triton_server.grpc_url, "--triton-http", triton_server.http_url, "--port", str(port),
+                                 "--grpc-port", str(grpc_port), *args], stdout=out, stderr=subprocess.STDOUT)
+    urls = GatewayUrls(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
+
+    def healthy():
+        if proc.poll() is not None:
+            raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            return urllib.request.urlopen(urls.base + "/health", timeout=30).status == 200
+
+    try:
+        wait_until(healthy, "the gateway's /health")
+        yield urls
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -17,17 +17,14 @@ import http.client
 import json
 import queue
 import socket
-import subprocess
-import sys
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, wait_until
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -39,43 +36,11 @@ VOICE = "kserve_voice"
 ROUNDS = 6  # each innocent client's requests during the attack
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _gateway(triton_server, log: Path, *args: str):
-    port, grpc_port = _free_port(), _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                 triton_server.grpc_url, "--triton-http", triton_server.http_url, "--port", str(port),
-                                 "--grpc-port", str(grpc_port), "--max-body-bytes", "4000000", *args], stdout=out,
-                                stderr=subprocess.STDOUT)
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30).status == 200
-
-    try:
-        wait_until(healthy, "the gateway's /health")
-        yield f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def gateway(triton_server, tmp_path_factory):
-    with _gateway(triton_server, tmp_path_factory.mktemp("kserve") / "gateway.log") as urls:
-        yield urls
+    with gateway_process(triton_server, tmp_path_factory.mktemp("kserve") / "gateway.log",
+                         "--max-body-bytes", "4000000") as urls:
+        yield urls.http, urls.grpc
 
 
 @pytest.fixture(scope="module")
@@ -350,7 +315,8 @@ def test_the_key_and_the_tenants_namespace_hold_on_grpc(triton_server, speech, t
 
     scoped = Namespace(key_tenant(KEY)).scoped(VOICE)
     with VCClient(triton_server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c, \
-            _gateway(triton_server, tmp_path / "keyed.log", "--api-key", KEY) as (_, grpc_url):
+            gateway_process(triton_server, tmp_path / "keyed.log", "--api-key", KEY) as urls:
+        grpc_url = urls.grpc
         c.register_speaker(scoped, str(FIXTURES / "prompt_en_3s.wav"))
         try:
             client = tritonclient_grpc.InferenceServerClient(grpc_url)

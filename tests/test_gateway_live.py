@@ -11,7 +11,6 @@ gateway without keys: each answer equal to Triton's own stream for the same requ
 from __future__ import annotations
 
 import base64
-import contextlib
 import gzip
 import io
 import json
@@ -27,7 +26,7 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, ROOT, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, ROOT, gateway_process, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -64,49 +63,20 @@ def triton(triton_server):
             c.delete_speaker(voice)
 
 
-@contextlib.contextmanager
-def _gateway_process(triton_server, log: Path, *args: str):
-    from cosyvoice_triton.serving.launch.server import free_ports
-
-    port = free_ports(1)[0]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                 triton_server.grpc_url, "--port", str(port), *args], stdout=out,
-                                stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError):
-            return urllib.request.urlopen(url + "/health", timeout=30).status == 200
-
-    try:
-        wait_until(healthy, "the gateway's /health")
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def gateway(triton, triton_server, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with _gateway_process(triton_server, log, "--api-key", KEY, "--max-concurrency-per-key", "1",
-                          "--max-body-bytes", str(MAX_BODY), "--max-json-depth", "8") as url:
-        yield url, log
+    with gateway_process(triton_server, log, "--api-key", KEY, "--max-concurrency-per-key", "1",
+                         "--max-body-bytes", str(MAX_BODY), "--max-json-depth", "8") as urls:
+        yield urls.base, log
 
 
 @pytest.fixture(scope="module")
 def open_gateway(triton, triton_server, tmp_path_factory):
     """No API keys, as the official server (its client sends none)."""
     log = tmp_path_factory.mktemp("open_gateway") / "gateway.log"
-    with _gateway_process(triton_server, log, "--max-body-bytes", str(OPEN_MAX_BODY)) as url:
-        yield url
+    with gateway_process(triton_server, log, "--max-body-bytes", str(OPEN_MAX_BODY)) as urls:
+        yield urls.base
 
 
 @pytest.fixture(scope="module")
@@ -444,9 +414,9 @@ def tenant_gateway(triton, triton_server, tmp_path_factory):
     """Two tenants from a keys file (one named, one a plain key), at most 2 voices each."""
     folder = tmp_path_factory.mktemp("tenant_gateway")
     (folder / "keys").write_text(f"{TENANT_A}:{KEY_A}\n{KEY_B}\n")
-    with _gateway_process(triton_server, folder / "gateway.log", "--api-key-file", str(folder / "keys"),
-                          "--max-voices-per-tenant", "2") as url:
-        yield url
+    with gateway_process(triton_server, folder / "gateway.log", "--api-key-file", str(folder / "keys"),
+                         "--max-voices-per-tenant", "2") as urls:
+        yield urls.base
 
 
 def test_tenants_own_their_voices(tenant_gateway, triton, direct):

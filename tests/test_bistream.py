@@ -105,6 +105,18 @@ def test_step_limit_stops_the_final_phase(lm):
     assert decode.stop_reason == "max_len" and decode.stop_token == -1
 
 
+@pytest.mark.parametrize("case,cut", [("bistream_runout", 7), ("bistream_cross_lingual", -1)])
+def test_max_tokens_stops_in_either_phase(lm, case, cut):
+    """The room of the flow behind the LM: never more tokens than it takes, while text is read (the 7th token) or
+    after it (one before the official end)."""
+    z = _case(case)
+    most = cut if cut > 0 else len(z["tokens"]) + cut
+    tokens, decode, _, _ = _decode(lm, z, max_tokens=most)
+    assert tokens == z["tokens"][:most].tolist() and decode.stop_reason == "max_len"
+    with pytest.raises(LLMError, match="max_tokens"):
+        live_decode(lm, _chunks(z), max_tokens=0)
+
+
 def test_cancelled_stops_before_the_next_step(lm):
     z = _case("bistream_runout")
     holder = {}

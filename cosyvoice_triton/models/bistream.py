@@ -29,7 +29,8 @@ or could run without end, this stops instead, with :attr:`LiveDecode.stop_reason
   text is read, which the official code does not mask; or ``+1`` / ``+2`` after the text): the official code
   raises ``ValueError``. The token is not yielded (:attr:`LiveDecode.stop_token` holds it);
 - ``"max_len"``: the final phase has produced ``int(text_tokens * max_token_text_ratio)`` speech tokens in all
-  (the official ``inference`` bound; ``inference_bistream`` has none);
+  (the official ``inference`` bound; ``inference_bistream`` has none), or any phase ``max_tokens`` (the room of
+  what consumes them: the flow takes a bounded number with the prompt's);
 - ``"max_positions"``: the next input would not fit in the model's positions;
 - ``"cancelled"``: ``cancelled()`` turned true (checked before every model call).
 
@@ -65,9 +66,13 @@ class LiveDecode(Iterator[int]):
 
     def __init__(self, lm, text_chunks: Iterable[Any], prompt_text_tokens: Any = (), prompt_speech_tokens: Any = (),
                  *, draws: DrawSource = None, sampling: SamplingConfig | None = None,
-                 max_token_text_ratio: float = 20, cancelled: Callable[[], bool] | None = None,
+                 max_token_text_ratio: float = 20, max_tokens: int | None = None,
+                 cancelled: Callable[[], bool] | None = None,
                  on_step: Callable[[int, torch.Tensor], None] | None = None):
         self.lm = lm
+        if max_tokens is not None and max_tokens < 1:
+            raise LLMError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
         self.sampling = sampling or lm.config.sampling
         check_sampling(self.sampling)
         n_text, n_speech = (int(x) for x in lm.config.mix_ratio)
@@ -152,10 +157,15 @@ class LiveDecode(Iterator[int]):
                     return
                 self.tokens.append(token)
                 yield token
+                if self.max_tokens is not None and len(self.tokens) >= self.max_tokens:
+                    self._stop("max_len")
+                    return
                 lm_input = lm.speech_embedding.weight[token].reshape(1, 1, -1)
         if not self.text_tokens:
             raise LLMError("the text ended without a single text token (nothing to synthesise)")
         max_len = lm.length_bounds(self.text_tokens, 0, self.max_token_text_ratio)[1]
+        if self.max_tokens is not None:
+            max_len = min(max_len, self.max_tokens)
         lm_input = torch.cat([lm_input, text_cache, task], dim=1)
         while True:
             if len(self.tokens) >= max_len:
@@ -203,6 +213,6 @@ class LiveDecode(Iterator[int]):
 def live_decode(lm, text_chunks: Iterable[Any], prompt_text_tokens: Any = (), prompt_speech_tokens: Any = (),
                 **options: Any) -> LiveDecode:
     """:class:`LiveDecode` of ``lm`` (a :class:`.llm.Qwen2LM`); inputs are checked now, decoding runs as the
-    result is consumed. ``options``: ``draws``, ``sampling``, ``max_token_text_ratio``, ``cancelled``,
-    ``on_step``."""
+    result is consumed. ``options``: ``draws``, ``sampling``, ``max_token_text_ratio``, ``max_tokens``,
+    ``cancelled``, ``on_step``."""
     return LiveDecode(lm, text_chunks, prompt_text_tokens, prompt_speech_tokens, **options)

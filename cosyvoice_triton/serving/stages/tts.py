@@ -280,11 +280,11 @@ class TTSService:
 
         The pieces are tokenized one by one, not normalised, as the official front end does with a text
         generator; the LM decodes them live (:class:`~...models.bistream.LiveDecode`: the official
-        ``inference_bistream`` with a step limit of ``max_token_text_ratio`` speech tokens per text token and
-        a stop reason, :attr:`LiveResponses.stop_reason`). That decode runs in the calling thread on its own KV
-        cache, outside the engine's in-flight batch (the batch takes whole texts). Raises
-        :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true; bad pieces raise
-        :class:`~...errors.TextError` when they are read."""
+        ``inference_bistream`` with a step limit of ``max_token_text_ratio`` speech tokens per text token, and
+        at most what the flow takes beside the prompt's tokens; a stop reason, :attr:`LiveResponses.stop_reason`).
+        That decode runs in the calling thread on its own KV cache, outside the engine's in-flight batch (the
+        batch takes whole texts). Raises :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true; bad
+        pieces raise :class:`~...errors.TextError` when they are read."""
         from ...frontend.text.live import piece_tokens
         from ...models.bistream import live_decode
 
@@ -293,7 +293,7 @@ class TTSService:
                               strict_tags=self.text.strict_tags)
         decode = live_decode(self.lm, tokens, plan.lm_prompt_text_tokens, plan.lm_prompt_speech_tokens,
                              draws=torch.Generator().manual_seed(plan.seed), cancelled=cancelled,
-                             max_token_text_ratio=max_token_text_ratio)
+                             max_token_text_ratio=max_token_text_ratio, max_tokens=flow_room(plan.prompt))
         return LiveResponses(self._live(plan, decode, cancelled), decode)
 
     def _live(self, plan: TTSPlan, decode, cancelled: Callable[[], bool]) -> Iterator[dict[str, np.ndarray]]:
@@ -369,12 +369,17 @@ class LiveResponses(Iterator[dict[str, np.ndarray]]):
         self._responses.close()
 
 
+def flow_room(prompt: SpeakerPrompt) -> int:
+    """How many speech tokens the flow takes beside ``prompt``'s (its graph's ``tokens`` axis, with the prompt's)."""
+    return GRAPHS["flow_encoder"].axes["tokens"].max - int(prompt.prompt_tokens.size)
+
+
 def speech_token_room(plan: TTSPlan) -> int:
     """The most speech tokens one segment's LM may make: the flow takes at most ``tokens`` (its graph's axis) with
     the prompt's. Checked before the LM runs: a segment whose least number of tokens (the official
     ``min_token_text_ratio``, 2 per text token) cannot fit is refused naming it; the LM of any other stops where
     the flow's room ends (the official LM would go on to 20 per text token, for a flow that refuses them)."""
-    room = GRAPHS["flow_encoder"].axes["tokens"].max - int(plan.prompt.prompt_tokens.size)
+    room = flow_room(plan.prompt)
     for n, (text, ids) in enumerate(plan.segments, 1):
         least = Qwen2LM.length_bounds(int(ids.size), MIN_TOKEN_TEXT_RATIO, 0)[0]
         if least > room:

@@ -147,8 +147,9 @@ def _check_values(t: Tensor, count: int) -> None:
             raise bad(f"input {t.name!r}: {kind} data must be integers in {lo}..{hi}", t.name)
     else:
         top = _FLOAT_MAX[kind]
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > top:
+        for v in values:  # abs() of an int compares exactly: a 400-digit JSON integer is out of range, not an error
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not
+                                                                        math.isfinite(v)) or abs(v) > top:
                 raise bad(f"input {t.name!r}: {kind} data must be finite numbers within the type's range "
                           f"(got {shown(v)})", t.name)
 

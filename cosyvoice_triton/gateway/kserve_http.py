@@ -110,7 +110,7 @@ def checked_body(sig: Signature, body: bytes, header_length: str | None, ns: Nam
         inputs.append(entry)
     out.update({"inputs": inputs, **({"parameters": params} if params else {}),
                 **({"outputs": outputs} if outputs else {})})
-    head = json.dumps(out, allow_nan=False, ensure_ascii=False).encode()
+    head = json.dumps(out, allow_nan=False).encode()  # ASCII: a lone surrogate the client escaped stays escaped
     if not raws:
         return head, {"content-type": "application/json"}
     return head + b"".join(raws), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}

@@ -57,7 +57,7 @@ def served_onnx(repo: str | Path, graph: str) -> tuple[Path, str, int]:
     """The ONNX file the rendered repository ``repo`` serves for ``graph``, its precision (the marker's
     ``graph_precisions``) and the instance's onnxruntime intra-op threads: the Python backend's ``onnx_path``
     parameter, else the onnxruntime backend's ``1/model.onnx``. Raises when the graph is not served from ONNX."""
-    from ..serving.repository import MARKER
+    from ..serving.marker import MARKER
 
     repo = Path(repo)
     marker = json.loads((repo / MARKER).read_text())

@@ -106,7 +106,7 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
              **tunables) -> DemoReport:
     """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
     from ...clients.client import VCClient
-    from ..repository import MARKER
+    from ..marker import MARKER
     from .server import TritonServer
 
     repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, **tunables)

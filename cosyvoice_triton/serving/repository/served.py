@@ -52,9 +52,6 @@ from .templates import (
     _io_block,
 )
 
-STAGE_MODELS = ("preprocess", "flow", "hift", "postprocess")
-
-
 #: The TTS entry models: priority level 1 by default when ``priority_levels`` is on and ``high_task`` is tts (the
 #: rest: the lowest level).
 HIGH_PRIORITY_MODELS = (TTS_STREAM_MODEL, TTS_MODEL)

@@ -5,6 +5,7 @@ An external reference folder (``$COSYVOICE_REFERENCE_DIR``) is an optional cross
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import subprocess
 import sys
@@ -253,6 +254,20 @@ def oracle_model(tiny_dir, tmp_path_factory):
 def external_oracle_model(external_tiny_dir, tmp_path_factory):
     """``CosyVoice2`` on the external reference folder's flow.pt / hift.pt."""
     return _model_on(external_tiny_dir, tmp_path_factory.mktemp("external_oracle"))
+
+
+def http_post(address: str, path: str, body: bytes, headers: dict | None = None,
+              timeout: float = PATIENCE_S) -> tuple[int, bytes]:
+    """``(status, body)`` of one POST to ``address`` (host:port) over a connection of its own, with the bytes as
+    given (no client library between: hostile bodies stay what they are)."""
+    host, port = address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request("POST", path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import http.client
 import json
 import queue
 import socket
@@ -24,7 +23,7 @@ import urllib.request
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, http_post, wait_until
 
 tritonclient_http = pytest.importorskip("tritonclient.http")
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -111,7 +110,7 @@ def _overflow_http(url: str) -> tuple[int, bytes]:
         {"name": "source_sample_rate", "shape": [1, 1], "datatype": "INT32", "data": [16000]},
         {"name": "prompt_audio", "shape": [1, 4], "datatype": "FP32", "data": [0.0] * 4},
         {"name": "prompt_sample_rate", "shape": [1, 1], "datatype": "INT32", "data": [16000]}]}).encode()
-    return _post(url, "/v2/models/cosyvoice_vc/infer", header,
+    return http_post(url, "/v2/models/cosyvoice_vc/infer", header,
                  {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
 
 
@@ -132,17 +131,6 @@ def _overflow_grpc(url: str):
         except grpc.RpcError as exc:
             return exc.code(), exc.details()
     return None, "answered"
-
-
-def _post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, bytes]:
-    host, port = url.split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=PATIENCE_S)
-    try:
-        conn.request("POST", path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
 
 
 def test_the_repeated_overflow_attack_fails_no_innocent_request(triton_server, gateway, reference, speech):
@@ -211,20 +199,20 @@ def test_deep_json_gzip_smuggling_and_bad_values_get_4xx_and_never_reach_triton(
     path = "/v2/models/cosyvoice_vc/infer"
     deep = (b'{"inputs":[{"name":"source_audio","shape":[1,1],"datatype":"FP32","data":' + b"[" * 100_000
             + b"]" * 100_000 + b"}]}")
-    status, answer = _post(http_url, path, deep, {"Content-Type": "application/json"})
+    status, answer = http_post(http_url, path, deep, {"Content-Type": "application/json"})
     assert status == 400 and b"nested" in answer, (status, answer[:200])
     assert json.loads(answer)["error"].startswith("the JSON body is nested")  # KServe's error shape
     packed = gzip.compress(b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[' + b" " * (50 << 20)
                            + b"1]}]}")
-    status, answer = _post(http_url, path, packed, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    status, answer = http_post(http_url, path, packed, {"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert status == 415, (status, answer[:200])
     for body in (b'{"inputs": [', b"\xff\xfe", b'{"inputs":[{"name":"source_audio","shape":[1,1],"datatype":"FP32",'
                  b'"data":[1,]}]}'):
-        status, answer = _post(http_url, path, body, {"Content-Type": "application/json"})
+        status, answer = http_post(http_url, path, body, {"Content-Type": "application/json"})
         assert status == 400 and b"not valid JSON" in answer, (body, status, answer[:200])
     for priority in (-1, "abc", 1.5, 2**70):  # Triton's own parser answers these with HTTP 500
         body = json.dumps({"parameters": {"priority": priority}, "inputs": []}).encode()
-        status, answer = _post(http_url, path, body, {"Content-Type": "application/json"})
+        status, answer = http_post(http_url, path, body, {"Content-Type": "application/json"})
         assert status == 400 and b"priority" in answer, (priority, status, answer[:200])
     smuggled = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
                 b"Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n0\r\n\r\n"
@@ -238,7 +226,7 @@ def test_deep_json_gzip_smuggling_and_bad_values_get_4xx_and_never_reach_triton(
 def test_only_public_models_and_apis_are_served(gateway):
     http_url, grpc_url = gateway
     for model in ("hift", "speakers", "flow_estimator"):
-        status, answer = _post(http_url, f"/v2/models/{model}/infer", b'{"inputs": []}',
+        status, answer = http_post(http_url, f"/v2/models/{model}/infer", b'{"inputs": []}',
                                {"Content-Type": "application/json"})
         assert status == 404 and b"not served at this entry point" in answer, (model, status, answer[:200])
         client = tritonclient_grpc.InferenceServerClient(grpc_url)

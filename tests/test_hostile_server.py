@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, PROBE_TIMEOUT_S, http_post, wait_until
 
 from cosyvoice_triton.serving.launch.server import (
     RESTRICTED_APIS,
@@ -75,22 +75,10 @@ def speech():
     return src[: int(1.5 * ssr)], ssr, prm[: int(1.5 * psr)], psr
 
 
-def _post(server: TritonServer, path: str, body: bytes, headers: dict | None = None,
-          timeout: float = PATIENCE_S) -> tuple[int, bytes]:
-    host, port = server.http_url.split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
-    try:
-        conn.request("POST", path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
 def _binary_infer(server: TritonServer, model: str, inputs: list[dict], data: bytes = b"") -> tuple[int, bytes]:
     """A hand-framed HTTP binary-data request: JSON header, then the raw tensor bytes."""
     header = json.dumps({"inputs": inputs}).encode()
-    return _post(server, f"/v2/models/{model}/infer", header + data,
+    return http_post(server.http_url, f"/v2/models/{model}/infer", header + data,
                  {"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"})
 
 
@@ -170,7 +158,7 @@ def test_http_admin_apis_are_refused_without_the_admin_header(supervised):
         status, body = server.request(method, path, body=b"" if method == "POST" else None)
         assert status == 403 and b"restricted" in body, (method, path, status, body)
     wrong = {"cosyvoice-admin-key": "0" * 48}
-    assert _post(server, "/v2/repository/index", b"", wrong)[0] == 403
+    assert http_post(server.http_url, "/v2/repository/index", b"", wrong)[0] == 403
     for method, path in HTTP_RESTRICTED:
         if "unload" not in path:
             assert server.request(method, path, body=b"" if method == "POST" else None, admin=True)[0] == 200, path
@@ -230,7 +218,7 @@ def test_malformed_json_is_an_error_and_the_server_survives(supervised):
     bodies = [b'{"inputs": [', b"{", b"[1,2", b'{"inputs": 5}', b"\xff\xfe",
               b'{"inputs":[{"name":"mel","shape":[1,80,1],"datatype":"FP32","data":[1,]}]}']
     for body in bodies:
-        status, answer = _post(server, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
+        status, answer = http_post(server.http_url, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
         # Triton 2.51's HTTP frontend answers 500 to a body it cannot parse (README: a proxy in front maps it)
         assert status in (400, 500) and b"error" in answer, (body, status, answer)
     assert server.is_ready() and _hift_ok(server)
@@ -244,7 +232,7 @@ def test_gzip_body_is_inflated_by_triton_without_a_size_limit(supervised):
     raw = b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[' + b" " * (100 << 20) + b"1]}]}"
     packed = gzip.compress(raw, 6)
     assert len(packed) < 200_000
-    status, answer = _post(server, "/v2/models/hift/infer", packed,
+    status, answer = http_post(server.http_url, "/v2/models/hift/infer", packed,
                            {"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert status == 400 and b"unexpected inference input 'x'" in answer  # parsed all 100 MB, then refused
     FIGURES["gzip: compressed bytes inflated and parsed"] = f"{len(packed)} -> {len(raw)}"
@@ -309,7 +297,7 @@ def test_deeply_nested_json_kills_the_server_and_it_comes_back(supervised):
     victims = _regions(server)
     with ReadinessWatch(server) as watch:
         with pytest.raises((OSError, http.client.HTTPException)):
-            _post(server, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
+            http_post(server.http_url, "/v2/models/hift/infer", body, {"Content-Type": "application/json"})
         _recover(supervised, watch, lambda: _hift_ok(server), "nested JSON -> server")
     assert server.ports == ports  # clients reconnect to the same address
     # the event is logged just after the server answers again

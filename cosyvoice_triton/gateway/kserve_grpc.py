@@ -94,6 +94,11 @@ def checked_request(upstream: Upstream, sig, request: service_pb2.ModelInferRequ
     return out
 
 
+def _headers(context) -> dict[str, str]:
+    """The call's text metadata, by lower-case key."""
+    return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+
+
 class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, upstream: Upstream, keys: KeyRing, limiter: KeyLimiter):
         self.upstream, self.keys, self.limiter = upstream, keys, limiter
@@ -102,7 +107,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(GRPC_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
 
     def _admit(self, context) -> tuple[str, Namespace]:
-        metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        metadata = _headers(context)
         if self.keys.enabled:
             who = self.keys.identify(metadata.get("authorization"))
             ns = Namespace(self.keys.tenant_of(who))
@@ -113,8 +118,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         return who, ns
 
     def _metadata(self, context) -> list[tuple[str, str]]:
-        given = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        return [(ERROR_HEADER, "true")] if str(given.get(ERROR_HEADER, "")).lower() == "true" else []
+        return [(ERROR_HEADER, "true")] if _headers(context).get(ERROR_HEADER, "").lower() == "true" else []
 
     def _timeout(self, context) -> float:
         left = context.time_remaining()

@@ -151,7 +151,10 @@ def test_a_model_loaded_again_through_the_api_is_not_taken_for_a_dead_stub(tmp_p
         assert set(sup._stubs) == after and len(after) == 2  # the new stubs are watched
         os.kill(next(iter(after)), signal.SIGKILL)  # and a death among them is seen
         wait_until(lambda: sup.check() or "reloaded" in _kinds(sup), "the killed new stub's model reloaded")
-        assert _kinds(sup)[0] == "stub-died" and _echo(server)
+        # the regions of the replaced stubs may be removed at any check (once no process maps them): only the
+        # kinds about stubs and models are ordered
+        kinds = [k for k in _kinds(sup) if k != "shm-removed"]
+        assert kinds[0] == "stub-died" and _echo(server), sup.events
 
 
 def _tritonserver(cli: psutil.Process) -> psutil.Process | None:

@@ -18,7 +18,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts bench-peer gpu-wheels export quantize quality bench-export \
+.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels export quantize quality bench-export \
         engines engines-dry-run engines-llm render serve clean
 
 help: ## list the stages
@@ -76,6 +76,9 @@ bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dim
 
 bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at batch 1, 4, 8 and whole-TTS RTF at full dims (OFFICIAL=checkout: side by side)
 	$(CLI) bench-tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
+
+bench-lm-kernels: $(VENV)/.installed ## the LM's trunk Linears in INT8 through PyTorch, onnxruntime (and OpenVINO if installed: pip install -e ".[openvino]"): ms per step, tokens/s ceiling, distance from fp32
+	$(CLI) bench-lm-kernels --model-dir models/cosyvoice2-demo-full --threads 2
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
 	$(CLI) bench-preprocess

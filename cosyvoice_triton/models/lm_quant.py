@@ -28,7 +28,10 @@ batch 8; bf16 autocast 8.5 / 20; this module's int8 (``x86`` engine) 27 / 144; t
 int8 with the head quantised too was slower (6 / 32; not investigated). Per-channel weights and 8-bit instead of
 PyTorch's 7-bit (``reduce_range``) activations moved the distances only a little (mean TV 0.083 per tensor, 0.077
 per channel, 0.070 per channel with full-range activations, at full dims). ``torch.ao.quantization`` is deprecated
-in favour of torchao, whose CPU int8 path was not tried; neither were onnxruntime's integer MatMul nor OpenVINO.
+in favour of torchao, whose CPU int8 path was not tried. onnxruntime (MatMulInteger; MatMulNBits with 8-bit
+weights in blocks of 32) and OpenVINO (NNCF's INT8 weight compression) on the same layers: ``bench-lm-kernels``
+(:mod:`cosyvoice_triton.bench.lm_kernels`). None of them meets the bar either, and none is faster than this
+module's int8 at batch 8 (docs/benchmarks.md), so this module stays the LM's int8.
 """
 
 from __future__ import annotations

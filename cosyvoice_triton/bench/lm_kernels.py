@@ -75,19 +75,14 @@ def _onnx_linear(weight: np.ndarray, bias: np.ndarray | None) -> bytes:
 
 
 def _ort_kernel(scheme: str, weight: np.ndarray, bias: np.ndarray | None, threads: int) -> Kernel:
-    try:
-        import onnx
-        import onnxruntime as ort
-    except ImportError as exc:
-        raise Unavailable(f"onnxruntime is not installed ({exc})") from exc
+    import onnx
+    import onnxruntime as ort
+
     model = _onnx_linear(weight, bias)
     if scheme == "ort-int8":
         model = _quantize_dynamic(model)
     elif scheme == "ort-int8-block32":
-        try:
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-        except ImportError as exc:  # its onnx_ir dependency
-            raise Unavailable(f"onnxruntime's MatMulNBits quantizer cannot be imported ({exc})") from exc
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
         quantizer = MatMulNBitsQuantizer(onnx.load_from_string(model), bits=8, block_size=32, is_symmetric=True,
                                          accuracy_level=4)
         quantizer.process()
@@ -142,11 +137,9 @@ def _torch_kernel(scheme: str, weight: np.ndarray, bias: np.ndarray | None, thre
         if bias is not None:
             linear.bias.copy_(torch.from_numpy(bias))
     if scheme == "torch-int8":
-        from ..models.lm_quant import quantize_lm
+        from ..models.lm_quant import quantize_linears
 
-        holder = nn.Module()
-        holder.qwen, holder.llm_decoder = nn.Sequential(linear), linear  # quantize_lm quantises .qwen only
-        linear = quantize_lm(holder, "int8").qwen[0]
+        linear = quantize_linears(nn.Sequential(linear))[0]
     linear.eval()
 
     def run(x: np.ndarray) -> np.ndarray:

@@ -49,7 +49,7 @@ from ..errors import ConfigError
 from .sampling import make_draw, sample_token
 
 __all__ = ["BAR", "INT8_MEETS_BAR", "LM_PRECISIONS", "SANITY", "DistributionReport", "QualityBar", "compare",
-           "quantize_lm", "teacher_forced_logp"]
+           "quantize_linears", "quantize_lm", "teacher_forced_logp"]
 
 LM_PRECISIONS = ("fp32", "int8")
 
@@ -80,6 +80,14 @@ def quantize_lm(lm, precision: str = "int8"):
     if device.type != "cpu":
         raise ConfigError(f"lm_precision int8 is PyTorch's CPU INT8 (dynamic quantised Linear); the LM is on "
                           f"{device}: use fp32 there (on a GPU the LM is served by TensorRT-LLM)")
+    quantize_linears(lm.qwen)
+    lm.lm_precision = precision
+    return lm
+
+
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """Every ``nn.Linear`` under ``module`` replaced, in place, by PyTorch's dynamic INT8 Linear (int8 weights per
+    output channel; the ``x86`` engine where PyTorch has it). Returns ``module``."""
     if "x86" in torch.backends.quantized.supported_engines:
         torch.backends.quantized.engine = "x86"
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
@@ -87,9 +95,8 @@ def quantize_lm(lm, precision: str = "int8"):
     with warnings.catch_warnings():  # PyTorch >= 2.10 announces torch.ao.quantization's move to torchao
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        quantize_dynamic(lm.qwen, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
-    lm.lm_precision = precision
-    return lm
+        quantize_dynamic(module, {nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True)
+    return module
 
 
 # ------------------------------------------------------------------------------------------ the quality bar

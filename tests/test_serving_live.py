@@ -230,6 +230,56 @@ def test_arrival_mode_moves_the_current_sender_when_a_piece_arrives():
     live.close()
 
 
+class _FreedSender(_Sender):
+    """A sender whose response factory Triton frees with the final flag: asking it afterwards is a use after free
+    (a segfault in the real backend). Once ``armed``, ``is_cancelled`` holds until ``release`` is set, to widen
+    the race."""
+
+    def __init__(self):
+        super().__init__()
+        self.armed, self.asking, self.release = threading.Event(), threading.Event(), threading.Event()
+        self.asked_after_final = 0
+
+    def is_cancelled(self):
+        if self.finals:
+            self.asked_after_final += 1
+        if not self.armed.is_set():
+            return False
+        self.asking.set()
+        self.release.wait(PATIENCE_S)
+        if self.finals:
+            self.asked_after_final += 1
+        return False
+
+
+def test_a_sender_closed_by_a_new_piece_is_never_asked_whether_it_was_cancelled():
+    """Arrival mode closes the previous piece's sender from the execute thread while the worker asks the open
+    senders whether the client went away: the close waits for the question, and a closed sender is never asked."""
+    live, _ = _sessions_of(advance="arrival")
+    first = _Request(4, 1, start=True)
+    first.sender = _FreedSender()
+    live.submit(first)
+    wait_until(lambda: first.sender.outputs() == [1], "the first piece answered")
+    ctx = live.sessions[4]
+    first.sender.armed.set()
+    asker = threading.Thread(target=ctx.cancelled)
+    asker.start()
+    assert first.sender.asking.wait(PATIENCE_S)
+    second = _Request(4, 2, end=True)
+    closer = threading.Thread(target=live.submit, args=(second,))  # closes `first`'s sender on arrival
+    closer.start()
+    closer.join(0.2)
+    assert first.sender.finals == 0, "the sender was closed while it was being asked"
+    first.sender.release.set()
+    asker.join(PATIENCE_S)
+    closer.join(PATIENCE_S)
+    _finals(first, second)
+    for _ in range(50):  # the worker asks the open senders before each piece: the closed one is not among them
+        assert not ctx.cancelled()
+    assert first.sender.asked_after_final == 0
+    live.close()
+
+
 # ------------------------------------------------------------------------------------------ rendered config
 @pytest.mark.parametrize("flavor", ["local", "onnx", "trt"])
 def test_the_live_model_is_rendered_with_a_sequence_batcher(serving_assets, tmp_path, flavor):

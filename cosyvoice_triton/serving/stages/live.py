@@ -150,10 +150,15 @@ class LiveContext:
             self.sender = None
 
     def cancelled(self) -> bool:
-        """The client went away: the current sender (or any open one) is cancelled."""
+        """The client went away: the current sender (or any open one) is cancelled. Asked under the lock: a sender
+        closed by the execute thread (arrival mode closes the previous piece's) must never be asked, since Triton
+        frees its response factory with the final flag and asking it then reads freed memory."""
         with self.cond:
-            senders = list(self.open_senders)
-        for s in senders:
+            return self._any_cancelled()
+
+    def _any_cancelled(self) -> bool:
+        """Under the lock: any open sender is cancelled."""
+        for s in self.open_senders:
             try:
                 if s.is_cancelled():
                     return True
@@ -358,21 +363,11 @@ class LiveSessions:
                     idle = not ctx.busy and not ctx.queue and now - ctx.last_activity > self.idle_timeout_s
                     gone = False
                     if not idle and not ctx.busy:
-                        gone = self._gone(ctx)
+                        gone = ctx._any_cancelled()
                     if idle or gone:
                         ctx.ended_by = "cancelled" if gone else "idle"
                         self.counts["idle" if idle else "vanished"] += 1
                         ctx.cond.notify_all()
-
-    @staticmethod
-    def _gone(ctx: LiveContext) -> bool:
-        for s in ctx.open_senders:
-            try:
-                if s.is_cancelled():
-                    return True
-            except Exception:
-                return False
-        return False
 
     def close(self, wait_s: float = 0.0) -> None:
         """Stop every session (``finalize()``): their pieces end (``ended_by`` "closed"); then wait up to

@@ -32,6 +32,7 @@ from cosyvoice_triton.clients.live import (
     pcm_pieces,
     text_pieces,
 )
+from cosyvoice_triton.errors import AudioError
 
 SOURCE, PROMPT = FIXTURES / "source_en_5s.wav", FIXTURES / "prompt_en_3s.wav"
 CLI = [sys.executable, "-m", "cosyvoice_triton", "client"]
@@ -236,6 +237,24 @@ def test_vc_session_framing(source):
     assert stats.pieces == 3 and math.isclose(stats.source_seconds, 1.0, rel_tol=1e-6)
     assert stats.chunks == 4 and stats.samples == OUT_SR and len(stats.latencies_s) == 4
     assert fake.stops == [False]  # ended: nothing to cancel
+
+
+def test_multichannel_pieces_keep_the_stream_s_layout(source):
+    """A piece is [N] or [N, C] frames, C fixed by the first piece: one stereo frame [1, 2] is one sample, a
+    [2, 2] piece two frames (averaged over channels, never over time); a piece with other channels is refused."""
+    wave, sr = source
+    stereo = np.stack([wave, -0.5 * wave], axis=1)  # [N, 2]
+    model = FakeLiveModel()
+    client, _ = _live_client(model)
+    pieces = [stereo[:1], stereo[1:3], stereo[3:2000], stereo[2000:]]
+    list(client.convert_live(pieces, prompt=PROMPT, sample_rate=sr))
+    sent = [r["inputs"]["source_audio"][0] for r in model.requests[:-1]]
+    assert [len(x) for x in sent] == [1, 2, 1997, len(wave) - 2000]
+    np.testing.assert_allclose(np.concatenate(sent), 0.25 * wave, rtol=1e-6, atol=1e-7)
+    model = FakeLiveModel()
+    client, _ = _live_client(model)
+    with pytest.raises(AudioError, match="the stream's pieces have 2"):
+        list(client.convert_live([stereo[:100], wave[100:200]], prompt=PROMPT, sample_rate=sr))
 
 
 def test_sessions_get_their_own_sequence_ids_and_the_client_is_reused(source):

@@ -250,6 +250,7 @@ class _Session:
         self.stats = stats if stats is not None else LiveStats()
         self.priority = priority
         self.sequence_id = new_sequence_id()
+        self.channels = audio.StreamChannels()  # VC: the pieces' layout, fixed by the first one
         self.sent_at: list[float] = []  # perf_counter of each request
         self.ends: list[float] = []  # VC: source seconds sent after each request
         self.finals = self.errors = 0  # each request gets one of the two
@@ -299,7 +300,7 @@ class _Session:
         """The request of one piece (None: an empty piece, not sent)."""
         k = len(self.sent_at)
         if self.kind == "vc":
-            samples = audio.to_mono_float32(piece, name=f"source piece {k}")
+            samples = self.channels.mono(piece, name=f"source piece {k}")
             return self._frame(self._source(samples), len(samples) / self.sample_rate, False) if samples.size else None
         if not isinstance(piece, (str, bytes, bytearray)):
             raise AudioError(f"text piece {k}: str or bytes, got {type(piece).__name__}")
@@ -446,7 +447,8 @@ class LiveClient(VCClient):
                      priority: int | None = None) -> Iterator[LiveChunk]:
         """Convert source pieces (sample arrays at ``sample_rate``, or a :class:`PacedPieces`, which carries its
         rate) into the voice of ``prompt`` (path, bytes, or samples with ``prompt_sr``; ``encoded``: a file sent
-        as it is) or of a registered ``speaker_id``, over one live session: chunks as they arrive."""
+        as it is) or of a registered ``speaker_id``, over one live session: chunks as they arrive. A piece is
+        ``[N]`` mono or ``[N, C]`` frames, C fixed by the first piece (:class:`~..frontend.audio.StreamChannels`)."""
         voice = _vc_voice(self._module, prompt, prompt_sr, speaker_id, seed, encoded)
         session = _Session(self._module, model, "vc", voice, sample_rate=_rate(pieces, sample_rate), stats=stats,
                            priority=self.validate_priority(model, priority))

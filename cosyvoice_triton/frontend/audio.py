@@ -128,14 +128,15 @@ def validate_sample_rate(sample_rate, *, name: str = "audio") -> int:
     return int(value)
 
 
-def to_mono_float32(samples, *, name: str = "audio") -> np.ndarray:
+def to_mono_float32(samples, *, name: str = "audio", channel_axis: int | None = None) -> np.ndarray:
     """Convert a PCM array of any supported layout to a mono ``float32`` waveform.
 
     Parameters
     ----------
     samples : array_like
         1-D ``[N]``, or 2-D multichannel: ``[C, N]`` (torchaudio layout) or ``[N, C]`` (soundfile layout);
-        the shorter axis is taken as channels (ties: axis 0) and must have at most ``MAX_CHANNELS`` entries.
+        the shorter axis is taken as channels (ties: axis 0) unless ``channel_axis`` says which, and must have at
+        most ``MAX_CHANNELS`` entries.
         Floating dtypes are used as they are (full scale 1.0; louder values are kept, not clipped);
         ``int8``/``int16``/``int32`` are divided by 2**7/2**15/2**31 and ``uint8`` (8-bit WAV) is centred
         on 128 first. Other integer dtypes (int64, uint16, ...) are ambiguous and rejected.
@@ -165,7 +166,7 @@ def to_mono_float32(samples, *, name: str = "audio") -> np.ndarray:
         raise AudioError(f"{name}: {kind} dtype {dt} is not audio; pass int16/int32 PCM or floats in [-1, 1]")
 
     if arr.ndim == 2:
-        ch_axis = 0 if arr.shape[0] <= arr.shape[1] else 1
+        ch_axis = channel_axis if channel_axis is not None else 0 if arr.shape[0] <= arr.shape[1] else 1
         if arr.shape[ch_axis] > MAX_CHANNELS:
             raise AudioError(f"{name}: cannot tell channels from time in a 2-D array of shape {arr.shape}; "
                              f"expected [channels, N] or [N, channels] with at most {MAX_CHANNELS} channels")
@@ -174,6 +175,30 @@ def to_mono_float32(samples, *, name: str = "audio") -> np.ndarray:
         raise AudioError(f"{name}: expected a 1-D waveform or a 2-D [channels, N] array, got a "
                          f"{arr.ndim}-D array of shape {arr.shape}")
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+class StreamChannels:
+    """The channel layout of a stream of audio pieces, which belongs to the stream, not to each piece: a piece is
+    1-D ``[N]`` (mono) or 2-D ``[N, C]`` frames (as a sound card or soundfile gives them); the first piece fixes
+    C (or ``channels`` does) and every later piece must have as many. A piece of one stereo frame ``[1, 2]`` is
+    one sample, ``[2, 2]`` two frames of two channels: never guessed from the piece's shape."""
+
+    def __init__(self, channels: int | None = None):
+        self.channels = channels
+
+    def mono(self, piece, *, name: str = "audio piece") -> np.ndarray:
+        """The piece as mono ``float32`` samples (channels averaged); :class:`AudioError` if its layout is not the
+        stream's."""
+        arr = np.asarray(piece) if not isinstance(piece, np.ndarray) else piece
+        channels = 1 if arr.ndim == 1 else arr.shape[1] if arr.ndim == 2 else None
+        if channels is not None:
+            if self.channels is None:
+                self.channels = channels
+            elif channels != self.channels:
+                raise AudioError(f"{name}: {channels} channel(s) ({'1-D' if arr.ndim == 1 else '[N, C]'} "
+                                 f"{arr.shape}), but the stream's pieces have {self.channels}: a piece is [N] "
+                                 "mono or [N, C] frames, the same C throughout a stream")
+        return to_mono_float32(arr, name=name, channel_axis=1)
 
 
 def validate_audio(

@@ -11,8 +11,11 @@ streaming chunk / final, one padded estimator call, HiFT on a mel and on the flo
 speech, the random draws), and the VC path of ``CosyVoice2Model.tts`` non-streaming and streaming. It also measures
 how much float32 rounding of HiFT's input mel moves the waveform (the bar of the end-to-end waveform tests).
 
-Only the small references are committed. The weights (58 MB) are not: tests regenerate them with
-:func:`write_weights` and check the digests in ``oracle_meta.json``. See tests/oracle/README.md.
+The small references and the tiny ``hift.pt`` (1.7 MB) are committed; ``flow.pt`` (58 MB) is not: tests regenerate it
+from the seeded draws with :func:`write_weights` and check both digests in ``oracle_meta.json``. ``hift.pt`` is
+committed because its F0 calibration (a forward pass of the F0 predictor) and its weight-norm magnitudes (norms)
+carry the last bits of the CPU's kernels: an AVX-512 machine regenerates it with another digest than an AVX2 one.
+See tests/oracle/README.md.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ HIFT_SEED = 1234
 HIFT_MEL_A_FRAMES = 30  # hift_melA: the first frames of the front end's mel_a_mel
 CFM_NOISE_SEED = 0  # CausalConditionalCFM.__init__: set_all_random_seed(0); randn([1, 80, 15000])
 SPEECH_TOKENS = 6561
+#: The oracle's tiny HiFT weights, committed (see the module docstring).
+HIFT_FILE = ROOT / "tests" / "fixtures" / "flow_oracle" / "hift.pt"
 # (case, Tp, Ts, Tf, streaming, finalize). Stream cases span several 25-token / 50-frame chunks.
 FLOW_CASES = [("nonstream", 15, 25, 30, False, True), ("vc_misaligned", 12, 20, 25, False, True),
               ("stream_chunk", 25, 28, 50, True, False), ("stream_final", 25, 40, 50, True, True)]
@@ -76,12 +81,16 @@ def oracle_states(seed: int = WEIGHT_SEED) -> tuple[dict, dict]:
     return flow.state_dict(), hift.state_dict()
 
 
-def write_weights(folder: Path, seed: int = WEIGHT_SEED) -> dict[str, str]:
-    """``flow.pt``, ``hift.pt`` and ``cosyvoice2.yaml`` under ``folder``; returns their state digests."""
+def write_weights(folder: Path, seed: int = WEIGHT_SEED, *, hift_file: Path | None = HIFT_FILE) -> dict[str, str]:
+    """``flow.pt``, ``hift.pt`` and ``cosyvoice2.yaml`` under ``folder``; returns their state digests. ``flow.pt``
+    comes from the seeded draws; ``hift.pt`` from ``hift_file`` (the committed one) where that exists, since a
+    regenerated one depends on the CPU (module docstring); None: regenerated (a new oracle's weights)."""
     from cosyvoice_triton.config import write_yaml
 
     folder.mkdir(parents=True, exist_ok=True)
     flow, hift = oracle_states(seed)
+    if hift_file is not None and hift_file.is_file():
+        hift = torch.load(hift_file, map_location="cpu", weights_only=True)
     torch.save(flow, folder / "flow.pt")
     torch.save(hift, folder / "hift.pt")
     write_yaml(oracle_config(), folder / "cosyvoice2.yaml")

@@ -547,11 +547,14 @@ class CosyVoice2:
         :class:`~.frontend.text.live.LiveText` is fed from another thread and ends with what it has). Each piece
         is tokenized on its own and not normalised (:func:`~.frontend.text.live.piece_tokens`); the prompt
         text is normalised as in :meth:`tts_stream`. The LM decodes with :class:`~.models.bistream.LiveDecode`
-        (its stop reason: :attr:`LiveAudio.stop_reason`). Prompt keywords, ``seed`` and ``draws``: as
+        (its stop reason: :attr:`LiveAudio.stop_reason`); it stops, as the served live TTS does, where the flow's
+        room ends (:func:`~.shapes.flow_token_room`: the flow graph's tokens axis less the prompt's), or at
+        ``max_token_text_ratio`` speech tokens per text token. Prompt keywords, ``seed`` and ``draws``: as
         :meth:`tts_stream`.
         """
         from .frontend.text.live import piece_tokens
         from .models.bistream import live_decode
+        from .shapes import flow_token_room
 
         front = self._text()
         speaker = self._speaker(prompt_audio, prompt_sr, prompt_text, speaker_id, timer)
@@ -560,7 +563,8 @@ class CosyVoice2:
             draws = torch.Generator().manual_seed(int(seed))
         tokens = piece_tokens(front.tokenizer, text_pieces, max_chars=front.max_chars, strict_tags=front.strict_tags)
         decode = live_decode(self.llm, tokens, lm_text, lm_speech, draws=draws,
-                             max_token_text_ratio=max_token_text_ratio)
+                             max_token_text_ratio=max_token_text_ratio,
+                             max_tokens=flow_token_room(len(speaker.prompt_tokens)))
         inputs = TTSRequest(text="", text_tokens=np.zeros(0, np.int32), lm_prompt_text_tokens=lm_text,
                             lm_prompt_speech_tokens=lm_speech, prompt=speaker).flow_inputs()
         chunks = self.tokens2wav_stream(inputs, _timed(decode, timer, "llm"), seed=seed, timer=timer,

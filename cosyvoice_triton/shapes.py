@@ -309,6 +309,12 @@ class StageSpec:
         return [d if isinstance(d, int) else -1 for d in tensor.shape[1:]]
 
 
+def flow_token_room(prompt_tokens: int) -> int:
+    """How many speech tokens the flow takes beside a prompt of ``prompt_tokens``: its graph's ``tokens`` axis
+    less the prompt's. The served LM and the library's live TTS both stop there (``max_tokens``)."""
+    return GRAPHS["flow_encoder"].axes["tokens"].max - int(prompt_tokens)
+
+
 _FLOW_BATCH = min(GRAPHS["flow_encoder"].max_batch_size, GRAPHS["flow_estimator"].max_batch_size // 2)
 _HIFT_BATCH = min(GRAPHS["hift_source"].max_batch_size, GRAPHS["hift_decoder"].max_batch_size)
 _FRONT_BATCH = min(GRAPHS["speech_tokenizer"].max_batch_size, GRAPHS["speaker_encoder"].max_batch_size)

@@ -19,6 +19,7 @@ from cosyvoice_triton.errors import LLMError, TextError
 from cosyvoice_triton.frontend.text.live import LiveText, piece_texts, piece_tokens
 from cosyvoice_triton.models.bistream import STOP_REASONS, live_decode
 from cosyvoice_triton.models.llm import load_llm
+from cosyvoice_triton.shapes import GRAPHS
 
 ORACLE = FIXTURES / "llm_oracle"
 META = json.loads((ORACLE / "oracle_meta.json").read_text())
@@ -90,10 +91,29 @@ def test_tokens_draws_and_logp_equal_official(lm, name):
     assert decode.decoded[-1] == int(z["sampled"][-1])
 
 
-def test_empty_chunks_are_skipped(lm):
-    z = _case("bistream_runout")
+def test_empty_chunks_of_one_token_pieces_change_nothing(lm):
+    z = _case("bistream_runout")  # one-token chunks: no backlog of text for an empty chunk to release
     chunks = [c for chunk in _chunks(z) for c in (chunk, np.zeros(0, np.int32))]
     assert _decode(lm, z, chunks)[0] == z["tokens"].tolist()
+
+
+def test_an_empty_chunk_releases_one_backlogged_text_block_as_officially(lm):
+    """The official loop runs its mixing step on every chunk, empty ones included: after a fill, 5 backlogged
+    text tokens go in and 15 speech tokens come out. A 12-token chunk then two empty ones: 15 tokens after the
+    first chunk, 15 more after the first empty one, none after the second (2 tokens left: the final phase)."""
+    made = []
+
+    def chunks():
+        yield np.arange(100, 112, dtype=np.int32)
+        for _ in range(2):
+            made.append(len(decode.tokens))
+            yield np.zeros(0, np.int32)
+        made.append(len(decode.tokens))
+
+    decode = live_decode(lm, chunks(), draws=torch.Generator().manual_seed(0))
+    tokens = list(decode)
+    assert made == [15, 30, 30], (made, decode.stop_reason)
+    assert decode.text_tokens == 12 and len(tokens) >= 30
 
 
 def test_step_limit_stops_the_final_phase(lm):
@@ -299,6 +319,7 @@ def test_service_live_equals_tts_live(service, demo, prompt_wave):
     ref = list(ref_live)
     assert responses.decode.tokens == ref_live.decode.tokens
     assert responses.stop_reason == ref_live.stop_reason
+    assert responses.decode.max_tokens == ref_live.decode.max_tokens < GRAPHS["flow_encoder"].axes["tokens"].max
     assert [r["chunk_index"].item() for r in got] == list(range(len(ref)))
     assert [r["waveform"].shape[1] for r in got] == [len(c) for c in ref]
     for r, c in zip(got, ref, strict=True):

@@ -34,8 +34,10 @@ or could run without end, this stops instead, with :attr:`LiveDecode.stop_reason
 - ``"max_positions"``: the next input would not fit in the model's positions;
 - ``"cancelled"``: ``cancelled()`` turned true (checked before every model call).
 
-Other differences: an empty chunk is skipped (the official loop would run its mixing step on it; its front end
-never sends one); a text that ends without a single token raises :class:`~..errors.LLMError`. Decoding runs on
+An empty chunk runs the mixing step as in the official loop: after a fill token, a backlog of 5 cached text tokens
+(left by a chunk of many tokens) is released and the next 15 speech tokens are decoded, so the same tokens come out
+at the same pieces as in the official code. A text that ends without a single token raises
+:class:`~..errors.LLMError`. Decoding runs on
 its own KV cache, one request at a time (not in :class:`.llm.BatchDecoder`'s batch).
 
 Attention is causal over the whole cache, the semantics of the official code under its transformers 4.51.
@@ -122,8 +124,6 @@ class LiveDecode(Iterator[int]):
         next_fill = (int(n_prompt / n_speech) + 1) * n_speech - n_prompt
         for raw in chunks:
             chunk = self._chunk(raw)
-            if chunk.numel() == 0:
-                continue
             self.text_tokens += chunk.numel()
             text_cache = torch.cat([text_cache, embed_text(chunk.to(dev))[None]], dim=1)
             while speech_left.shape[1] and text_cache.shape[1] >= n_text:

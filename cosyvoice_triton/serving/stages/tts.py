@@ -45,7 +45,7 @@ from ...frontend.text.frontend import MAX_DIGIT_RUN, MAX_DIGITS
 from ...models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
 from ...pipeline import lm_prompt
 from ...prompt_cache import PromptCache
-from ...shapes import GRAPHS
+from ...shapes import GRAPHS, flow_token_room
 from ...speaker_state import SpeakerState
 from ...speakers import SpeakerPrompt
 from ...streaming import StreamSchedule
@@ -370,8 +370,8 @@ class LiveResponses(Iterator[dict[str, np.ndarray]]):
 
 
 def flow_room(prompt: SpeakerPrompt) -> int:
-    """How many speech tokens the flow takes beside ``prompt``'s (its graph's ``tokens`` axis, with the prompt's)."""
-    return GRAPHS["flow_encoder"].axes["tokens"].max - int(prompt.prompt_tokens.size)
+    """How many speech tokens the flow takes beside ``prompt``'s (:func:`~cosyvoice_triton.shapes.flow_token_room`)."""
+    return flow_token_room(prompt.prompt_tokens.size)
 
 
 def speech_token_room(plan: TTSPlan) -> int:

@@ -34,6 +34,7 @@ from .errors import GatewayError, error_body, install_handlers
 from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
+from .sessions import SequenceIds
 from .tenants import PUBLIC, Namespace, namespace
 from .upstream import Upstream
 
@@ -126,6 +127,11 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     limiter = KeyLimiter(config.max_concurrency_per_key, config.rate_limit)
     upstream = Upstream(config.triton_grpc, config.triton_http, config.kserve_models,
                         timeout_s=config.backend_timeout_s, max_message_bytes=config.max_body_bytes)
+    # sequence ids (live sessions) per tenant; one tenant (no keys): passed through as they are
+    sequences = SequenceIds(config.max_sequences, config.max_sequences_per_tenant,
+                            config.sequence_idle_s) if keys.enabled else None
+    if sequences is not None:
+        metrics.sequences.set_function(sequences.open_count)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -135,7 +141,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
         await upstream.start()
         grpc_server = None
         if config.grpc_port:
-            grpc_server = kserve_grpc.make_server(kserve_grpc.KServeProxy(upstream, keys, limiter),
+            grpc_server = kserve_grpc.make_server(kserve_grpc.KServeProxy(upstream, keys, limiter, sequences),
                                                   f"{config.host}:{config.grpc_port}", config.max_body_bytes)
             await grpc_server.start()
         try:
@@ -234,7 +240,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     app.include_router(compat.router(config, _streamed))
     app.include_router(voices.router(config, backend_call))
     app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
-    app.include_router(kserve_http.router(upstream, config.max_json_depth))
+    app.include_router(kserve_http.router(upstream, config.max_json_depth, sequences))
 
     @app.get("/health")
     async def health(request: Request):

@@ -33,6 +33,10 @@ class GatewayConfig:
     tenants: tuple[tuple[str, str], ...] = ()  # (key, tenant name) of the keys a keys file names; others: a digest
     max_voices_per_tenant: int = 20  # 0: unlimited
     max_voice_bytes_per_tenant: int = 10 * 1024 * 1024  # prompts counted as 16-bit 16 kHz audio; 0: unlimited
+    # the tenants' sequence ids (live sessions) at the KServe entry points, with keys (sessions.py)
+    max_sequences: int = 1024  # open at once, all tenants
+    max_sequences_per_tenant: int = 64
+    sequence_idle_s: float = 35.0  # at least the live models' idle time (live_idle_timeout_s + 5 s: Triton's)
     max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
     max_json_depth: int = 16
     max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
@@ -98,6 +102,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-voice-bytes-per-tenant", type=int,
                    default=int(_env("max_voice_bytes_per_tenant", d.max_voice_bytes_per_tenant)),
                    help="the tenant's voices' prompts, counted as 16-bit mono 16 kHz audio; 0: unlimited")
+    p.add_argument("--max-sequences", type=int, default=int(_env("max_sequences", d.max_sequences)),
+                   help="open sequence ids (live sessions) the gateway keeps for all tenants; a start beyond: 429")
+    p.add_argument("--max-sequences-per-tenant", type=int,
+                   default=int(_env("max_sequences_per_tenant", d.max_sequences_per_tenant)),
+                   help="open sequence ids of one tenant; a start beyond: 429")
+    p.add_argument("--sequence-idle-s", type=float, default=float(_env("sequence_idle_s", d.sequence_idle_s)),
+                   help="a sequence id without a request this long is forgotten; keep it at least the live "
+                        "models' live_idle_timeout_s + 5")
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
     p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
     p.add_argument("--max-input-chars", type=int, default=int(_env("max_input_chars", d.max_input_chars)))
@@ -128,6 +140,8 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          tenants=tuple(sorted((k, t) for k, t in named.items() if t is not None)),
                          max_voices_per_tenant=args.max_voices_per_tenant,
                          max_voice_bytes_per_tenant=args.max_voice_bytes_per_tenant, max_body_bytes=args.max_body_bytes,
+                         max_sequences=args.max_sequences, max_sequences_per_tenant=args.max_sequences_per_tenant,
+                         sequence_idle_s=args.sequence_idle_s,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          cors_origins=tuple(o.strip() for o in origins), backend_timeout_s=args.backend_timeout_s,

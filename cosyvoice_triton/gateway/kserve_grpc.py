@@ -4,8 +4,10 @@
 is checked by :mod:`.inference` before it goes on to Triton; the API key comes as ``authorization: Bearer <key>``
 metadata and counts against the same concurrency and rate as HTTP. A bad request in a stream is answered in the
 stream (its ``error_message``), or ends the stream with INVALID_ARGUMENT when the client asked for status codes
-(``triton_grpc_error: true``, passed on to Triton too). The model config, repository, shared-memory, trace,
-logging and statistics methods answer UNIMPLEMENTED (Triton keeps them behind its admin key)."""
+(``triton_grpc_error: true``, passed on to Triton too). A ``sequence_id`` names a sequence of the caller's
+tenant (:mod:`.sessions`): Triton gets the gateway's id for it, the answers give the caller's back. The model
+config, repository, shared-memory, trace, logging and statistics methods answer UNIMPLEMENTED (Triton keeps them
+behind its admin key)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from .errors import GatewayError
 from .inference import Tensor, bad, check_name, check_outputs, check_parameters, check_request
 from .limits import KeyLimiter, KeyRing
+from .sessions import Scope, SequenceIds
 from .tenants import PUBLIC, Namespace
 from .upstream import Upstream
 
@@ -100,8 +103,8 @@ def _headers(context) -> dict[str, str]:
 
 
 class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, upstream: Upstream, keys: KeyRing, limiter: KeyLimiter):
-        self.upstream, self.keys, self.limiter = upstream, keys, limiter
+    def __init__(self, upstream: Upstream, keys: KeyRing, limiter: KeyLimiter, sequences: SequenceIds | None = None):
+        self.upstream, self.keys, self.limiter, self.sequences = upstream, keys, limiter, sequences
 
     async def _fail(self, context, exc: GatewayError):
         await context.abort(GRPC_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
@@ -130,17 +133,19 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             who, ns = self._admit(context)
         except GatewayError as exc:
             return await self._fail(context, exc)
+        scope = Scope(self.sequences, ns.tenant)
         try:
             kw = {}
             if infer:
-                request, kw = await self._checked(request, ns), {"metadata": self._metadata(context)}
+                request, kw = await self._checked(request, ns, scope), {"metadata": self._metadata(context)}
             elif model is not None:
                 self.upstream.public(model)
-            return await getattr(self.upstream.stub, method)(request, timeout=self._timeout(context), **kw)
+            answer = await getattr(self.upstream.stub, method)(request, timeout=self._timeout(context), **kw)
+            return scope.grpc_response(answer) if infer else answer
         except GatewayError as exc:
             await self._fail(context, exc)
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "")
+            await context.abort(exc.code(), scope.names.text(exc.details() or ""))
         finally:
             self.limiter.release(who)
 
@@ -159,9 +164,12 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         return await self._unary("ModelMetadata", request, context, request.name)
 
-    async def _checked(self, request, ns: Namespace):
+    async def _checked(self, request, ns: Namespace, scope: Scope):
+        """The copy of ``request`` Triton gets: checked, its speaker_id and sequence_id the caller's tenant's."""
         sig = await self.upstream.signature(request.model_name)
-        return await asyncio.to_thread(checked_request, self.upstream, sig, request, ns)
+        checked = await asyncio.to_thread(checked_request, self.upstream, sig, request, ns)
+        scope.grpc_request(checked)
+        return checked
 
     async def ModelInfer(self, request, context):
         return await self._unary("ModelInfer", request, context, infer=True)
@@ -173,6 +181,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             await self._fail(context, exc)
             return
         codes = bool(self._metadata(context))
+        scope = Scope(self.sequences, ns.tenant)  # the stream's sequence ids, and the answers back
         out: asyncio.Queue = asyncio.Queue()
         onward: asyncio.Queue = asyncio.Queue()
         end = object()
@@ -188,7 +197,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             try:
                 async for req in request_iterator:
                     try:
-                        await onward.put(await self._checked(req, ns))
+                        await onward.put(await self._checked(req, ns, scope))
                     except GatewayError as exc:
                         if codes:
                             await out.put(exc)
@@ -205,7 +214,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def read_triton():
             try:
                 async for answer in call:
-                    await out.put(answer)
+                    await out.put(scope.grpc_stream_answer(answer))
                 await out.put(end)
             except grpc.aio.AioRpcError as exc:
                 await out.put(exc)
@@ -220,7 +229,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     await self._fail(context, item)
                     return
                 if isinstance(item, grpc.aio.AioRpcError):
-                    await context.abort(item.code(), item.details() or "")
+                    await context.abort(item.code(), scope.names.text(item.details() or ""))
                     return
                 yield item
         finally:

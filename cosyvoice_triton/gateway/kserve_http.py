@@ -1,10 +1,12 @@
 """Triton's KServe v2 HTTP API at the gateway (``/v2/...``), for the clients that already speak it
 (``tritonclient.http``, curl, perf_analyzer): health, server and model metadata, readiness and ``infer`` of the
 public models, JSON or with the binary tensor extension. Each ``infer`` is checked by :mod:`.inference` and sent on
-to Triton re-encoded (what Triton parses is the gateway's own JSON, never the client's bytes). Refusals are in
-KServe's shape, ``{"error": "..."}``. Not served here: the model config, repository, shared-memory, trace, logging
-and statistics APIs (Triton keeps them behind its admin key) and ``generate`` / ``generate_stream`` (streams: the
-gRPC entry point, :mod:`.kserve_grpc`)."""
+to Triton re-encoded (what Triton parses is the gateway's own JSON, never the client's bytes), its ``sequence_id``
+the gateway's id for the caller's tenant's sequence (:mod:`.sessions`; the answer names the caller's again; Triton
+serves no decoupled model, so no live model, over HTTP). Refusals are in KServe's shape, ``{"error": "..."}``.
+Not served here: the model config, repository, shared-memory, trace, logging and statistics APIs (Triton keeps
+them behind its admin key) and ``generate`` / ``generate_stream`` (streams: the gRPC entry point,
+:mod:`.kserve_grpc`)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from .errors import GatewayError
 from .inference import Signature, Tensor, bad, check_name, check_outputs, check_parameters, check_request, flatten
 from .limits import bounded_loads
+from .sessions import Scope, SequenceIds
 from .tenants import Namespace, namespace
 from .upstream import Upstream
 
@@ -50,9 +53,9 @@ def _object(value: Any, keys: set[str], what: str) -> dict:
 
 
 def checked_body(sig: Signature, body: bytes, header_length: str | None, ns: Namespace,
-                 max_depth: int) -> tuple[bytes, dict[str, str]]:
+                 max_depth: int, scope: Scope | None = None) -> tuple[bytes, dict[str, str]]:
     """The body Triton gets for a client's ``infer`` body, with its headers; 400 for anything :mod:`.inference`
-    refuses."""
+    refuses. ``scope``: the caller's sequence ids (a ``sequence_id`` parameter becomes the gateway's)."""
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
             raise bad(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length within the body")
@@ -98,6 +101,8 @@ def checked_body(sig: Signature, body: bytes, header_length: str | None, ns: Nam
         outputs.append({"name": item.get("name"), **({"parameters": p} if p else {})})
     check_outputs(sig, [o["name"] for o in outputs])
     tensors = check_request(sig, tensors, ns)
+    if scope is not None:  # last: a refused request opens or ends no sequence
+        params = scope.json_parameters(sig.model, params)
     raws = []
     inputs = []
     for t in tensors:
@@ -116,15 +121,20 @@ def checked_body(sig: Signature, body: bytes, header_length: str | None, ns: Nam
     return head + b"".join(raws), {"content-type": "application/octet-stream", HEADER_LENGTH: str(len(head))}
 
 
-def router(upstream: Upstream, max_depth: int) -> APIRouter:
+def router(upstream: Upstream, max_depth: int, sequences: SequenceIds | None = None) -> APIRouter:
+    """``sequences``: the tenants' sequence ids (None: ids pass through, a gateway without keys)."""
     r = APIRouter(prefix=PREFIX)
 
     async def forward(method: str, path: str, body: bytes | None = None,
-                      headers: dict[str, str] | None = None) -> Response:
+                      headers: dict[str, str] | None = None, scope: Scope | None = None) -> Response:
         try:
             async with upstream.session.request(method, PREFIX + path, data=body, headers=headers) as answer:
                 data = await answer.read()
                 passed = {k: answer.headers[k] for k in _PASSED_HEADERS if k in answer.headers}
+                if scope is not None and scope.names:
+                    data, length = scope.http_answer(data, passed.get(HEADER_LENGTH))
+                    if length is not None:
+                        passed[HEADER_LENGTH] = length
                 return Response(data, status_code=answer.status, headers=passed)
         except (OSError, TimeoutError) as exc:
             return _kserve_error(GatewayError(503, f"Triton did not answer: {type(exc).__name__}"))
@@ -157,9 +167,11 @@ def router(upstream: Upstream, max_depth: int) -> APIRouter:
         path = version_path(model, version)
         sig = await upstream.signature(model)
         body = await request.body()
+        ns = namespace(request)
+        scope = Scope(sequences, ns.tenant)
         data, headers = await run_in_threadpool(checked_body, sig, body, request.headers.get(HEADER_LENGTH),
-                                                namespace(request), max_depth)
-        return await forward("POST", path + "/infer", data, headers)
+                                                ns, max_depth, scope)
+        return await forward("POST", path + "/infer", data, headers, scope)
 
     async def model_get(model: str, version: str | None, what: str):
         return await forward("GET", version_path(model, version) + what)

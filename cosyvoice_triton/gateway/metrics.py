@@ -32,6 +32,8 @@ class GatewayMetrics:
                                      registry=self.registry)
         self.audio_seconds = Counter("cosyvoice_gateway_audio_seconds", "seconds of audio answered, by format",
                                      ["format"], registry=self.registry)
+        self.sequences = Gauge("cosyvoice_gateway_sequences", "sequence ids (live sessions) the tenants have open "
+                               "at the KServe entry points", registry=self.registry)
         self.backend_errors = Counter("cosyvoice_gateway_backend_errors", "Triton refusals and failures, by HTTP "
                                       "status they were answered with", ["status"], registry=self.registry)
 

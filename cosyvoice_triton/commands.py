@@ -11,6 +11,8 @@ import argparse
 import importlib
 import runpy
 import sys
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +33,8 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
                   "supervise --model-repository build/model_repository"),
     "render": ("render build/model_repository from the templates (flavor, precision, tunables, versions)",
                "model_repository/render.py",
-               "render --flavor local --model-dir models/cosyvoice2-demo-tiny --set max_batch=8"),
+               "render --flavor local --model-dir models/cosyvoice2-demo-tiny "
+               "--set instances=flow:2,max_queue_delay_us=5000"),
     "gateway": ("the HTTP gateway alone (OpenAI speech API, CosyVoice's routes, the page) in front of Triton",
                 "cosyvoice_triton.gateway.__main__:main",
                 "gateway --triton-grpc 127.0.0.1:8001 --port 8080"),
@@ -104,3 +107,46 @@ def run(target: str, argv: list[str], *, prog: str) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv = saved
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: the parser a command line was about to parse with, and its arguments."""
+
+    def __init__(self, parser: argparse.ArgumentParser, argv: list[str]):
+        super().__init__(parser.prog)
+        self.parser, self.argv = parser, argv
+
+
+def command_parser(target: str, argv: Sequence[str] = (), *, prog: str = "") -> tuple[argparse.ArgumentParser,
+                                                                                    list[str]]:
+    """The parser a command line parses ``argv`` with, and the arguments it hands that parser, without running it.
+
+    ``target`` is what :func:`run` takes (``module:function``, or a repository script), or a module run as
+    ``python -m MODULE`` (``cosyvoice_triton`` itself: the top-level parser, or a passthrough command's own). The
+    command runs up to its first ``parse_args`` / ``parse_known_args``, which raises instead of parsing, so the
+    parser is the real one, built by the command's own code; a command may change its arguments before that (the
+    client puts ``vc`` in front when no command is given). For checks of documented command lines
+    (``tests/test_docs_commands.py``)."""
+    original = argparse.ArgumentParser.parse_known_args
+
+    def capture(self, args=None, namespace=None):
+        raise _Parsed(self, list(sys.argv[1:] if args is None else args))
+
+    argparse.ArgumentParser.parse_known_args = capture
+    saved = sys.argv
+    try:
+        if ":" in target or target.endswith(".py"):
+            run(target, list(argv), prog=prog or target)
+        else:
+            sys.argv = [prog or target, *argv]
+            with warnings.catch_warnings():  # runpy: "found in sys.modules" for a module imported before
+                warnings.simplefilter("ignore", RuntimeWarning)
+                runpy.run_module(target, run_name="__main__", alter_sys=False)
+    except _Parsed as parsed:
+        return parsed.parser, parsed.argv
+    except SystemExit:
+        pass
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+        sys.argv = saved
+    raise LookupError(f"{target} {' '.join(argv)}: no argparse command line")

@@ -2,7 +2,8 @@
 """Render build/model_repository from these templates: ``python model_repository/render.py --flavor local``.
 
 A thin command line over :func:`cosyvoice_triton.serving.repository.render_repository`; ``--set NAME=VALUE`` sets a
-tunable (see ``cosyvoice_triton.serving.repository.Tunables``; ``--set instances=flow:2,hift:2``); ``--profile
+tunable (see ``cosyvoice_triton.serving.repository.Tunables``; ``--set instances=flow:2,hift:2``; several:
+``--set a=1,b=2``, ``--set a=1 b=2`` or ``--set`` repeated); ``--profile
 plain`` (or ``--plain``) renders the baseline deployment of the load tests: no dynamic batching, PyTorch fp32
 graphs (flavor local, precision fp32; ``cosyvoice_triton.serving.repository.PLAIN_TUNABLES``), for
 ``cosyvoice_triton.clients.plain.PlainPipeline``. ``--version N:MODEL_DIR:ONNX_DIR[:PRECISION]`` (repeated) renders
@@ -24,17 +25,11 @@ from cosyvoice_triton.serving.repository import (  # noqa: E402
     FP32_ONLY,
     PRECISIONS,
     PROFILES,
+    SET_HELP,
     RenderError,
-    parse_tunable,
+    TunableAction,
     render_repository,
 )
-
-
-def tunable(text: str) -> tuple[str, object]:
-    try:
-        return parse_tunable(text)
-    except RenderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def version(text: str) -> VersionSpec:
@@ -62,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", choices=tuple(PROFILES), default="",
                    help="a named set of tunables (plain: no dynamic batching, PyTorch fp32 graphs)")
     p.add_argument("--plain", dest="profile", action="store_const", const="plain", help="same as --profile plain")
-    p.add_argument("--set", dest="tunables", action="append", type=tunable, default=[], metavar="NAME=VALUE")
+    p.add_argument("--set", dest="tunables", action=TunableAction, default=[], help=SET_HELP)
     p.add_argument("--version", dest="versions", action="append", type=version, default=[],
                    metavar="N:MODEL_DIR:ONNX_DIR[:PRECISION]",
                    help="a numbered version (repeat): the graphs, flow and hift of each, its pipeline cosyvoice_vc_vN, "

@@ -496,16 +496,9 @@ def _csv(kind, choices=None):
     return parse
 
 
-def _tunable(text: str) -> tuple[str, Any]:
-    from ..serving.repository import RenderError, parse_tunable
-
-    try:
-        return parse_tunable(text)
-    except RenderError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
-
-
 def parser() -> argparse.ArgumentParser:
+    from ..serving.repository import TunableAction
+
     p = argparse.ArgumentParser(prog="loadtest/run.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny",
@@ -525,8 +518,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--perf-requests", type=int)
     p.add_argument("--precision", help="integrated column: auto, fp32, int8_cpu, cpu-choice, GRAPH=PRECISION,...")
     p.add_argument("--quality-report")
-    p.add_argument("--set", dest="integrated_tunables", action="append", type=_tunable, metavar="NAME=VALUE",
-                   help="a render tunable of the integrated column (repeatable): instances=flow:2,flow_estimator:2")
+    p.add_argument("--set", dest="integrated_tunables", action=TunableAction,
+                   help="the integrated column's render tunables, NAME=VALUE (repeat --set, or --set A=1,B=2 or "
+                        "--set A=1 B=2): instances=flow:2,flow_estimator:2")
     p.add_argument("--device", choices=("cpu", "cuda"))
     p.add_argument("--max-run-s", type=float, help="cap of each Locust run (a capped run is noted)")
     p.add_argument("--startup-timeout-s", type=float, help="how long a server may take to load its models")

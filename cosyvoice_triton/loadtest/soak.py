@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..serving.launch.serve_demo import DEFAULT_MODEL_DIR, prepare
     from ..serving.launch.server import TritonServer
     from ..serving.launch.supervisor import Supervisor
+    from ..serving.repository import SET_HELP, TunableAction
 
     p = argparse.ArgumentParser(prog="python -m cosyvoice_triton.loadtest.soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -266,15 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=20, help="concurrent users (default: twice the load tests' 10)")
     p.add_argument("--max-growth", type=float, default=0.05)
     p.add_argument("--out", default="build/soak")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="a render tunable (model_repository/README.md), e.g. instances=flow:2")
+    p.add_argument("--set", dest="tunables", action=TunableAction, default=[], help=SET_HELP)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ..serving.repository import parse_tunable
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tunables = dict(parse_tunable(t) for t in args.set)
+    tunables = dict(args.tunables)
     tunables.setdefault("tts", "off")  # the soak loads voice conversion; TTS models would only take memory
     repo = prepare(args.model_dir, onnx_dir=args.onnx_dir, repository=out / "model_repository", **tunables)
     server = TritonServer(repo, work_dir=out / "triton", model_control="explicit", load_models=["*"], exit_timeout=60)

@@ -36,7 +36,8 @@ graphs, whose client calls the stages one request at a time (:mod:`cosyvoice_tri
 Modules:
 
 * :mod:`.templates`: :func:`render_template`, :class:`RenderError`, the config text blocks, graph warm-up samples.
-* :mod:`.tunables`: :class:`Tunables`, :func:`parse_tunable`, the profiles, the config lines of the task tunables.
+* :mod:`.tunables`: :class:`Tunables`, :func:`parse_tunable`, ``--set`` (:class:`TunableAction`), the profiles, the
+  config lines of the task tunables.
 * :mod:`.precisions`: :class:`PrecisionPlan`, :func:`precision_plan`, ``cpu-choice``, the ONNX files' checks.
 * :mod:`.versions`: numbered versions (``versions=``): their folders, pipelines, manifests and the router.
 * :mod:`.served`: the served-model table (:data:`SERVED_MODELS`, :class:`ServedModel`, :class:`RenderContext`).
@@ -75,13 +76,22 @@ from .served import (
     ServedModel,
 )
 from .templates import RenderError, default_templates_dir, graph_warmup_samples, render_template
-from .tunables import PLAIN_TUNABLES, PROFILES, Tunables, parse_tunable
+from .tunables import (
+    PLAIN_TUNABLES,
+    PROFILES,
+    SET_HELP,
+    TunableAction,
+    Tunables,
+    parse_tunable,
+    parse_tunables,
+    split_tunables,
+)
 from .versions import NOT_VERSIONED
 
 __all__ = ["CPU_CHOICE", "DEFAULT_QUALITY_REPORT", "FLAVORS", "FLAVOR_PRECISIONS", "FP32_ONLY", "ISOLATED_STAGES",
            "LEAF_MODELS", "MARKER", "NOT_VERSIONED", "ONNX_FALLBACK", "PLAIN_TUNABLES", "PRECISIONS", "PROFILES",
-           "RESPONSE_CACHE_GRAPHS", "SERVED_MODELS", "SERVED_NAMES", "TASK_COPIES", "TASK_SUFFIX", "TORCH_GRAPHS",
-           "PrecisionPlan", "RenderContext", "RenderError", "RenderReport", "ServedModel", "Tunables",
-           "check_onnx_io", "default_templates_dir", "graph_warmup_samples", "parse_precision_mapping",
-           "parse_tunable", "precision_plan", "read_cpu_choice", "read_marker", "render_repository",
-           "render_template"]
+           "RESPONSE_CACHE_GRAPHS", "SERVED_MODELS", "SERVED_NAMES", "SET_HELP", "TASK_COPIES", "TASK_SUFFIX",
+           "TORCH_GRAPHS", "PrecisionPlan", "RenderContext", "RenderError", "RenderReport", "ServedModel",
+           "TunableAction", "Tunables", "check_onnx_io", "default_templates_dir", "graph_warmup_samples",
+           "parse_precision_mapping", "parse_tunable", "parse_tunables", "precision_plan", "read_cpu_choice",
+           "read_marker", "render_repository", "render_template", "split_tunables"]

@@ -1,10 +1,14 @@
-"""What a deployment may tune (:class:`Tunables`, :func:`parse_tunable`, the named profiles) and the config
-lines the task tunables make (batching and priority, rate limiter, niceness, response cache)."""
+"""What a deployment may tune (:class:`Tunables`, :func:`parse_tunable`, the ``--set`` of every command line that
+takes tunables: :class:`TunableAction`, the named profiles) and the config lines the task tunables make (batching and
+priority, rate limiter, niceness, response cache)."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
@@ -85,8 +89,10 @@ class Tunables:
     speaker_capacity: int = 1000  # speakers: most speakers kept (LRU in memory, persisted files)
     vc_max_streams: int = 4  # cosyvoice_vc_stream: streams running at once
     vc_max_waiting: int = 4  # cosyvoice_vc_stream: streams waiting for a worker; beyond, refused at once (UNAVAILABLE)
-    #: TTS: the LM's Linear layers in fp32 or int8 (PyTorch's dynamic INT8 on the CPU: about 3-4x the decode rate,
-    #: outside the quality bar of cosyvoice_triton.models.lm_quant, hence not the default)
+    #: TTS: the LM's Linear layers in fp32, int8 (PyTorch's dynamic INT8 on the CPU: about 3-4x the decode rate,
+    #: outside the quality bar of cosyvoice_triton.models.lm_quant, hence not the default) or fp32-ort (the same fp32
+    #: on onnxruntime's MatMul, cosyvoice_triton.models.lm_ort: fp32's results; bench-tts' decode figures decide
+    #: whether it becomes the default)
     lm_precision: str = "fp32"
     #: The streaming hops of cosyvoice_tts_stream and cosyvoice_vc_stream (cosyvoice_triton.streaming.StreamSchedule;
     #: the defaults are the official schedule): the first hop, the growth factor of the next ones, the largest
@@ -168,8 +174,9 @@ class Tunables:
             raise RenderError(f"tunable lm_backend must be python or tensorrtllm, got {self.lm_backend!r}")
         if self.tts not in ("auto", "on", "off"):
             raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
-        if self.lm_precision not in ("fp32", "int8"):
-            raise RenderError(f"tunable lm_precision must be fp32 or int8, got {self.lm_precision!r}")
+        if self.lm_precision not in ("fp32", "int8", "fp32-ort"):
+            raise RenderError(f"tunable lm_precision must be fp32 or int8 (PyTorch) or fp32-ort (onnxruntime), got "
+                              f"{self.lm_precision!r}")
         try:
             self.stream_schedule()
         except ConfigError as exc:
@@ -295,21 +302,78 @@ def _dynamic_batching_block(tun: Tunables, name: str = "") -> str:
             f"    max_queue_size: {tun.max_queue_size}\n  }}\n}}")
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+#: A comma starts another tunable only before ``NAME=``, so a mapping's own commas (``instances=flow:2,hift:2``) stay
+#: in its value.
+_NEXT_TUNABLE = re.compile(r",(?=\s*[A-Za-z_][A-Za-z0-9_]*=)")
+
+
 def parse_tunable(text: str) -> tuple[str, Any]:
     """``"NAME=VALUE"`` -> (name, typed value) for a field of :class:`Tunables` (``instances=flow:2,hift:2``,
-    ``warmup=false``, ``max_queue_delay_us=5000``); :class:`RenderError` names the known fields otherwise."""
+    ``warmup=false``, ``max_queue_delay_us=5000``); :class:`RenderError` names what is wrong otherwise (an unknown
+    name with the closest known ones and every known one, a value that is not of the field's type)."""
     name, sep, value = text.partition("=")
+    name = name.strip()
     types = {f.name: str(f.type) for f in fields(Tunables)}
     if not sep or name not in types:
-        raise RenderError(f"tunable {text!r}: expected NAME=VALUE with NAME one of {', '.join(sorted(types))}")
+        close = difflib.get_close_matches(name, types, n=3)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        what = f"unknown tunable {name!r}{hint}" if sep else "expected NAME=VALUE"
+        raise RenderError(f"tunable {text!r}: {what} (NAME one of {', '.join(sorted(types))})")
     kind = types[name]
+    several = ("; several tunables go as --set A=1,B=2 or --set A=1 B=2" if "," in value and "Mapping" not in kind
+               else "")
     try:
         if "Mapping" in kind:
-            return name, {k: int(v) for k, v in (p.split(":") for p in value.split(",") if p)}
+            return name, {k.strip(): int(v) for k, v in (p.split(":") for p in value.split(",") if p.strip())}
         if kind == "bool":
-            return name, value.lower() in ("1", "true", "yes", "on")
+            if value.strip().lower() not in _BOOLS:
+                raise ValueError(f"{value!r} is none of {', '.join(_BOOLS)}")
+            return name, _BOOLS[value.strip().lower()]
         if kind in ("int", "float"):
-            return name, json.loads(value)
+            try:
+                number = json.loads(value)
+            except ValueError:
+                number = None
+            if isinstance(number, float) and kind == "int" and number.is_integer():
+                number = int(number)  # 1e6
+            if not isinstance(number, (int, float)) or isinstance(number, bool) or (kind == "int"
+                                                                                    and isinstance(number, float)):
+                raise ValueError(f"{value!r} is not {'an integer' if kind == 'int' else 'a number'}")
+            return name, number
     except ValueError as exc:
-        raise RenderError(f"tunable {text!r}: not a valid {kind} ({exc})") from exc
+        raise RenderError(f"tunable {text!r}: not a valid {kind} ({exc}){several}") from exc
     return name, value
+
+
+def split_tunables(text: str) -> list[str]:
+    """``"a=1,b=2"`` -> ``["a=1", "b=2"]``; ``"instances=flow:2,hift:2"`` stays one."""
+    return [part.strip() for part in _NEXT_TUNABLE.split(text) if part.strip()]
+
+
+def parse_tunables(texts: Iterable[str]) -> list[tuple[str, Any]]:
+    """Every ``NAME=VALUE`` of ``texts``, each of which may hold several (:func:`split_tunables`), typed by
+    :func:`parse_tunable`."""
+    return [parse_tunable(part) for text in texts for part in split_tunables(text)]
+
+
+class TunableAction(argparse.Action):
+    """``--set`` as every command line here takes it: ``--set a=1 --set b=2``, ``--set a=1,b=2`` and ``--set a=1 b=2``
+    alike; the destination gets the (name, typed value) pairs in order (a dict of them is the tunables), and a bad
+    one is the parser's error, naming the tunable and what is wrong with it."""
+
+    def __init__(self, option_strings, dest, nargs="+", metavar="NAME=VALUE", **kwargs):
+        super().__init__(option_strings, dest, nargs=nargs, metavar=metavar, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            parsed = parse_tunables([values] if isinstance(values, str) else values)
+        except RenderError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from exc
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *parsed])
+
+
+#: The help of ``--set`` (render, the load test, the soak).
+SET_HELP = ("a render tunable, NAME=VALUE (Tunables in cosyvoice_triton/serving/repository/tunables.py; "
+            "model_repository/README.md): repeat --set, or give several as --set A=1,B=2 or --set A=1 B=2; "
+            "instances=flow:2,hift:2")

@@ -51,7 +51,7 @@ def _env(container: dict, name: str) -> str:
 def test_every_builtin_object_matches_the_kubernetes_schema(version):
     objects = _objects()
     kinds = {d["kind"] for _, d in objects}
-    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "Secret",
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap",
             "PodDisruptionBudget", "ServiceMonitor"} <= kinds, kinds
     for name, doc in objects:
         if (doc["apiVersion"], doc["kind"]) in CRDS:
@@ -108,6 +108,9 @@ def test_service_exposes_only_the_gateway_and_selects_the_pods():
     assert [(p["name"], p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [
         ("http", 8080, "gateway"), ("grpc", 8081, "gateway-grpc")]
     assert not {8000, 8001, 8002} & {p["port"] for p in svc["spec"]["ports"]}
+    page = (ROOT / "docs" / "operations" / "kubernetes.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `service.yaml`"))
+    assert all(f"`{p['name']}` {p['port']}" in row for p in svc["spec"]["ports"]), row  # the page says what is exposed
     assert svc["spec"]["type"] == "ClusterIP"  # nothing leaves the cluster without an ingress in front
 
 
@@ -187,15 +190,33 @@ def test_grace_period_covers_prestop_and_the_requests_in_flight():
     assert dep["terminationGracePeriodSeconds"] >= pre + exit_timeout + 20
 
 
-def test_admin_key_comes_from_the_secret():
+def _created_secrets() -> dict[str, set[str]]:
+    """name -> keys of every ``kubectl create secret generic NAME --from-literal=KEY=...`` the Kubernetes page shows."""
+    page = (ROOT / "docs" / "operations" / "kubernetes.md").read_text()
+    out: dict[str, set[str]] = {}
+    for m in re.finditer(r"kubectl create secret generic (\S+)((?: --from-literal=[\w.-]+=\S+)+)", page):
+        out.setdefault(m.group(1), set()).update(re.findall(r"--from-literal=([\w.-]+)=", m.group(2)))
+    return out
+
+
+def test_keys_come_from_the_secrets_the_user_creates():
+    """The pod reads its keys from the Secrets the Kubernetes page has the user create, and no manifest holds a
+    Secret: `kubectl apply -f deploy/k8s/` would replace the user's key with the manifest's placeholder."""
+    assert not [(name, d["metadata"]["name"]) for name, d in _objects() if d["kind"] == "Secret"]
+    created = _created_secrets()
+    refs = [(c["name"], e["name"], e["valueFrom"]["secretKeyRef"]) for c in
+            _one("Deployment")["spec"]["template"]["spec"]["containers"] for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})]
+    assert refs
+    for container, env, ref in refs:
+        assert ref["key"] in created.get(ref["name"], set()), (
+            f"{container} {env}: Secret {ref['name']!r} key {ref['key']!r} is not one docs/operations/kubernetes.md "
+            f"has the user create ({created})")
     c = _container()
     env = next(e for e in c["env"] if e["name"] == "COSYVOICE_TRITON_ADMIN_KEY")
-    ref = env["valueFrom"]["secretKeyRef"]
-    secret = _one("Secret", ref["name"])
-    assert ref["key"] in secret["stringData"]
     from cosyvoice_triton.serving.launch.server import ADMIN_KEY_ENV
 
-    assert env["name"] == ADMIN_KEY_ENV
+    assert env["name"] == ADMIN_KEY_ENV and not env["valueFrom"]["secretKeyRef"].get("optional")
 
 
 def test_hpa_scales_the_deployment_on_metrics_the_adapter_serves():

@@ -1,12 +1,13 @@
 """The HTTP side of the limits, as one pure ASGI middleware in front of the routes (streamed answers pass through
 untouched): a request id (``x-request-id``, in every log line and answer), framing that two parsers could read
 differently (Content-Length together with Transfer-Encoding: h11 accepts it and lets Transfer-Encoding win; a proxy
-in front may not), compressed bodies (415), the body size (413, Content-Length or counted as a chunked body
-arrives), the API key (401) with its tenant (``request.state.tenant``), and the key's concurrency and rate (429).
-Refusals are in OpenAI's error shape."""
+in front may not), compressed bodies and overlong Content-Types (415), the body size (413, Content-Length or counted
+as a chunked body arrives), the API key (401) with its tenant (``request.state.tenant``), and the key's concurrency
+and rate (429). Refusals are in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -27,6 +28,10 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _CLIENT_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 KSERVE = "/v2"  # the KServe routes: one metrics label, KServe-shaped refusals
+#: The pieces the form routes get a buffered form body in (any other body is handed over whole).
+FORM_PIECE_BYTES = 16 * 1024
+#: The longest Content-Type accepted (a form's is ~100 characters): the form parser reads it in quadratic time.
+MAX_CONTENT_TYPE_CHARS = 1024
 
 
 class RequestIdFilter(logging.Filter):
@@ -120,7 +125,8 @@ class GatewayMiddleware:
                     return who
                 if body is None:  # the client left
                     return who
-                receive = _replay(body, receive)
+                form = "form" in headers.get("content-type", "").lower()  # multipart/form-data, x-www-form-urlencoded
+                receive = _replay(body, receive, FORM_PIECE_BYTES if form else max(len(body), 1))
             await self.app(scope, receive, send)
         finally:
             self.limiter.release(who)
@@ -134,6 +140,10 @@ class GatewayMiddleware:
         if encoding not in ("", "identity"):
             raise GatewayError(415, f"Content-Encoding {shown(encoding)} is not accepted: send the body uncompressed",
                                code="unsupported_content_encoding")
+        content_type = headers.get("content-type", "")
+        if len(content_type) > MAX_CONTENT_TYPE_CHARS:
+            raise GatewayError(415, f"a Content-Type of {len(content_type)} characters is not accepted; at most "
+                               f"{MAX_CONTENT_TYPE_CHARS}", code="unsupported_content_type")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise GatewayError(413, f"the body is {int(length)} bytes; at most {self.max_body_bytes} are accepted",
@@ -154,15 +164,22 @@ class GatewayMiddleware:
                 return b"".join(chunks)
 
 
-def _replay(body: bytes, receive):
-    """A ``receive`` that hands the app the body already read, then the connection's own messages (disconnect)."""
-    sent = False
+def _replay(body: bytes, receive, piece: int):
+    """A ``receive`` that hands the app the body already read, in pieces of ``piece`` bytes with a turn of the event
+    loop between them, then the connection's own messages (disconnect). The form parser works on each piece as it
+    comes, in Python: a crafted form at the body cap (every byte a separator) takes seconds, which other requests
+    then share instead of waiting them out."""
+    at, done = 0, False
 
     async def replay():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        nonlocal at, done
+        if done:
+            return await receive()
+        if at:
+            await asyncio.sleep(0)
+        chunk = body[at: at + piece]
+        at += piece
+        done = at >= len(body)
+        return {"type": "http.request", "body": chunk, "more_body": not done}
 
     return replay

@@ -30,7 +30,7 @@ from ..errors import shown
 from . import audio, compat, kserve_grpc, kserve_http, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
-from .errors import GatewayError, error_body, install_handlers
+from .errors import GatewayError, check_text, error_body, install_handlers
 from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
@@ -88,6 +88,12 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
     if req.model not in config.models:
         raise GatewayError(400, f"model {shown(req.model)} is not served here; one of {', '.join(config.models)}",
                            param="model", code="model_not_found")
+    for name in ("input", "instructions", "reference_text"):
+        check_text(getattr(req, name), name)
+    if isinstance(req.voice, str):
+        check_text(req.voice, "voice")
+    elif req.voice is not None:
+        check_text(req.voice.id, "voice")
     if not req.input.strip():
         raise GatewayError(400, "input: empty text", param="input", code="invalid_value")
     if len(req.input) > config.max_input_chars:

@@ -27,7 +27,7 @@ from ..errors import AudioError
 from ..frontend import audio as audio_in
 from .backend import ConversionJob, SpeechJob, instruction
 from .config import GatewayConfig
-from .errors import GatewayError
+from .errors import GatewayError, check_text
 from .tenants import namespace
 
 PREFIX = "/inference_"
@@ -40,6 +40,7 @@ METHODS = ["GET", "POST"]  # the official server takes both, and its client send
 
 
 def _text(value: str, name: str, config: GatewayConfig) -> str:
+    check_text(value, name)
     if not value.strip():
         raise GatewayError(400, f"{name}: empty text", param=name, code="invalid_value")
     if len(value) > config.max_input_chars:
@@ -50,6 +51,7 @@ def _text(value: str, name: str, config: GatewayConfig) -> str:
 
 def _voice(request: Request, value: str, name: str = "spk_id") -> str:
     """The ``speakers`` model's id of the caller's voice ``value`` (its tenant's, :mod:`.tenants`)."""
+    check_text(value, name)
     if not value.strip():
         raise GatewayError(400, f"{name}: empty speaker id", param=name, code="invalid_value")
     return namespace(request).scoped(value, name)

@@ -31,6 +31,18 @@ class GatewayError(Exception):
         self.headers = headers or {}
 
 
+def check_text(value: str | None, name: str) -> str | None:
+    """``value`` if it is text UTF-8 can carry; 400 naming ``name`` when it holds a lone surrogate (JSON's
+    ``"\\ud800"``, which no UTF-8 encoder takes: the client's input, not the backend's fault)."""
+    if value is not None:
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            raise GatewayError(400, f"{name}: not valid text (a lone surrogate at character {exc.start})",
+                               param=name, code="invalid_value") from None
+    return value
+
+
 def error_body(status: int, message: str, *, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": TYPES.get(status, "server_error" if status >= 500
                                                              else "invalid_request_error"),

@@ -10,6 +10,7 @@ A ``speaker_id`` is moved into the caller's namespace (:mod:`.tenants`), as ``/v
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 import struct
@@ -112,6 +113,29 @@ def bytes_elements(raw: bytes, name: str) -> list[bytes]:
     return out
 
 
+def is_text(name: str) -> bool:
+    """Whether a BYTES input holds text (UTF-8) rather than an encoded file (``*audio_bytes``)."""
+    return not name.endswith("audio_bytes")
+
+
+def _check_text_value(name: str, v: str | bytes) -> None:
+    """A JSON string must be encodable (no lone surrogate); bytes must be UTF-8, but for a character cut at either
+    end (a live model's text pieces may split one between two requests)."""
+    if isinstance(v, str):
+        try:
+            v.encode()
+        except UnicodeEncodeError as exc:
+            raise bad(f"input {name!r}: not valid text (a lone surrogate at character {exc.start})", name) from None
+        return
+    head = 0
+    while head < min(3, len(v)) and 0x80 <= v[head] <= 0xBF:  # the end of a character the piece before began
+        head += 1
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(v[head:], final=False)  # a cut character at the end passes
+    except UnicodeDecodeError as exc:
+        raise bad(f"input {name!r}: not UTF-8 text ({exc.reason} at byte {head + exc.start})", name) from None
+
+
 def encode_bytes(items: Iterable[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(b)) + b for b in items)
 
@@ -138,6 +162,9 @@ def _check_values(t: Tensor, count: int) -> None:
     if kind == "BYTES":
         if not all(isinstance(v, (str, bytes)) for v in values):
             raise bad(f"input {t.name!r}: BYTES data must be strings", t.name)
+        if is_text(t.name):
+            for v in values:
+                _check_text_value(t.name, v)
     elif kind == "BOOL":
         if not all(isinstance(v, bool) for v in values):
             raise bad(f"input {t.name!r}: BOOL data must be true or false", t.name)
@@ -157,7 +184,11 @@ def _check_values(t: Tensor, count: int) -> None:
 def _check_raw(t: Tensor, count: int) -> None:
     size = ELEMENT_BYTES[t.datatype]
     if size is None:
-        n = len(bytes_elements(t.raw, t.name))
+        elements = bytes_elements(t.raw, t.name)
+        n = len(elements)
+        if is_text(t.name):
+            for v in elements:
+                _check_text_value(t.name, v)
         if n != count:
             raise bad(f"input {t.name!r}: shape {list(t.shape)} has {count} elements; the binary data holds {n}",
                       t.name)

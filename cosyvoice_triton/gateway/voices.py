@@ -20,7 +20,7 @@ from fastapi import APIRouter, File, Form, Request, UploadFile
 from ..errors import shown
 from .compat import upload
 from .config import GatewayConfig
-from .errors import GatewayError
+from .errors import GatewayError, check_text
 from .tenants import BYTES_PER_SECOND, namespace
 
 VOICES_PATH = "/v1/audio/voices"
@@ -49,6 +49,7 @@ def router(config: GatewayConfig, call) -> APIRouter:
                        text: Annotated[str | None, Form()] = None):
         ns, backend = namespace(request), request.app.state.backend
         voice = ns.check(id, "id")
+        check_text(text, "text")
         if text is not None and not text.strip():
             raise GatewayError(400, "text: empty transcript (leave the field out for a voice without one)",
                                param="text", code="invalid_value")

@@ -12,6 +12,7 @@ behind its admin key)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator
 
@@ -196,6 +197,9 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def read_client():
             try:
                 async for req in request_iterator:
+                    if isinstance(req, Undecodable):  # no model, no id to answer in the stream: the stream ends
+                        await out.put(GatewayError(400, req.message))
+                        return
                     try:
                         await onward.put(await self._checked(req, ns, scope))
                     except GatewayError as exc:
@@ -239,9 +243,66 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.limiter.release(who)
 
 
+class Undecodable:
+    """What a request that is not the method's protobuf message deserializes to (grpc's server would answer
+    UNKNOWN naming the parser's exception): the method answers INVALID_ARGUMENT."""
+
+    def __init__(self, what: str, exc: Exception):
+        self.message = f"the request is not a valid {what} message ({type(exc).__name__})"
+
+
+def _lenient(deserialize, what: str):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # protobuf's DecodeError, or any parser fault: the client's bytes
+            return Undecodable(what, exc)
+    return parse
+
+
+def _refusing(behavior):
+    async def unary(request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+    return unary
+
+
+class _Handlers:
+    """Collects the generated code's method handlers (it registers them on what it is given)."""
+
+    def add_generic_rpc_handlers(self, handlers):
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict):
+        self.service, self.handlers = service, handlers
+
+
+def add_service(proxy: KServeProxy, server) -> None:
+    """The service's methods on ``server``, each request's deserializer lenient: bytes that are not the method's
+    message are refused with INVALID_ARGUMENT (in a stream: the stream ends with it)."""
+    got = _Handlers()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(proxy, got)
+    handlers = {}
+    for name, h in got.handlers.items():
+        what = getattr(h.request_deserializer, "__self__", None)
+        what = getattr(what, "__name__", name)
+        parse = _lenient(h.request_deserializer, what)
+        if h.unary_unary is not None and inspect.iscoroutinefunction(h.unary_unary):
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                _refusing(h.unary_unary), request_deserializer=parse, response_serializer=h.response_serializer)
+        elif h.stream_stream is not None:  # ModelStreamInfer: its reader ends the stream on an Undecodable
+            handlers[name] = grpc.stream_stream_rpc_method_handler(
+                h.stream_stream, request_deserializer=parse, response_serializer=h.response_serializer)
+        else:
+            handlers[name] = h
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(got.service, handlers),))
+    server.add_registered_method_handlers(got.service, handlers)
+
+
 def make_server(proxy: KServeProxy, address: str, max_message_bytes: int) -> grpc.aio.Server:
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1)])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(proxy, server)
+    add_service(proxy, server)
     server.add_insecure_port(address)
     return server

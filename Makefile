@@ -60,8 +60,10 @@ render: $(VENV)/.installed ## render build/model_repository (SERVE_FLAVOR=local|
 	$(CLI) render --flavor $(SERVE_FLAVOR) --model-dir $(MODEL_DIR) --onnx-dir build/onnx --engine-dir build/engines --precision $(SERVE_PRECISION) --out build/model_repository
 
 GATEWAY_PORT ?= 8080
-serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics), the OpenAI speech gateway at GATEWAY_PORT (0: none)
-	$(CLI) serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT)
+SERVE_RENDERED ?=
+serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (http) / 8001 (grpc) / 8002 (metrics), the OpenAI speech gateway at GATEWAY_PORT (0: none); SERVE_FLAVOR, SERVE_PRECISION as for render; SERVE_RENDERED=1: serve build/model_repository as render wrote it
+	$(CLI) serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT) --flavor $(SERVE_FLAVOR) --precision $(SERVE_PRECISION) \
+	  --onnx-dir build/onnx --repository build/model_repository $(if $(SERVE_RENDERED),--rendered)
 
 test: $(VENV)/.installed ## lint, then run the test suite
 	$(VENV)/bin/ruff check .

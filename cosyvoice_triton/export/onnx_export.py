@@ -1227,6 +1227,38 @@ def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping
     os.replace(tmp, path)
 
 
+def stale_graphs(model_dir: str | Path, out_dir: str | Path, graphs: Iterable[str] = ALL_GRAPHS) -> dict[str, str]:
+    """The graphs of ``out_dir`` that are not an export of ``model_dir`` as it is now -> why: missing, absent
+    from the manifest, changed since it was written, or exported from other checkpoint bytes (the manifest's
+    ``source`` digest against the folder's file). Nothing stale: ``{}``."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    try:
+        entries = json.loads((out_dir / MANIFEST_NAME).read_text(encoding="utf-8")).get("graphs") or {}
+    except (OSError, ValueError):
+        entries = {}
+    digests: dict[str, str] = {}
+    stale: dict[str, str] = {}
+    for name in graphs:
+        path, entry = out_dir / f"{name}.onnx", entries.get(name) or {}
+        source = entry.get("source") or {}
+        file = _SOURCE_FILES[name]
+        if not path.is_file():
+            stale[name] = "missing"
+        elif not entry:
+            stale[name] = f"not in {out_dir / MANIFEST_NAME}"
+        elif not (model_dir / file).is_file():
+            stale[name] = f"{model_dir / file} not found"
+        else:
+            if file not in digests:
+                digests[file] = file_sha256(model_dir / file)
+            if source.get("sha256") != digests[file]:
+                stale[name] = (f"exported from another {file} ({entry.get('source_model_dir', '?')}), not the one "
+                               f"in {model_dir}")
+            elif file_sha256(path) != entry.get("sha256"):
+                stale[name] = "changed since its export"
+    return stale
+
+
 def spec_summary(name: str) -> list[str]:
     """Lines describing a graph's tensors and (min, opt, max) input shapes, for logs."""
     spec = GRAPHS[name]

@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...shapes import GRAPHS
-
 log = logging.getLogger(__name__)
 
 __all__ = ["DemoReport", "format_statistics", "main", "prepare", "run_demo", "serve"]
@@ -67,16 +65,37 @@ def prepare(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path =
 
         print(f"== writing the {demo_size} demo model (random weights) to {model_dir}")
         write_demo_model(model_dir, size=demo_size)
-    missing = [g for g in GRAPHS if not (onnx_dir / "fp32" / f"{g}.onnx").is_file()]  # every precision's fallback
-    if missing and flavor != "trt":
-        from ...export.onnx_export import export_onnx
+    if flavor != "trt":  # fp32 is every precision's fallback: an export of THIS folder's weights, or made again
+        from ...export.onnx_export import export_onnx, stale_graphs
 
-        print(f"== exporting ONNX graphs to {onnx_dir / 'fp32'} (missing: {', '.join(missing)})")
-        export_onnx(model_dir, onnx_dir / "fp32")
+        stale = stale_graphs(model_dir, onnx_dir / "fp32")
+        if stale:
+            why = "; ".join(f"{g}: {r}" for g, r in stale.items())
+            print(f"== exporting ONNX graphs of {model_dir} to {onnx_dir / 'fp32'} ({why})")
+            export_onnx(model_dir, onnx_dir / "fp32", graphs=list(stale))
+        check_precision_sources(model_dir, onnx_dir, precision)
     report = render_repository(flavor, repository, model_dir=model_dir, onnx_dir=onnx_dir, precision=precision,
                                **tunables)
     print(report.describe())
     return Path(repository)
+
+
+def check_precision_sources(model_dir: Path, onnx_dir: Path, precision: str) -> None:
+    """Refuse to serve a quantised or fp16 graph made from another fp32 graph than the one in ``onnx_dir/fp32``
+    (another model folder's): its manifest's ``fp32_sha256`` names what it was made from."""
+    from ...export.quantize import read_manifest
+    from ...hashing import file_sha256
+    from ..repository.precisions import PRECISIONS
+
+    for folder in [] if precision == "fp32" else sorted(set(PRECISIONS) - {"fp32"}):
+        graphs = read_manifest(onnx_dir / folder).get("graphs") or {}
+        for g, entry in graphs.items():
+            fp32 = onnx_dir / "fp32" / f"{g}.onnx"
+            if (onnx_dir / folder / f"{g}.onnx").is_file() and fp32.is_file() \
+                    and entry.get("fp32_sha256") != file_sha256(fp32):
+                raise FileNotFoundError(
+                    f"{onnx_dir / folder / g}.onnx was made from another fp32 graph than {fp32} (another model "
+                    f"folder's): run `cosyvoice-triton quantize --model-dir {model_dir} --onnx-root {onnx_dir}` again")
 
 
 def format_statistics(stats: dict) -> str:
@@ -148,15 +167,22 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
 
 def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
           repository: str | Path = "build/model_repository", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", gateway_port: int = 8080,
-          **tunables) -> int:
+          metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", precision: str = "fp32",
+          gateway_port: int = 8080, rendered: bool = False, **tunables) -> int:
     """Render and serve in the foreground until SIGINT / SIGTERM, under :class:`~.supervisor.Supervisor` (a model
     whose Python stub dies is reloaded, a server that dies is restarted; it gives up after 5 restarts in 10 min).
-    The gateway (``gateway_port``; 0: none) runs as its own process on Triton's gRPC port and stops with it."""
+    The gateway (``gateway_port``; 0: none) runs as its own process on Triton's gRPC port and stops with it.
+    ``rendered``: serve ``repository`` as it is (written by ``render``), without preparing or rendering."""
     from .server import TritonServer
     from .supervisor import Supervisor
 
-    repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, flavor=flavor, **tunables)
+    if rendered:
+        repo = Path(repository)
+        if not repo.is_dir():
+            raise FileNotFoundError(f"{repo}: no rendered repository (write one with `cosyvoice-triton render`)")
+    else:
+        repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, flavor=flavor, precision=precision,
+                       **tunables)
     server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
                           model_control="explicit", load_models=["*"])
     supervisor = Supervisor(server, start_timeout=600)
@@ -226,9 +252,15 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--grpc-port", type=int, default=8001)
             s.add_argument("--metrics-port", type=int, default=8002)
             s.add_argument("--gateway-port", type=int, default=8080, help="the OpenAI speech gateway's port; 0: none")
+            s.add_argument("--flavor", choices=("local", "onnx", "trt"), default="local",
+                           help="how the graphs are served (as `render --flavor`)")
+            s.add_argument("--precision", default="fp32", help="as `render --precision`")
+            s.add_argument("--rendered", action="store_true",
+                           help="serve --repository as `render` wrote it (no export, no render)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from ...errors import CosyVoiceError
+    from ..repository import RenderError
     from .server import ServerError, TritonNotInstalled
 
     try:
@@ -239,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         return serve(args.model_dir, onnx_dir=args.onnx_dir, repository=args.repository, host=args.host,
                      http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
-                     gateway_port=args.gateway_port)
-    except (TritonNotInstalled, ServerError, CosyVoiceError, FileNotFoundError) as exc:
+                     gateway_port=args.gateway_port, flavor=args.flavor, precision=args.precision,
+                     rendered=args.rendered)
+    except (TritonNotInstalled, ServerError, CosyVoiceError, FileNotFoundError, RenderError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -355,7 +355,8 @@ def test_api_keys_one_or_a_file(tmp_path):
     assert backend.jobs == []
     assert client.post("/v1/audio/speech", json=GOOD, headers={"authorization": "Bearer sk-one"}).status_code == 200
     assert client.get("/v1/audio/voices").status_code == 401
-    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"authorization": "Bearer sk-one"}).status_code == 200
     keyfile = tmp_path / "keys"
     keyfile.write_text("# gateway keys\nsk-a\n\n  sk-b  \n")
     config = from_args(["--api-key-file", str(keyfile), "--api-key", "sk-c"])
@@ -398,7 +399,7 @@ def test_per_key_concurrency_limit():
     t2.join(60)
     assert out["first"].status_code == 200 and other["r"].status_code == 200
     assert client.post("/v1/audio/speech", json=GOOD, headers=a).status_code == 200  # the slot came back
-    assert 'reason="concurrency_limit_exceeded"' in client.get("/metrics").text
+    assert 'reason="concurrency_limit_exceeded"' in client.get("/metrics", headers=b).text
 
 
 def test_streams_hold_their_slot_until_done():
@@ -579,7 +580,7 @@ def test_official_forms_refusals_and_limits():
         _openai_error(client.request(method, "/inference_cross_lingual", data={"tts_text": "Hi."}, files=big,
                                      headers=auth), 413, code="body_too_large")
     assert len(_pcm(client.post("/inference_sft", data={**form, "spk_id": "alice"}, headers=auth))) == 3 * 4800
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=auth).text
     assert 'cosyvoice_gateway_requests_total{route="/inference_sft",status="200"} 1.0' in text
     assert 'route="/inference_cross_lingual",status="413"' in text
 

@@ -66,7 +66,7 @@ def triton(triton_server):
 @pytest.fixture(scope="module")
 def gateway(triton, triton_server, tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with gateway_process(triton_server, log, "--api-key", KEY, "--max-concurrency-per-key", "1",
+    with gateway_process(triton_server, log, "--api-key", KEY, "--max-concurrency-per-key", "1", "--open-metrics",
                          "--max-body-bytes", str(MAX_BODY), "--max-json-depth", "8") as urls:
         yield urls.base, log
 

@@ -54,7 +54,8 @@ def server(serving_assets, tmp_path_factory):
 def gateway(server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sessions_gateway")
     (folder / "keys").write_text(f"tenant_a:{KEY_A}\ntenant_b:{KEY_B}\n")
-    with gateway_process(server, folder / "gateway.log", "--api-key-file", str(folder / "keys")) as urls:
+    with gateway_process(server, folder / "gateway.log", "--api-key-file", str(folder / "keys"),
+                         "--open-metrics") as urls:
         yield urls
 
 

@@ -172,7 +172,9 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
             if own:
                 await app.state.backend.close()
 
-    app = FastAPI(title="cosyvoice-triton gateway", lifespan=lifespan)
+    # no /docs, /redoc, /openapi.json: the API is documented in docs/gateway.md, and they would be open routes
+    app = FastAPI(title="cosyvoice-triton gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.config, app.state.metrics, app.state.backend = config, metrics, backend
     install_handlers(app)
 
@@ -268,7 +270,8 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
 
     app.add_middleware(GatewayMiddleware, keys=keys, limiter=limiter, metrics=metrics,
                        max_body_bytes=config.max_body_bytes, routes=ROUTES,
-                       limited=("/v1/", compat.PREFIX, kserve_http.PREFIX + "/"))
+                       limited=("/v1/", compat.PREFIX, kserve_http.PREFIX + "/"),
+                       limited_paths=frozenset({kserve_http.PREFIX} | (set() if config.open_metrics else {"/metrics"})))
     if config.cors_origins:  # outermost: refusals carry the CORS headers too, preflights skip the key check
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "DELETE"],

@@ -43,6 +43,7 @@ class GatewayConfig:
     max_concurrency_per_key: int = 8  # 0: unlimited
     rate_limit: str | None = None  # per key, `limits` notation: "10/second", "100 per minute"; None: off
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
+    open_metrics: bool = False  # /metrics without a key even when keys are configured (a scraper that sends none)
     backend_timeout_s: float = 300.0
     log_level: str = "info"
 
@@ -120,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", action="append", default=None,
                    help=f"an allowed CORS origin (repeatable; ${ENV_PREFIX}CORS_ORIGINS comma-separated); "
                         "none: CORS off")
+    p.add_argument("--open-metrics", action="store_true",
+                   default=_env("open_metrics", "").lower() in ("1", "true", "yes", "on"),
+                   help="serve /metrics without a key even when keys are configured (for a scraper that sends none)")
     p.add_argument("--backend-timeout-s", type=float, default=float(_env("backend_timeout_s", d.backend_timeout_s)))
     p.add_argument("--log-level", default=_env("log_level", d.log_level))
     return p
@@ -144,5 +148,6 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          sequence_idle_s=args.sequence_idle_s,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
-                         cors_origins=tuple(o.strip() for o in origins), backend_timeout_s=args.backend_timeout_s,
+                         cors_origins=tuple(o.strip() for o in origins), open_metrics=args.open_metrics,
+                         backend_timeout_s=args.backend_timeout_s,
                          log_level=args.log_level)

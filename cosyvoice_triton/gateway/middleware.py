@@ -43,12 +43,15 @@ class RequestIdFilter(logging.Filter):
 
 
 class GatewayMiddleware:
-    """``limited``: the path prefixes behind the key, concurrency and rate checks (health and metrics are not)."""
+    """``limited``: the path prefixes behind the key, concurrency and rate checks, ``limited_paths`` the exact paths
+    (``/v2`` itself, ``/metrics``); the others (``/health``, the listening page) are open."""
 
     def __init__(self, app, *, keys: KeyRing, limiter: KeyLimiter, metrics: GatewayMetrics, max_body_bytes: int,
-                 routes: frozenset[str] = frozenset(), limited: tuple[str, ...] = ("/v1/",)):
+                 routes: frozenset[str] = frozenset(), limited: tuple[str, ...] = ("/v1/",),
+                 limited_paths: frozenset[str] = frozenset()):
         self.app, self.keys, self.limiter, self.metrics = app, keys, limiter, metrics
         self.max_body_bytes, self.routes, self.limited = int(max_body_bytes), routes, limited
+        self.limited_paths = limited_paths
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -100,7 +103,7 @@ class GatewayMiddleware:
         except GatewayError as exc:
             await self._refuse(send, exc, close=True, path=scope["path"])
             return "-"
-        if not scope["path"].startswith(self.limited):
+        if not scope["path"].startswith(self.limited) and scope["path"] not in self.limited_paths:
             await self.app(scope, receive, send)
             return "-"
         who = "-"

@@ -572,6 +572,8 @@ class StubProcess:
 
 _REGION_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 SHM_DIR = Path("/dev/shm")
+#: The Python backend's shared-memory regions under SHM_DIR (one per stub).
+SHM_PATTERN = "triton_python_backend_shm_region_*"
 
 
 def shm_region_users(paths: Sequence[Path]) -> dict[Path, list[int]]:

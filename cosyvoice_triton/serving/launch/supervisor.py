@@ -68,7 +68,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .rollout import RolloutError, startup_models
-from .server import SHM_DIR, ServerError, StubProcess, TritonInstallation, TritonServer, _tail, shm_region_users
+from .server import (
+    SHM_DIR,
+    SHM_PATTERN,
+    ServerError,
+    StubProcess,
+    TritonInstallation,
+    TritonServer,
+    _tail,
+    shm_region_users,
+)
 from .warmup import warm_up
 
 log = logging.getLogger(__name__)
@@ -289,6 +298,52 @@ class Supervisor:
                     time.monotonic() - t0)
         self.warm_up_soon()
 
+    def first_start(self) -> None:
+        """Start the server; one that dies or hangs before it is ready (a Python stub failing under memory
+        pressure, say) is stopped, the shared-memory regions its try left behind are removed, and it is started
+        again after the backoff, within the restart budget (``max_restarts``). Raises the last
+        :class:`~.server.ServerError` when the budget is spent or :meth:`stop` was asked."""
+        self.warm_file.unlink(missing_ok=True)
+        tries = 0
+        while True:
+            before = set(SHM_DIR.glob(SHM_PATTERN))
+            t0 = time.monotonic()
+            try:
+                self.server.start(timeout=self.start_timeout)
+                return
+            except ServerError as exc:
+                self.server.stop(grace=10.0)
+                self._remove_orphans(set(SHM_DIR.glob(SHM_PATTERN)) - before)
+                first = str(exc).splitlines()[0]
+                if tries >= self.max_restarts or self._stop.is_set():
+                    self.failed = f"tritonserver did not start in {tries + 1} tries: {first}"
+                    self._event("gave-up", self.failed, time.monotonic() - t0)
+                    raise
+                delay = min(self.max_backoff, self.backoff * 2 ** tries)
+                tries += 1
+                self._event("start-failed", f"{first}; try {tries + 1} of {self.max_restarts + 1} in {delay:g} s",
+                            time.monotonic() - t0)
+                if self._stop.wait(delay):
+                    raise
+
+    def _remove_orphans(self, paths: set[Path]) -> None:
+        """Remove those of ``paths`` (regions that appeared during a failed start) that no process maps."""
+        users = shm_region_users(sorted(paths)) if paths else {}
+        removed = []
+        for path in sorted(paths):
+            if users.get(path):
+                continue
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("supervisor: cannot remove %s: %s", path, exc)
+        if removed:
+            self._event("shm-removed", f"{len(removed)} shared-memory region(s) left by a failed start: "
+                                       f"{', '.join(removed)}")
+
     def warm_up_soon(self) -> threading.Thread | None:
         """Run :meth:`warm_up` in a thread (once more after it if asked again while it runs); returns the thread."""
         with self._warm_lock:
@@ -347,8 +402,7 @@ class Supervisor:
         """Start the server if it is not running, then watch it from a daemon thread."""
         started = not self.server.running
         if started:
-            self.warm_file.unlink(missing_ok=True)
-            self.server.start(timeout=self.start_timeout)
+            self.first_start()
         self._remember_stubs()
         self._stop.clear()
         self._thread = threading.Thread(target=self.run, name="triton-supervisor", daemon=True)
@@ -412,10 +466,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    sup.warm_file.unlink(missing_ok=True)
     try:
-        server.start(timeout=args.start_timeout)
+        sup.first_start()
     except ServerError as exc:
+        sup.sweep_regions()
         print(f"error: {exc}", file=sys.stderr)
         return 1
     if not sup._stop.is_set():

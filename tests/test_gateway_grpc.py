@@ -47,21 +47,38 @@ class _Stub:
 
             async def __aiter__(self):
                 pending = []
-                async for req in requests:
-                    stub.received += 1
-                    stub.held += 1
-                    stub.most = max(stub.most, stub.held)
-                    pending.append(req)
-                    if len(pending) < 30 and not stub.release.is_set():
-                        continue
-                    await stub.release.wait()
+                requests_left = requests.__aiter__()
+                while True:
+                    try:
+                        req = await requests_left.__anext__()
+                    except StopAsyncIteration:
+                        req = None
+                    if req is not None:
+                        stub.received += 1
+                        stub.held += 1
+                        stub.most = max(stub.most, stub.held)
+                        pending.append(req)
+                        if not stub.release.is_set():
+                            continue
+                    if not pending:
+                        return
+                    await stub.release.wait()  # the client's half-close does not end the requests at Triton
                     for r in pending:
                         stub.held -= 1
                         answer = service_pb2.ModelStreamInferResponse(
                             infer_response=service_pb2.ModelInferResponse(model_name=r.model_name, id=r.id))
-                        answer.infer_response.parameters["triton_final_response"].bool_param = True
+                        answer.infer_response.outputs.add(name="waveform", datatype="FP32", shape=[1, 0])
+                        answer.infer_response.parameters["triton_final_response"].bool_param = False
                         yield answer
+                        asked = r.parameters.get("triton_enable_empty_final_response")
+                        if asked is not None and asked.bool_param:  # Triton sends the final flag only when asked
+                            final = service_pb2.ModelStreamInferResponse(
+                                infer_response=service_pb2.ModelInferResponse(model_name=r.model_name, id=r.id))
+                            final.infer_response.parameters["triton_final_response"].bool_param = True
+                            yield final
                     pending = []
+                    if req is None:
+                        return
 
         return Call()
 
@@ -130,5 +147,85 @@ def test_garbage_protobuf_is_invalid_argument(garbage):
         finally:
             await channel.close()
             await server.stop(None)
+
+    asyncio.run(scene())
+
+
+class _Context:
+    def __init__(self, key, codes=False):
+        self.key, self.codes, self.aborted = key, codes, None
+
+    def invocation_metadata(self):
+        return (("authorization", f"Bearer {self.key}"),) + ((("triton_grpc_error", "true"),) if self.codes else ())
+
+    def peer(self):
+        return "ipv4:127.0.0.1:1"
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, details):
+        self.aborted = (code, details)
+        raise RuntimeError("aborted")
+
+
+@pytest.mark.parametrize("codes", [False, True])
+def test_each_request_of_a_stream_counts_against_the_keys_concurrency(codes):
+    """Thirty requests on one stream with a limit of 8: eight go on, the rest are refused naming the limit (or the
+    stream ends with RESOURCE_EXHAUSTED); another key still gets through; the slots come back with the final
+    responses, which the client that did not ask for them never sees."""
+    from cosyvoice_triton.gateway.kserve_grpc import KServeProxy as Proxy
+
+    limiter = KeyLimiter(8)
+    upstream = _Upstream()
+    keys = KeyRing(["ka", "kb"])
+    proxy = Proxy(upstream, keys, limiter)
+    a_id, b_id = keys.identify("Bearer ka"), keys.identify("Bearer kb")
+
+    async def collect(key, n, ctx_codes, answers):
+        async def requests():
+            for i in range(n):
+                yield _request(i)
+        try:
+            async for a in proxy.ModelStreamInfer(requests(), ctx := _Context(key, ctx_codes)):
+                answers.append(a)
+        except RuntimeError:
+            pass
+        return ctx
+
+    async def until(cond, what):
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(what)
+
+    async def scene():
+        a_answers, b_answers = [], []
+        a = asyncio.ensure_future(collect("ka", 30, codes, a_answers))
+        await until(lambda: upstream.stub.received == 8, "eight of A's requests at Triton")
+        if codes:
+            ctx = await a
+            assert ctx.aborted[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 8" in ctx.aborted[1]
+        else:
+            await until(lambda: len(a_answers) == 22, "22 of A's requests refused in the stream")
+            assert all("at most 8" in x.error_message for x in a_answers)
+            assert limiter.active(a_id) == 8
+        b = asyncio.ensure_future(collect("kb", 1, codes, b_answers))
+        await until(lambda: upstream.stub.received == 9, "B's request at Triton while A holds its 8")
+        assert limiter.active(b_id) == 1
+        upstream.stub.release.set()
+        await b
+        assert len(b_answers) == 1 and not b_answers[0].error_message and b_answers[0].infer_response.outputs
+        if not codes:
+            await a
+            data = [x for x in a_answers if not x.error_message]
+            assert len(data) == 8 and all(x.infer_response.outputs for x in data)  # no empty finals
+        assert upstream.stub.received == 9
+        assert limiter.active(a_id) == 0 and limiter.active(b_id) == 0
+        again: list = []
+        await collect("ka", 8, codes, again)  # the slots came back
+        assert len(again) == 8 and not any(x.error_message for x in again)
+        assert limiter.active(a_id) == 0
 
     asyncio.run(scene())

@@ -33,6 +33,9 @@ GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTH
               413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
               503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 ERROR_HEADER = "triton_grpc_error"
+#: Triton's flag on each stream response that is a request's last, and the request parameter that has a decoupled
+#: model's final flag sent as an empty response (otherwise it may never reach the stream).
+FINAL, EMPTY_FINAL = "triton_final_response", "triton_enable_empty_final_response"
 #: Which ``InferTensorContents`` field holds each datatype (FP16 and BF16 travel as raw bytes only).
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
             "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -110,14 +113,17 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _fail(self, context, exc: GatewayError):
         await context.abort(GRPC_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
 
-    def _admit(self, context) -> tuple[str, Namespace]:
+    def _identify(self, context) -> tuple[str, Namespace]:
+        """Who calls (a key's id, or the peer's address without keys) and its namespace; 401 for a bad key."""
         metadata = _headers(context)
         if self.keys.enabled:
             who = self.keys.identify(metadata.get("authorization"))
-            ns = Namespace(self.keys.tenant_of(who))
-        else:
-            peer = context.peer() or "anonymous"
-            who, ns = peer.rsplit(":", 1)[0], PUBLIC
+            return who, Namespace(self.keys.tenant_of(who))
+        peer = context.peer() or "anonymous"
+        return peer.rsplit(":", 1)[0], PUBLIC
+
+    def _admit(self, context) -> tuple[str, Namespace]:
+        who, ns = self._identify(context)
         self.limiter.acquire(who)
         return who, ns
 
@@ -176,8 +182,12 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self._unary("ModelInfer", request, context, infer=True)
 
     async def ModelStreamInfer(self, request_iterator, context) -> AsyncIterator:
+        """Each request of the stream counts against the key's concurrency and rate as a call would: its slot is
+        taken when it goes on to Triton and given back with its final response (``triton_final_response``; the
+        gateway asks Triton for the empty final response of a decoupled model and keeps it from a client that did
+        not ask for it) or its error. A request beyond the limit is refused in the stream, naming the limit."""
         try:
-            who, ns = self._admit(context)
+            who, ns = self._identify(context)
         except GatewayError as exc:
             await self._fail(context, exc)
             return
@@ -186,6 +196,12 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         out: asyncio.Queue = asyncio.Queue()
         onward: asyncio.Queue = asyncio.Queue()
         end = object()
+        state = {"held": 0, "client_empty_final": False}  # slots taken for requests Triton has not finished
+
+        def release_one() -> None:
+            if state["held"] > 0:
+                state["held"] -= 1
+                self.limiter.release(who)
 
         async def requests():
             while True:
@@ -194,6 +210,16 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     return
                 yield item
 
+        async def refuse(req, exc: GatewayError) -> bool:
+            """Answer ``exc`` in the stream; False when it ends the stream (the client asked for status codes)."""
+            if codes:
+                await out.put(exc)
+                return False
+            await out.put(service_pb2.ModelStreamInferResponse(
+                error_message=exc.message,
+                infer_response=service_pb2.ModelInferResponse(model_name=req.model_name[:128], id=req.id[:128])))
+            return True
+
         async def read_client():
             try:
                 async for req in request_iterator:
@@ -201,15 +227,25 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                         await out.put(GatewayError(400, req.message))
                         return
                     try:
-                        await onward.put(await self._checked(req, ns, scope))
+                        self.limiter.acquire(who)
                     except GatewayError as exc:
-                        if codes:
-                            await out.put(exc)
-                            return
-                        await out.put(service_pb2.ModelStreamInferResponse(
-                            error_message=exc.message,
-                            infer_response=service_pb2.ModelInferResponse(model_name=req.model_name[:128],
-                                                                          id=req.id[:128])))
+                        if await refuse(req, exc):
+                            continue
+                        return
+                    try:
+                        checked = await self._checked(req, ns, scope)
+                    except GatewayError as exc:
+                        self.limiter.release(who)
+                        if await refuse(req, exc):
+                            continue
+                        return
+                    empty = checked.parameters.get(EMPTY_FINAL)
+                    if empty is not None and empty.bool_param:
+                        state["client_empty_final"] = True
+                    else:
+                        checked.parameters[EMPTY_FINAL].bool_param = True
+                    state["held"] += 1
+                    await onward.put(checked)
             finally:
                 await onward.put(end)
 
@@ -218,6 +254,12 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         async def read_triton():
             try:
                 async for answer in call:
+                    final = answer.infer_response.parameters.get(FINAL)
+                    if answer.error_message or final is None or final.bool_param:
+                        release_one()
+                    if final is not None and final.bool_param and _empty(answer) \
+                            and not state["client_empty_final"]:
+                        continue  # asked for by the gateway, not the client
                     await out.put(scope.grpc_stream_answer(answer))
                 await out.put(end)
             except grpc.aio.AioRpcError as exc:
@@ -240,7 +282,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             for t in tasks:
                 t.cancel()
             call.cancel()
-            self.limiter.release(who)
+            while state["held"]:
+                release_one()
+
+
+def _empty(answer: service_pb2.ModelStreamInferResponse) -> bool:
+    """A decoupled model's empty final response: no error, no outputs."""
+    r = answer.infer_response
+    return not answer.error_message and not r.outputs and not r.raw_output_contents
 
 
 class Undecodable:

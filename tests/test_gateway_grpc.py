@@ -229,3 +229,62 @@ def test_each_request_of_a_stream_counts_against_the_keys_concurrency(codes):
         assert limiter.active(a_id) == 0
 
     asyncio.run(scene())
+
+
+def test_live_sessions_per_tenant_and_model_leave_room_for_another_key():
+    """A tenant holds at most its share of a live model's sessions (by default half the model's own
+    ``live_*_max_sessions``): key A's next start is refused naming the limit, key B still opens one."""
+    from cosyvoice_triton.gateway.config import GatewayConfig, from_args
+    from cosyvoice_triton.gateway.errors import GatewayError
+    from cosyvoice_triton.gateway.sessions import SequenceIds
+
+    defaults = dict(GatewayConfig().live_sessions_per_tenant)
+    assert defaults == {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 1}
+    assert dict(from_args(["--live-sessions-per-tenant", "cosyvoice_tts_live=3"]).live_sessions_per_tenant) == \
+        {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 3}
+    table = SequenceIds(1024, 64, 35.0, per_model=defaults)
+    for sid in (1, 2):
+        table.upstream("a", "cosyvoice_vc_live", sid, start=True)
+    with pytest.raises(GatewayError) as exc:
+        table.upstream("a", "cosyvoice_vc_live", 3, start=True)
+    assert exc.value.status == 429 and "at most 2" in exc.value.message and "cosyvoice_vc_live" in exc.value.message
+    table.upstream("a", "cosyvoice_vc_live", 1, start=True)  # a start on its own open id is that session
+    table.upstream("b", "cosyvoice_vc_live", 1, start=True)  # another tenant still gets one
+    table.upstream("a", "cosyvoice_tts_live", 1, start=True)  # another model has its own share
+    with pytest.raises(GatewayError, match="at most 1"):
+        table.upstream("a", "cosyvoice_tts_live", 2, start=True)
+    table.upstream("a", "cosyvoice_vc_live", 2, end=True)  # an end frees the share
+    table.upstream("a", "cosyvoice_vc_live", 3, start=True)
+    table.upstream("a", "cosyvoice_tts", 9, start=True)  # a model without a share: the tenant's bound only
+
+
+def test_a_stream_refuses_a_start_beyond_the_tenants_share():
+    from cosyvoice_triton.gateway.kserve_grpc import KServeProxy as Proxy
+    from cosyvoice_triton.gateway.sessions import SequenceIds
+
+    live = "cosyvoice_vc_live"
+    upstream = _Upstream()
+    upstream.models = frozenset({live})
+    upstream.stub.release.set()
+    proxy = Proxy(upstream, KeyRing(["ka", "kb"]), KeyLimiter(8), SequenceIds(1024, 64, 35.0, per_model={live: 1}))
+
+    def start(sid):
+        req = _request(sid)
+        req.model_name = live
+        req.parameters["sequence_id"].int64_param = sid
+        req.parameters["sequence_start"].bool_param = True
+        return req
+
+    async def stream(key, reqs):
+        async def requests():
+            for r in reqs:
+                yield r
+        return [a async for a in proxy.ModelStreamInfer(requests(), _Context(key))]
+
+    async def scene():
+        a = await stream("ka", [start(1), start(2)])
+        assert not a[0].error_message and "at most 1" in a[1].error_message and live in a[1].error_message
+        b = await stream("kb", [start(1)])
+        assert not b[0].error_message
+
+    asyncio.run(scene())

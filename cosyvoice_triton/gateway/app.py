@@ -147,8 +147,8 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     upstream = Upstream(config.triton_grpc, config.triton_http, config.kserve_models,
                         timeout_s=config.backend_timeout_s, max_message_bytes=config.max_body_bytes)
     # sequence ids (live sessions) per tenant; one tenant (no keys): passed through as they are
-    sequences = SequenceIds(config.max_sequences, config.max_sequences_per_tenant,
-                            config.sequence_idle_s) if keys.enabled else None
+    sequences = SequenceIds(config.max_sequences, config.max_sequences_per_tenant, config.sequence_idle_s,
+                            per_model=dict(config.live_sessions_per_tenant)) if keys.enabled else None
     if sequences is not None:
         metrics.sequences.set_function(sequences.open_count)
 

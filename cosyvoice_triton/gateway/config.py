@@ -36,6 +36,9 @@ class GatewayConfig:
     # the tenants' sequence ids (live sessions) at the KServe entry points, with keys (sessions.py)
     max_sequences: int = 1024  # open at once, all tenants
     max_sequences_per_tenant: int = 64
+    # open sessions one tenant may hold on each live model: half the models' own max_sessions (tunables
+    # live_max_sessions 4, live_tts_max_sessions 2), so that one key cannot take them all
+    live_sessions_per_tenant: tuple[tuple[str, int], ...] = (("cosyvoice_vc_live", 2), ("cosyvoice_tts_live", 1))
     sequence_idle_s: float = 35.0  # at least the live models' idle time (live_idle_timeout_s + 5 s: Triton's)
     max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
     max_json_depth: int = 16
@@ -111,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-idle-s", type=float, default=float(_env("sequence_idle_s", d.sequence_idle_s)),
                    help="a sequence id without a request this long is forgotten; keep it at least the live "
                         "models' live_idle_timeout_s + 5")
+    p.add_argument("--live-sessions-per-tenant", action="append", default=None, metavar="MODEL=N",
+                   help="open sessions one tenant may hold on a live model (repeatable; default "
+                        + ", ".join(f"{m}={n}" for m, n in d.live_sessions_per_tenant)
+                        + f"; ${ENV_PREFIX}LIVE_SESSIONS_PER_TENANT comma-separated)")
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
     p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
     p.add_argument("--max-input-chars", type=int, default=int(_env("max_input_chars", d.max_input_chars)))
@@ -129,8 +136,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _shares(given: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    out = dict(GatewayConfig().live_sessions_per_tenant)
+    for item in given:
+        model, _, n = item.partition("=")
+        if not model.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise SystemExit(f"--live-sessions-per-tenant {item!r}: MODEL=N with N >= 1")
+        out[model.strip()] = int(n)
+    return tuple(sorted(out.items()))
+
+
 def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     args = parser().parse_args(argv)
+    shares = _shares(args.live_sessions_per_tenant
+                     or [x for x in _env("live_sessions_per_tenant", "").split(",") if x.strip()])
     keys = set(args.api_key or ([_env("api_key", "")] if _env("api_key", "") else []))
     named = read_keys(args.api_key_file) if args.api_key_file else {}
     keys |= set(named)
@@ -145,7 +164,7 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          max_voices_per_tenant=args.max_voices_per_tenant,
                          max_voice_bytes_per_tenant=args.max_voice_bytes_per_tenant, max_body_bytes=args.max_body_bytes,
                          max_sequences=args.max_sequences, max_sequences_per_tenant=args.max_sequences_per_tenant,
-                         sequence_idle_s=args.sequence_idle_s,
+                         sequence_idle_s=args.sequence_idle_s, live_sessions_per_tenant=shares,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          cors_origins=tuple(o.strip() for o in origins), open_metrics=args.open_metrics,

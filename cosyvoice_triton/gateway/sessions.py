@@ -10,10 +10,11 @@ unknown id is (by Triton, which never saw it), an end ends nothing, a start open
   would); a request with the end closes it. A closed entry is remembered a while (not counted as open), so a late
   piece or an end sent again reaches the same sequence and gets Triton's own answer for it; a start reopens it.
   A request without a start on an id the tenant has not opened gets a fresh id that is never kept.
-* Bounds: at most ``max_open`` open entries in all and ``max_per_tenant`` per tenant (a start beyond is refused
-  with 429, naming the bound), each forgotten after ``idle_s`` without a request (keep it at least the live
-  models' idle time, ``live_idle_timeout_s`` + 5 s: Triton's own); as many closed entries as ``max_open``, the
-  oldest forgotten first.
+* Bounds: at most ``max_open`` open entries in all, ``max_per_tenant`` per tenant and ``per_model[model]`` per
+  tenant on one model (a live model's share: below its own ``max_sessions``, so one key cannot take them all; a
+  start beyond is refused with 429, naming the bound), each forgotten after ``idle_s`` without a request (keep it
+  at least the live models' idle time, ``live_idle_timeout_s`` + 5 s: Triton's own); as many closed entries as
+  ``max_open``, the oldest forgotten first.
 * Answers come back with the client's id: :class:`Names` (one a call or a stream) replaces the drawn ids in
   error messages and in a ``sequence_id`` response parameter.
 
@@ -27,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +55,21 @@ class _Entry:
     upstream: ClientId
     tenant: str
     last: float
+    model: str = ""
 
 
 class SequenceIds:
     """The table of (tenant, model, client id) -> drawn id; thread-safe."""
 
     def __init__(self, max_open: int = 1024, max_per_tenant: int = 64, idle_s: float = 35.0, *,
-                 clock: Callable[[], float] = time.monotonic):
-        if max_open < 1 or max_per_tenant < 1 or not idle_s > 0:
-            raise ValueError("sequence ids: max_open and max_per_tenant must be >= 1, idle_s > 0")
+                 per_model: Mapping[str, int] | None = None, clock: Callable[[], float] = time.monotonic):
+        per_model = dict(per_model or {})
+        if max_open < 1 or max_per_tenant < 1 or not idle_s > 0 or any(n < 1 for n in per_model.values()):
+            raise ValueError("sequence ids: max_open, max_per_tenant and each per-model share must be >= 1, "
+                             "idle_s > 0")
         self.max_open, self.max_per_tenant, self.idle_s, self._clock = max_open, max_per_tenant, idle_s, clock
+        self.per_model = per_model  # model -> the open sequences one tenant may hold on it
+        self._per_tenant_model: collections.Counter[tuple[str, str]] = collections.Counter()
         self._open: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # least recently used first
         self._closed: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()
         self._per_tenant: collections.Counter[str] = collections.Counter()
@@ -100,27 +106,37 @@ class SequenceIds:
             raise GatewayError(429, f"too many open sequences for this tenant (at most {self.max_per_tenant}): "
                                "end one (sequence_end) first, or wait until one has been idle for "
                                f"{self.idle_s:g} s", code="too_many_sequences", param=SEQUENCE_ID)
+        model = key[1]
+        share = self.per_model.get(model)
+        if share is not None and self._per_tenant_model[(tenant, model)] >= share:
+            raise GatewayError(429, f"too many open sessions of {model} for this tenant (at most {share}, "
+                               "--live-sessions-per-tenant): end one (sequence_end) first, or wait until one has "
+                               f"been idle for {self.idle_s:g} s", code="too_many_sequences", param=SEQUENCE_ID)
         if len(self._open) >= self.max_open:
             raise GatewayError(429, f"the gateway holds {self.max_open} open sequences, its most; retry later",
                                code="too_many_sequences", param=SEQUENCE_ID, headers={"retry-after": "1"})
-        entry = self._closed.pop(key, None) or _Entry(self._draw(client, keep=True), tenant, now)
+        entry = self._closed.pop(key, None) or _Entry(self._draw(client, keep=True), tenant, now, model)
         entry.last = now
         self._open[key] = entry
         self._per_tenant[tenant] += 1
+        self._per_tenant_model[(tenant, model)] += 1
         return entry
 
     def _close(self, key: tuple) -> None:
         entry = self._open.pop(key)
-        self._forget_tenant(entry.tenant)
+        self._forget_tenant(entry.tenant, entry.model)
         self._closed[key] = entry
         while len(self._closed) > self.max_open:
             _, old = self._closed.popitem(last=False)
             self._drawn.discard(old.upstream)
 
-    def _forget_tenant(self, tenant: str) -> None:
+    def _forget_tenant(self, tenant: str, model: str = "") -> None:
         self._per_tenant[tenant] -= 1
         if self._per_tenant[tenant] <= 0:
             del self._per_tenant[tenant]
+        self._per_tenant_model[(tenant, model)] -= 1
+        if self._per_tenant_model[(tenant, model)] <= 0:
+            del self._per_tenant_model[(tenant, model)]
 
     def _expire(self, now: float) -> None:
         for table in (self._open, self._closed):
@@ -131,7 +147,7 @@ class SequenceIds:
                 del table[key]
                 self._drawn.discard(entry.upstream)
                 if table is self._open:
-                    self._forget_tenant(entry.tenant)
+                    self._forget_tenant(entry.tenant, entry.model)
 
     def _draw(self, client: ClientId, keep: bool = False) -> ClientId:
         while True:

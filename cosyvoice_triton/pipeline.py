@@ -130,8 +130,8 @@ class CosyVoice2:
         text-to-speech call when the folder has them (voice conversion never pays for them), ``True`` requires and
         loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist. ``prompt_cache``: a
         :class:`~.prompt_cache.PromptCache`, ``True`` for a new one with its default bounds, ``False`` for none.
-        ``lm_precision``: ``fp32`` or ``int8`` (:mod:`~.models.lm_quant`, CPU). ``stream_schedule``: the streaming
-        hops (:class:`~.streaming.StreamSchedule`; ``None``: the official ones).
+        ``lm_precision``: ``fp32``, ``int8`` or ``fp32-ort`` (:mod:`~.models.lm_quant`, CPU). ``stream_schedule``:
+        the streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: the official ones).
         """
         from .models.lm_quant import LM_PRECISIONS
 

@@ -16,7 +16,7 @@ Schemes (a runtime that is not installed is reported, not measured):
 
 * ``torch-fp32``: ``nn.Linear`` as the checkpoint runs it.
 * ``torch-int8``: PyTorch's dynamic INT8 Linear, the served ``lm_precision int8``.
-* ``ort-fp32``: onnxruntime's MatMul.
+* ``ort-fp32``: onnxruntime's MatMul, the kernel of ``lm_precision fp32-ort`` (:mod:`~cosyvoice_triton.models.lm_ort`).
 * ``ort-int8``: onnxruntime's dynamic quantisation (``quantize_dynamic``: MatMulInteger, int8 weights per output
   channel, activations quantised per tensor at each call), the scheme of ``torch-int8``.
 * ``ort-int8-block32``: onnxruntime's MatMulNBits with 8-bit weights in blocks of 32 along the input and
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..config import LLMConfig, ModelConfig
+from ..models.lm_ort import OrtKernel, OrtLinear, linear_model, ort_linears
 
 SCHEMES = ("torch-fp32", "torch-int8", "ort-fp32", "ort-int8", "ort-int8-block32", "ov-fp32", "ov-int8-weights")
 Kernel = Callable[[np.ndarray], np.ndarray]  # [rows, in] float32 -> [rows, out] float32
@@ -56,25 +57,13 @@ class Unavailable(RuntimeError):
 
 
 def _onnx_linear(weight: np.ndarray, bias: np.ndarray | None) -> bytes:
-    """A one-layer ONNX model ``y = x @ weight.T (+ bias)`` with a dynamic row count."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    out_features, in_features = weight.shape
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y" if bias is None else "xw"])]
-    inits = [numpy_helper.from_array(np.ascontiguousarray(weight.T), "w")]
-    if bias is not None:
-        nodes.append(helper.make_node("Add", ["xw", "b"], ["y"]))
-        inits.append(numpy_helper.from_array(bias, "b"))
-    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
-                                                                             ["rows", in_features])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
-                              inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 9
-    return model.SerializeToString()
+    """A self-contained one-layer ONNX model ``y = x @ weight.T (+ bias)`` (the quantisers and OpenVINO read it)."""
+    return linear_model(weight.shape[1], weight.shape[0], bias, weight_t=weight.T)
 
 
 def _ort_kernel(scheme: str, weight: np.ndarray, bias: np.ndarray | None, threads: int) -> Kernel:
+    if scheme == "ort-fp32":  # the served lm_precision fp32-ort's kernel
+        return OrtKernel(weight, bias, threads=threads)
     import onnx
     import onnxruntime as ort
 
@@ -158,32 +147,21 @@ def kernel(scheme: str, weight: np.ndarray, bias: np.ndarray | None = None, *, t
                 threads)
 
 
-class KernelLinear(nn.Module):
-    """An ``nn.Linear`` computed by a scheme's kernel (inference only, CPU)."""
+class KernelLinear(OrtLinear):
+    """An ``nn.Linear`` computed by a scheme's kernel (inference only, CPU): the served
+    :class:`~cosyvoice_triton.models.lm_ort.OrtLinear` with another kernel."""
 
     def __init__(self, linear: nn.Linear, scheme: str, threads: int = 1):
-        super().__init__()
         bias = None if linear.bias is None else linear.bias.detach().numpy()
-        self.in_features, self.out_features, self.scheme = linear.in_features, linear.out_features, scheme
-        self.run = kernel(scheme, linear.weight.detach().numpy(), bias, threads=threads)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).float().contiguous().numpy()
-        return torch.from_numpy(np.ascontiguousarray(self.run(flat))).reshape(*x.shape[:-1], self.out_features)
+        super().__init__(linear, kernel=kernel(scheme, linear.weight.detach().numpy(), bias, threads=threads))
+        self.scheme = scheme
 
 
 def with_kernels(lm, scheme: str, *, threads: int = 1):
-    """A copy of ``lm`` whose Qwen2 trunk computes every ``nn.Linear`` with ``scheme`` (the speech head stays)."""
+    """A copy of ``lm`` whose Qwen2 trunk computes every ``nn.Linear`` with ``scheme`` (the speech head stays;
+    ``ort-fp32`` is ``lm_precision fp32-ort``)."""
     lm = copy.deepcopy(lm)
-
-    def swap(module: nn.Module) -> None:
-        for name, child in module.named_children():
-            if type(child) is nn.Linear:
-                setattr(module, name, KernelLinear(child, scheme, threads))
-            else:
-                swap(child)
-
-    swap(lm.qwen)
+    ort_linears(lm.qwen, make=lambda linear: KernelLinear(linear, scheme, threads))
     return lm
 
 

@@ -8,12 +8,15 @@ the LM's prefill time, time to first token and decode tokens/s at batch 1, 4 and
 ``--utterance-s`` seconds through the whole path (LM tokens -> flow -> HiFT). With ``--official`` (a checkout of
 FunAudioLLM/CosyVoice) the official ``Qwen2LM.inference`` runs on the same weights in the same process for the
 LM figures. The two sides run in interleaved rounds, so that load from other processes affects both alike, and
-the best round is reported. With ``--lm-precisions fp32,int8`` (the default) the same LM figures follow for the
-INT8 LM (:mod:`~cosyvoice_triton.models.lm_quant`), with its distance from fp32 on one request (teacher-forced,
-:func:`~cosyvoice_triton.models.lm_quant.compare`) and the targets: batch-1 decode >= 25 tokens/s (real time)
-within the quality bar, batch 8 >= 3x batch 1. Then the first streamed chunk at concurrency 1 for a registered
-speaker's TTS and for VC, with the breakdown and the 1.5 s targets (:mod:`.first_chunk`). Figures, not
-assertions: nothing here fails on a slow machine.
+the best round is reported. With ``--lm-precisions fp32,fp32-ort,int8`` (the default) the same LM figures follow
+for the fp32 LM on onnxruntime's MatMul (:mod:`~cosyvoice_triton.models.lm_ort`; its rounds interleave with
+fp32's, so the two compare under the same load) and for the INT8 LM (:mod:`~cosyvoice_triton.models.lm_quant`),
+each with its distance from fp32 on one request (teacher-forced, :func:`~cosyvoice_triton.models.lm_quant.compare`),
+and the targets: batch-1 decode >= 25 tokens/s (real time) within the quality bar, batch 8 >= 3x batch 1. A roofline
+puts the decode rates against memory bandwidth (:func:`roofline`): the bytes of weights one decode step reads
+against a measured copy bandwidth give each batch's tokens/s ceiling and the fraction each precision reaches. Then
+the first streamed chunk at concurrency 1 for a registered speaker's TTS and for VC, with the breakdown and the
+1.5 s targets (:mod:`.first_chunk`). Figures, not assertions: nothing here fails on a slow machine.
 """
 
 from __future__ import annotations
@@ -161,11 +164,14 @@ class OfficialLM:
         return n, seconds
 
 
-def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[int, ...], rounds: int) -> dict:
-    """Interleaved rounds (project, then official, every figure once a round), so that load from other processes
-    affects both sides alike; the best round is reported (bursts of outside load only ever slow a round down),
-    the median next to it in the JSON."""
-    sides = {"project": project, "official": official} if official is not None else {"project": project}
+def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[int, ...], rounds: int,
+             others: dict[str, ProjectLM] | None = None) -> dict:
+    """Interleaved rounds (project, the ``others`` (more of the project's LMs, by name), then official, every figure
+    once a round), so that load from other processes affects every side alike; the best round is reported (bursts
+    of outside load only ever slow a round down), the median next to it in the JSON."""
+    sides = {"project": project, **(others or {})}
+    if official is not None:
+        sides["official"] = official
     raw: dict[str, dict[str, list]] = {name: {"prefill_s": [], "ttft_s": [], "decode": []} for name in sides}
     for side in sides.values():  # warm-up: the first pass pages in ~2 GB of freshly loaded weights
         side.first_token()
@@ -173,7 +179,7 @@ def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[
         for name, side in sides.items():
             raw[name]["prefill_s"].append(side.prefill())
             raw[name]["ttft_s"].append(side.first_token())
-            for batch in batches if name == "project" else (1,):
+            for batch in (1,) if name == "official" else batches:
                 tokens, seconds = side.decode(batch)
                 raw[name]["decode"].append((batch, tokens, seconds))
                 print(f"  round {r + 1}/{rounds}: {name} batch {batch}: {tokens} tokens in {seconds:.2f} s", flush=True)
@@ -193,7 +199,8 @@ def bench_lm(project: ProjectLM, official: OfficialLM | None, *, batches: tuple[
 
 
 def int8_quality(lm, lm8, n_tokens: int, seed: int = 5) -> dict:
-    """The int8 LM's distance from fp32 on one bench request of ``n_tokens`` (teacher-forced on fp32's tokens)."""
+    """Another precision's LM (``lm8``: int8, fp32-ort) against fp32 on one bench request of ``n_tokens``
+    (teacher-forced on fp32's tokens)."""
     from ..models.lm_quant import BAR, compare
 
     text, prompt_text, prompt_speech = _inputs(lm, seed)
@@ -203,6 +210,94 @@ def int8_quality(lm, lm8, n_tokens: int, seed: int = 5) -> dict:
                               max_token_text_ratio=ratio))
     report = compare(lm, lm8, text, prompt_text, prompt_speech, tokens, draws, min_len=len(tokens))
     return {**report.summary(), "meets_bar": report.meets(BAR), "bar": dataclasses.asdict(BAR)}
+
+
+def twin_lm(lm):
+    """A copy of ``lm`` whose modules are new and whose tensors are ``lm``'s (to swap its Linear layers for another
+    precision's without a second copy of the weights)."""
+    import copy
+
+    memo = {id(t): t for t in (*lm.parameters(), *lm.buffers())}
+    return copy.deepcopy(lm, memo)
+
+
+def decode_step_bytes(lm) -> dict[str, int]:
+    """Bytes one batched decode step reads from the weights: ``shared``, once per step whatever the batch (every
+    Linear of the trunk and the speech head: weights, biases; an INT8 layer's int8 weights and its per-channel
+    scales and zero points), and ``per_token``, once per sequence (the speech embedding row of its last token).
+    The KV cache and the activations are left out (a few MB against GB at full dims)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    from ..models.lm_ort import OrtLinear
+
+    shared = 0
+    for m in (*lm.qwen.modules(), lm.llm_decoder):
+        if type(m) is torch.nn.Linear:
+            shared += sum(t.nbytes for t in (m.weight, m.bias) if t is not None)
+        elif isinstance(m, DynamicLinear):
+            w, b = m.weight(), m.bias()
+            shared += w.numel() * w.element_size() + (b.nbytes if b is not None else 0)
+            if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+                shared += w.q_per_channel_scales().nbytes + w.q_per_channel_zero_points().nbytes
+        elif isinstance(m, OrtLinear):  # float32 weights, the bias where the layer has one
+            shared += 4 * m.in_features * m.out_features + (4 * m.out_features if m.has_bias else 0)
+    per_token = lm.speech_embedding.weight[0].nbytes
+    return {"shared": shared, "per_token": per_token}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, rounds: int = 3) -> float:
+    """Memory copy bandwidth in bytes/s: the best of ``rounds`` NumPy copies of an ``nbytes`` array, counting the
+    bytes read and written (STREAM's copy convention); one untimed copy first faults the pages in."""
+    src = np.ones(max(nbytes // 4, 1), np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def roofline(bandwidth: float, step_bytes: dict[str, dict[str, int]], rates: dict[str, dict[int, float]]) -> dict:
+    """Per precision and batch: bytes read per decode token (``shared / batch + per_token``), the tokens/s
+    ceiling that ``bandwidth`` leaves (``bandwidth / bytes per token``) and the fraction of it ``rates``
+    (tokens/s) reach."""
+    out: dict = {"bandwidth_bytes_per_s": bandwidth, "precisions": {}}
+    for name, b in step_bytes.items():
+        per_batch = {}
+        for batch, rate in rates.get(name, {}).items():
+            per_token = b["shared"] / batch + b["per_token"]
+            ceiling = bandwidth / per_token
+            per_batch[batch] = {"bytes_per_token": per_token, "ceiling_tokens_per_s": ceiling,
+                                "tokens_per_s": rate, "fraction": rate / ceiling}
+        out["precisions"][name] = {**b, "batches": per_batch}
+    return out
+
+
+def _roofline_lines(r: dict) -> list[str]:
+    lines = [f"roofline: memory copy bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (NumPy copy, read + "
+             "write, best of 3); per decode step the weights are read once (the trunk's Linear layers and the speech "
+             "head), plus one speech-embedding row per sequence"]
+    for name, p in r["precisions"].items():
+        cells = [f"batch {b}: {v['tokens_per_s']:.1f} of {v['ceiling_tokens_per_s']:.1f} tokens/s "
+                 f"({v['fraction']:.1%})" for b, v in p["batches"].items()]
+        lines.append(f"  {name}: {p['shared'] / 1e6:.1f} MB per step + {p['per_token'] / 1e3:.1f} kB per token; "
+                     + "; ".join(cells))
+    return lines
+
+
+def _fp32_ort_lines(ort: dict, fp32: dict, batches: tuple[int, ...]) -> list[str]:
+    q, lines = ort["quality"], []
+    for b in batches:
+        mine, ref = ort["decode"][b], fp32["decode"][b]
+        lines.append(f"fp32-ort LM: decode tokens/s, batch {b}: {mine['tokens_per_s']:.1f} ({mine['tokens']} tok), "
+                     f"{mine['tokens_per_s'] / ref['tokens_per_s']:.2f}x fp32 (rounds interleaved)")
+    lines.append(f"fp32-ort LM: prefill {ort['prefill_s'] * 1e3:.0f} ms ({fp32['prefill_s'] * 1e3:.0f} ms fp32), "
+                 f"time to first token {ort['ttft_s'] * 1e3:.0f} ms ({fp32['ttft_s'] * 1e3:.0f} ms fp32)")
+    lines.append(f"fp32-ort LM vs fp32 ({q['steps']} steps, teacher-forced): TV max {q['max_tv']:.2e}, same token "
+                 f"{q['same_token']:.0%}")
+    return lines
 
 
 def _int8_lines(int8: dict, batches: tuple[int, ...]) -> list[str]:
@@ -292,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--utterance-s", type=float, default=10.0, help="0 skips the whole-path RTF")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the LM figures (best reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--lm-precisions", default="fp32,int8", help="fp32 and/or int8: the LM figures of each")
+    ap.add_argument("--lm-precisions", default="fp32,fp32-ort,int8",
+                    help="fp32, then fp32-ort and / or int8: the LM figures of each")
+    ap.add_argument("--bandwidth-mb", type=int, default=1024,
+                    help="MiB of the array whose copy measures the memory bandwidth of the roofline (0: no roofline)")
     ap.add_argument("--first-chunk-rounds", type=int, default=2,
                     help="rounds of the first-chunk figures (streaming TTS for a registered speaker, streaming VC); "
                          "0 skips them")
@@ -304,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     batches = tuple(int(b) for b in args.batches.split(","))
     precisions = [p for p in args.lm_precisions.split(",") if p]
-    if not precisions or set(precisions) - {"fp32", "int8"} or precisions[0] != "fp32":
-        ap.error("--lm-precisions: fp32 first, then int8 if wanted (fp32 is the reference of the int8 quality)")
+    if not precisions or set(precisions) - {"fp32", "fp32-ort", "int8"} or precisions[0] != "fp32":
+        ap.error("--lm-precisions: fp32 first, then fp32-ort and / or int8 if wanted (fp32 is the reference of their "
+                 "quality)")
 
     from ..models.llm import load_llm
 
@@ -318,20 +417,36 @@ def main(argv: list[str] | None = None) -> int:
     off = None
     if args.official is not None:
         off = OfficialLM(official_lm(args.official, model_dir, lm), lm, args.decode_tokens)
-    figures = bench_lm(ProjectLM(lm, args.decode_tokens), off, batches=batches, rounds=args.repeats)
-    project, official = figures["project"], figures.get("official")
-    del off
+    from ..models.lm_quant import quantize_lm
+
+    others, lm_ort = {}, None
+    if "fp32-ort" in precisions:  # its rounds interleave with fp32's
+        t0 = time.perf_counter()
+        lm_ort = quantize_lm(twin_lm(lm), "fp32-ort")
+        print(f"fp32-ort LM: built in {time.perf_counter() - t0:.1f} s, {lm_ort.lm_threads} onnxruntime threads per "
+              "layer", flush=True)
+        others["fp32-ort"] = ProjectLM(lm_ort, args.decode_tokens)
+    figures = bench_lm(ProjectLM(lm, args.decode_tokens), off, batches=batches, rounds=args.repeats, others=others)
+    project, official, fp32_ort = figures["project"], figures.get("official"), figures.get("fp32-ort")
+    del off, others
+    step_bytes = {"fp32": decode_step_bytes(lm)}
+    if lm_ort is not None:
+        fp32_ort["quality"] = int8_quality(lm, lm_ort, args.decode_tokens)
+        step_bytes["fp32-ort"] = decode_step_bytes(lm_ort)
+        del lm_ort
     int8 = None
     if "int8" in precisions:
-        import copy
-
-        from ..models.lm_quant import quantize_lm
-
-        lm8 = quantize_lm(copy.deepcopy(lm), "int8")
+        lm8 = quantize_lm(twin_lm(lm), "int8")
         print("int8 LM:", flush=True)
         int8 = bench_lm(ProjectLM(lm8, args.decode_tokens), None, batches=batches, rounds=args.repeats)["project"]
         int8["quality"] = int8_quality(lm, lm8, args.decode_tokens)
+        step_bytes["int8"] = decode_step_bytes(lm8)
         del lm8
+    roof = None
+    if args.bandwidth_mb > 0:
+        rates = {name: {b: d["decode"][b]["tokens_per_s"] for b in batches}
+                 for name, d in (("fp32", project), ("fp32-ort", fp32_ort), ("int8", int8)) if d is not None}
+        roof = roofline(copy_bandwidth(args.bandwidth_mb << 20), step_bytes, rates)
     rtf = bench_rtf(model_dir, lm, utterance_s=args.utterance_s) if args.utterance_s > 0 else None
     first = None
     if args.first_chunk_rounds > 0:
@@ -345,13 +460,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if b1 >= TARGET_INT8_BATCH1 else 'missed'} ({b1:.1f} tokens/s"
               + ("" if b1 >= TARGET_INT8_BATCH1 else ": the same GEMMs as the official code, bound by the CPU's "
                  "fp32 rate; the INT8 LM is the way up") + ")")
+    if fp32_ort is not None:
+        print("\n".join(_fp32_ort_lines(fp32_ort, project, batches)))
     if int8 is not None:
         print("\n".join(_int8_lines(int8, batches)))
+    if roof is not None:
+        print("\n".join(_roofline_lines(roof)))
     if first is not None:
         print("\n".join(first_chunk_lines(first, b1)))
     print(f"peak RSS {peak_gb:.1f} GB")
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps({"project": project, "official": official, "int8": int8, "rtf": rtf,
+    args.out_json.write_text(json.dumps({"project": project, "official": official, "fp32_ort": fp32_ort,
+                                         "int8": int8, "roofline": roof, "rtf": rtf,
                                          "first_chunk": first,
                                          "peak_rss_gb": peak_gb, "threads": torch.get_num_threads()},
                                         indent=1, default=str) + "\n")

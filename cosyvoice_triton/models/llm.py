@@ -650,9 +650,10 @@ def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def load_llm(model_dir: str | Path, config: ModelConfig, device: str | torch.device = "cpu", *,
-             precision: str = "fp32") -> Qwen2LM:
+             precision: str = "fp32", threads: int | None = None) -> Qwen2LM:
     """``llm.pt`` of a CosyVoice2 model folder, read safely and strictly, on ``device`` in eval mode;
-    ``precision``: ``fp32`` or ``int8`` (:func:`.lm_quant.quantize_lm`)."""
+    ``precision``: ``fp32``, ``int8`` or ``fp32-ort`` (:func:`.lm_quant.quantize_lm`; ``threads``: fp32-ort's
+    onnxruntime threads per layer, None: torch's)."""
     from .lm_quant import LM_PRECISIONS, quantize_lm
 
     if precision not in LM_PRECISIONS:
@@ -666,4 +667,4 @@ def load_llm(model_dir: str | Path, config: ModelConfig, device: str | torch.dev
     if not llm_path.is_file():
         raise CheckpointError(f"{llm_path}: file not found (a CosyVoice2 model folder has llm.pt)")
     load_into(model, read_state_dict(llm_path), llm_path)
-    return quantize_lm(model.to(device).eval(), precision)
+    return quantize_lm(model.to(device).eval(), precision, threads=threads)

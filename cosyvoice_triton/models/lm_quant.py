@@ -1,4 +1,5 @@
-"""The LM's precision on the CPU: ``fp32`` (the checkpoint as is) or ``int8`` (dynamic INT8 Linear layers).
+"""The LM's precision on the CPU: ``fp32`` (the checkpoint as is), ``int8`` (dynamic INT8 Linear layers) or
+``fp32-ort`` (the same fp32 Linear layers on onnxruntime's MatMul: :mod:`.lm_ort`).
 
 ``int8`` replaces every ``nn.Linear`` of the Qwen2 trunk (q/k/v/o projections, the MLP's gate/up/down) by
 PyTorch's dynamically quantised Linear (``torch.ao.quantization.quantize_dynamic``: int8 weights per output
@@ -51,7 +52,7 @@ from .sampling import make_draw, sample_token
 __all__ = ["BAR", "INT8_MEETS_BAR", "LM_PRECISIONS", "SANITY", "DistributionReport", "QualityBar", "compare",
            "quantize_linears", "quantize_lm", "teacher_forced_logp"]
 
-LM_PRECISIONS = ("fp32", "int8")
+LM_PRECISIONS = ("fp32", "int8", "fp32-ort")
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,18 @@ INT8_MEETS_BAR = False
 SANITY = QualityBar(max_tv=0.35, mean_tv=0.15, min_same_token=0.25)
 
 
-def quantize_lm(lm, precision: str = "int8"):
+def quantize_lm(lm, precision: str = "int8", *, threads: int | None = None):
     """``lm`` (a :class:`~.llm.Qwen2LM` in eval mode) in ``precision``, in place: ``fp32`` leaves it as is,
-    ``int8`` quantises the Linear layers of its Qwen2 trunk (CPU only). Returns ``lm``."""
+    ``int8`` quantises the Linear layers of its Qwen2 trunk, ``fp32-ort`` runs them on onnxruntime
+    (:func:`.lm_ort.ort_lm`, ``threads`` per layer; None: torch's). Both CPU only. Returns ``lm``."""
     if precision not in LM_PRECISIONS:
         raise ConfigError(f"lm_precision must be one of {', '.join(LM_PRECISIONS)}, got {precision!r}")
     if precision == "fp32":
         return lm
+    if precision == "fp32-ort":
+        from .lm_ort import ort_lm
+
+        return ort_lm(lm, threads=threads)
     device = lm.llm_decoder.weight.device
     if device.type != "cpu":
         raise ConfigError(f"lm_precision int8 is PyTorch's CPU INT8 (dynamic quantised Linear); the LM is on "

@@ -55,9 +55,10 @@ _TTS_SERVICE = (
     Param("max_text_digit_run", int, 32, "longest run of digits in a text (number normalisation's cost grows with it)"),
     Param("max_text_digits", int, 256, "most digits in one text"),
     Param("n_timesteps", int, 0, "flow Euler steps of streamed chunks (0: the model's)"),
-    Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, or int8 (PyTorch's dynamic INT8 on the CPU, "
-          "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar)",
-          ("fp32", "int8")),
+    Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32; int8 (PyTorch's dynamic INT8 on the CPU, "
+          "cosyvoice_triton.models.lm_quant: about 3-4x the decode rate, outside the fp32 quality bar); or fp32-ort "
+          "(fp32 on onnxruntime's MatMul, cosyvoice_triton.models.lm_ort: fp32's results, torch_threads per layer)",
+          ("fp32", "int8", "fp32-ort")),
     *_STREAM_SCHEDULE,
     Param("min_seconds", float, 0.1, "shortest accepted prompt audio"),
     Param("max_seconds", float, 30.0, "longest accepted prompt audio"),

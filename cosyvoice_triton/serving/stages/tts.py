@@ -122,7 +122,7 @@ class TTSService:
         prompt_cache: a prompt recording seen before skips the front end and both graphs (:func:`.compute_prompt`).
         output: the output options, as config parameters (``output_sample_rate``, ``loudness_lufs``,
             ``peak_dbfs``; None: the model's rate): the answers get what applies to a stream (the rate).
-        lm_precision: ``fp32`` or ``int8`` (:mod:`~...models.lm_quant`).
+        lm_precision: ``fp32``, ``int8`` or ``fp32-ort`` (:mod:`~...models.lm_quant`).
         stream_schedule: the streaming hops (:class:`~...streaming.StreamSchedule`; None: the official ones).
         lm_prefix_cache_mb: a registered speaker's requests share the LM's KV cache of sos + its transcript
             (:class:`~...speaker_state.SpeakerState`, keyed by the tokens: never stale; 0: off).

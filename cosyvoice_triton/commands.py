@@ -2,7 +2,8 @@
 
 Each entry is a command with its own parser (``cosyvoice-triton client --help`` shows that parser's help): a
 ``module:function`` of this package, called with the remaining arguments, or a script of the repository
-(``export/``, ``model_repository/``), run as ``python SCRIPT ARGS``.
+(``export/``, ``model_repository/``: the clone's, or the installed package's copy, :mod:`.resources`), run as
+``python SCRIPT ARGS``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import runpy
 import sys
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from . import resources
 
 #: name -> (help, target, examples)
 PASSTHROUGH: dict[str, tuple[str, str, str]] = {
@@ -96,10 +96,10 @@ def run(target: str, argv: list[str], *, prog: str) -> int:
             module, function = target.split(":")
             rc = getattr(importlib.import_module(module), function)(list(argv))
             return 0 if rc is None else int(rc)
-        script = ROOT / target
+        script = resources.path(target)
         if not script.is_file():
-            print(f"cosyvoice-triton {prog}: needs a clone of the repository ({target} is not beside the package)",
-                  file=sys.stderr)
+            print(f"cosyvoice-triton {prog}: {script} not found: this package was built without {target} (build "
+                  "it from a whole clone)", file=sys.stderr)
             return 2
         runpy.run_path(str(script), run_name="__main__")
         return 0

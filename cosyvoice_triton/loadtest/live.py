@@ -35,21 +35,26 @@ from typing import Any
 
 import numpy as np
 
+from .. import resources
 from ..clients.live import TTS_LIVE_MODEL, VC_LIVE_MODEL, LiveClient, LiveStats, PacedPieces
 from .callers import _no_retry
 from .report import _jsonable, latency_summary
 
 __all__ = ["commit", "main", "run_live", "summarize_level"]
 
-ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = {"tiny": {"streams": (1, 2, 4, 8), "stream_seconds": 20.0},
             "full": {"streams": (1,), "stream_seconds": 10.0}}
 
 
 def commit() -> str:
-    """The checkout's commit (short), ``+dirty`` with uncommitted changes to tracked files."""
+    """The checkout's commit (short), ``+dirty`` with uncommitted changes to tracked files; ``unknown`` for an
+    installed package (no checkout)."""
+    clone = resources.checkout()
+    if clone is None:
+        return "unknown"
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30,
+        return subprocess.run(["git", *args], cwd=clone, capture_output=True, text=True, timeout=30,
                               check=False).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
@@ -162,7 +167,7 @@ def run_live(opts, args) -> dict[str, Any]:
              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     ensure_assets(opts, list(GRAPHS))
     workload = cached_workload(out_dir / "workload.npz", n_sources=opts.n_sources, seed=opts.seed,
-                               fixtures=ROOT / "tests" / "fixtures")
+                               fixtures=resources.path("tests/fixtures"))
     tts = (Path(opts.model_dir) / "llm.pt").is_file() and not args.no_tts
     tunables = {**opts.integrated_tunables, "tts": "on" if tts else "off",
                 "live_max_sessions": max(max(args.streams), 1)}

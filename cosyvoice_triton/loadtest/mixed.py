@@ -67,17 +67,15 @@ POLICY_SERVER_ARGS: tuple[str, ...] = ("--rate-limit=execution_count",)
 
 
 def _start_locust(cfg: RunConfig, work: Path, max_run_s: float) -> tuple[subprocess.Popen, Path]:
-    from .setup import ROOT, locust_command
+    from .setup import locust_command, locust_env
 
     tag = Path(cfg.out).stem
     cfg_path = cfg.save(work / f"{tag}.config.json")
     Path(cfg.out).unlink(missing_ok=True)
-    env = {**os.environ, ENV_VAR: str(cfg_path), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
     log = work / f"locust_{tag}.log"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(locust_command(cfg_path, cfg.users, work / f"locust_{tag}", max_run_s), stdout=logf,
-                                stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                                stderr=subprocess.STDOUT, env=locust_env(**{ENV_VAR: str(cfg_path)}))
     return proc, log
 
 
@@ -334,7 +332,7 @@ def run_mixed(opts) -> dict[str, Any]:
     from ..shapes import GRAPHS
     from .report import write_report
     from .sampler import ServerSampler
-    from .setup import ROOT, _versions, ensure_assets, machine, render
+    from .setup import FIXTURES, _versions, ensure_assets, machine, render
     from .workload import cached_workload
 
     out_dir = Path(opts.out_dir)
@@ -343,7 +341,7 @@ def run_mixed(opts) -> dict[str, Any]:
     setup = {"machine": machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started))}
     ensure_assets(opts, list(GRAPHS))
     wl_path = out_dir / "workload.npz"
-    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=FIXTURES)
     scenarios: list[dict[str, Any]] = []
     rendered = {}
     # one server without the policy for every scenario; with it, one per scenario (the policy names the high class)

@@ -191,7 +191,7 @@ def run_prompt_cache(opts) -> dict[str, Any]:
     ``report.md`` / ``report.json`` into ``opts.out_dir`` and return the report."""
     from ..serving.launch.server import TritonServer
     from .metrics import fetch_statistics
-    from .setup import ROOT, ensure_assets, machine, render
+    from .setup import FIXTURES, ensure_assets, machine, render
     from .workload import cached_workload
 
     k = int(opts.speakers)
@@ -202,7 +202,7 @@ def run_prompt_cache(opts) -> dict[str, Any]:
     from ..shapes import GRAPHS
 
     ensure_assets(opts, list(GRAPHS))
-    fixtures = ROOT / "tests" / "fixtures"
+    fixtures = FIXTURES
     workload = cached_workload(out_dir / "workload.npz", n_sources=opts.n_sources, seed=opts.seed, fixtures=fixtures)
     prompts = make_prompts(k, seed=opts.seed, fixtures=fixtures)
     requests = plan_requests(opts.requests, k, list(workload.sources), list(workload.source_rates), seed=opts.seed)

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import resources
 from ..serving.launch.rollout import Rollout, VersionSpec, startup_models
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-LOCUSTFILE = ROOT / "loadtest" / "rollout_locustfile.py"
+LOCUSTFILE = resources.path("loadtest/rollout_locustfile.py")
 #: (phase name, rollout step: method and arguments, or None)
 PHASES: tuple[tuple[str, tuple | None], ...] = (
     ("v1 alone", None), ("stage v2", ("stage", 2)), ("canary 10%", ("canary", 10)), ("canary 50%", ("canary", 50)),
@@ -75,7 +75,7 @@ def summarize(phases: list[dict], records: Sequence[Sequence]) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ..serving.launch.serve_demo import prepare
     from ..serving.launch.server import TritonServer
-    from .setup import locust_command
+    from .setup import FIXTURES, locust_command, locust_env
     from .workload import cached_workload
 
     out = Path(args.out)
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict:
                             args.candidate_precision)]
     prepare(args.model_dir, onnx_dir=args.onnx_dir, repository=repo, versions=versions, max_queue_delay_us=20000)
     workload_path = out / "workload.npz"
-    workload = cached_workload(workload_path, fixtures=ROOT / "tests" / "fixtures", n_sources=8, min_seconds=2.0,
+    workload = cached_workload(workload_path, fixtures=FIXTURES, n_sources=8, min_seconds=2.0,
                                max_seconds=4.0)
     print(f"== workload: {workload.describe()}", flush=True)
     steps = PHASES + (() if args.no_promote else PROMOTE_PHASES)
@@ -106,10 +106,9 @@ def run(args: argparse.Namespace) -> dict:
         config.write_text(json.dumps({"url": server.http_url, "workload": str(workload_path), "timeout_s": 600,
                                       "out": str(records_path)}))
         cmd = locust_command(config, args.users, out / "locust", max_run_s=7200, locustfile=LOCUSTFILE)
-        env = {**os.environ, "ROLLOUT_LOADTEST": str(config), "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]])}
         with open(out / "locust.log", "wb") as locust_log:
-            locust = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=locust_log, stderr=subprocess.STDOUT)
+            locust = subprocess.Popen(cmd, env=locust_env(ROLLOUT_LOADTEST=str(config)), stdout=locust_log,
+                                      stderr=subprocess.STDOUT)
             try:
                 with Rollout(server.http_url, repo, admin_key=server.admin_key) as ro:
                     for name, step in steps:

@@ -27,11 +27,11 @@ from . import COLUMNS, PROTOCOLS, TTS_COLUMNS
 from .recording import RunConfig, RunResult
 from .report import RunSummary, render_markdown, summarize_run, write_report
 from .sampler import ServerSampler, sample_tree
-from .setup import (  # noqa: F401  (ROOT, LOCUSTFILE, INTEGRATED_TUNABLES: this module's names for its users)
+from .setup import (  # noqa: F401  (LOCUSTFILE, INTEGRATED_TUNABLES: this module's names for its users)
     CONFIGS,
+    FIXTURES,
     INTEGRATED_TUNABLES,
     LOCUSTFILE,
-    ROOT,
     SWEEP,
     Options,
     _versions,
@@ -219,7 +219,7 @@ def run(opts: Options) -> dict[str, Any]:
     onnx_graphs = [g for g in GRAPHS if all_onnx or g not in TORCH_GRAPHS]
     ensure_assets(opts, onnx_graphs)
     wl_path = out_dir / "workload.npz"
-    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=FIXTURES)
     if workload.descriptions and workload.descriptions[0].startswith("fixture"):
         opts.notes.append("workload: no speech synthesiser (the espeakng-loader wheel), so the test fixtures' "
                           "speech was used (install the package's dependencies for the 3-7 s multilingual sources)")
@@ -321,7 +321,7 @@ def run_tts(opts: Options) -> dict[str, Any]:
     if not (Path(opts.model_dir) / "llm.pt").is_file():
         raise FileNotFoundError(f"{opts.model_dir}/llm.pt not found: the TTS column needs the LM")
     wl_path = out_dir / "workload.npz"
-    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=ROOT / "tests" / "fixtures")
+    workload = cached_workload(wl_path, n_sources=opts.n_sources, seed=opts.seed, fixtures=FIXTURES)
     if opts.tts_texts and tuple(opts.tts_texts) != workload.texts:
         workload = replace(workload, texts=tuple(opts.tts_texts))
         workload.save(wl_path)  # what the Locust processes load

@@ -14,17 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import resources
 from . import COLUMNS, PROTOCOLS, TTS_COLUMNS
 from .metrics import settled_snapshot, success_delta
 from .recording import ENV_VAR, RunConfig, RunResult
 from .sampler import ServerSampler
 from .workload import Workload
 
-__all__ = ["CONFIGS", "ROOT", "Options", "ensure_assets", "locust_command", "machine", "render", "run_locust",
+__all__ = ["CONFIGS", "FIXTURES", "Options", "ensure_assets", "locust_command", "locust_env", "machine", "render",
+           "run_locust",
            "server_figures", "warm_up"]
 
-ROOT = Path(__file__).resolve().parents[2]
-LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
+LOCUSTFILE = resources.path("loadtest/locustfile.py")
+#: the test recordings: the workload's speech where espeak-ng is missing
+FIXTURES = resources.path("tests/fixtures")
 SWEEP = (1, 2, 4, 8, 10, 16)
 #: The integrated column's deployment tuning: the flow stage (BLS solver) and its estimator hold ~75% of the
 #: compute, and one instance of each runs one batch at a time on one core (1 intra-op thread), leaving the other
@@ -182,17 +185,23 @@ def locust_command(cfg_path: Path, users: int, csv_prefix: Path, max_run_s: floa
             "--csv", str(csv_prefix), "--exit-code-on-error", "0"]
 
 
+def locust_env(**extra: str) -> dict[str, str]:
+    """The environment of a Locust subprocess, with ``extra``: a clone's top in front of ``$PYTHONPATH``, so that
+    its locustfile imports this package even where it is not installed (an installed wheel needs nothing)."""
+    clone = resources.checkout()
+    path = [*([str(clone)] if clone else []), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {**os.environ, **extra, **({"PYTHONPATH": os.pathsep.join(path)} if path else {})}
+
+
 def run_locust(cfg: RunConfig, work: Path, max_run_s: float, tag: str = "") -> RunResult:
     """One Locust run in a subprocess; returns what the locustfile recorded (``tag`` names its files)."""
     tag = tag or f"{cfg.column}_{cfg.protocol}_u{cfg.users}"
     cfg_path = cfg.save(work / f"{tag}.config.json")
     Path(cfg.out).unlink(missing_ok=True)
     cmd = locust_command(cfg_path, cfg.users, work / f"locust_{tag}", max_run_s)
-    env = {**os.environ, ENV_VAR: str(cfg_path), "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]])}
     t0 = time.time()
     with open(work / f"locust_{tag}.log", "wb") as logf:
-        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=locust_env(**{ENV_VAR: str(cfg_path)}),
                               timeout=max_run_s + 900, check=False)
     if not Path(cfg.out).is_file():
         tail = (work / f"locust_{tag}.log").read_text(errors="replace").splitlines()[-30:]

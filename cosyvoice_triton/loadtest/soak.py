@@ -36,13 +36,14 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import resources
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SoakResult", "main", "memory_growth", "run_soak"]
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "tests" / "fixtures" / "source_en_5s.wav"
-PROMPT = ROOT / "tests" / "fixtures" / "prompt_en_3s.wav"
+SOURCE = resources.path("tests/fixtures/source_en_5s.wav")
+PROMPT = resources.path("tests/fixtures/prompt_en_3s.wav")
 
 
 @dataclass

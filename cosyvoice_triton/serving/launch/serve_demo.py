@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...resources import path as resource_path
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DemoReport", "format_statistics", "main", "prepare", "run_demo", "serve"]
 
-ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_DIR = "models/cosyvoice2-demo-tiny"
-DEFAULT_SOURCE = ROOT / "tests" / "fixtures" / "source_en_5s.wav"
-DEFAULT_PROMPT = ROOT / "tests" / "fixtures" / "prompt_en_3s.wav"
+DEFAULT_SOURCE = resource_path("tests/fixtures/source_en_5s.wav")
+DEFAULT_PROMPT = resource_path("tests/fixtures/prompt_en_3s.wav")
 DEFAULT_TTS_TEXT = "Hello from CosyVoice on Triton: this sentence was spoken by the served text to speech pipeline."
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ...resources import path as resource_path
 from ...shapes import (
     GRAPHS,
     TensorSpec,
@@ -29,9 +30,10 @@ class RenderError(ValueError):
 
 
 def default_templates_dir() -> Path:
-    """``model_repository/`` of the source tree this package lives in (``$COSYVOICE_TEMPLATES`` overrides)."""
+    """``model_repository/``: the clone's, or the installed package's copy (:mod:`cosyvoice_triton.resources`);
+    ``$COSYVOICE_TEMPLATES`` overrides."""
     env = os.environ.get("COSYVOICE_TEMPLATES")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "model_repository"
+    return Path(env) if env else resource_path("model_repository")
 
 
 def render_template(text: str, values: Mapping[str, Any], *, source: str = "template") -> str:

@@ -18,7 +18,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test lint bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels export quantize quality bench-export \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels export quantize quality bench-export \
         engines engines-dry-run engines-llm render serve clean
 
 help: ## list the stages
@@ -65,9 +65,13 @@ serve: $(VENV)/.installed ## serve MODEL_DIR on tritonserver at 127.0.0.1:8000 (
 	$(CLI) serve --model-dir $(MODEL_DIR) --gateway-port $(GATEWAY_PORT) --flavor $(SERVE_FLAVOR) --precision $(SERVE_PRECISION) \
 	  --onnx-dir build/onnx --repository build/model_repository $(if $(SERVE_RENDERED),--rendered)
 
-test: $(VENV)/.installed ## lint, then run the test suite
+test: $(VENV)/.installed ## lint, then run the whole test suite (tests/unit, then tests/live: real tritonserver, gateway, Locust)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-unit: $(VENV)/.installed ## lint, then the tests that start no server (tests/unit): the quick loop
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed ## ruff
 	$(VENV)/bin/ruff check .

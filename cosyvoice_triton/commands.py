@@ -126,7 +126,7 @@ def command_parser(target: str, argv: Sequence[str] = (), *, prog: str = "") -> 
     command runs up to its first ``parse_args`` / ``parse_known_args``, which raises instead of parsing, so the
     parser is the real one, built by the command's own code; a command may change its arguments before that (the
     client puts ``vc`` in front when no command is given). For checks of documented command lines
-    (``tests/test_docs_commands.py``)."""
+    (``tests/unit/test_docs_commands.py``)."""
     original = argparse.ArgumentParser.parse_known_args
 
     def capture(self, args=None, namespace=None):

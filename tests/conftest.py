@@ -20,6 +20,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# tests/unit: no server; tests/live: a real tritonserver, gateway or Locust. Shared helpers (pb_standin, this file)
+# stay here; a test module may import another's helpers from either folder (``make test-unit`` collects unit only).
+for _folder in ("unit", "live"):
+    if str(FIXTURES.parent / _folder) not in sys.path:
+        sys.path.append(str(FIXTURES.parent / _folder))
 FLOW_ORACLE = FIXTURES / "flow_oracle"
 #: An optional external reference folder (``cosyvoice2-tiny/`` with official-format weights and official outputs
 #: made on another machine), used only for cross-checks. ``$COSYVOICE_REFERENCE_DIR``; unset: ../shared/reference.

@@ -8,7 +8,7 @@ of its inputs and seed):
 * overloaded: gRPC ``RESOURCE_EXHAUSTED``, HTTP 429; a proxy in front could not reach Triton: HTTP 502 / 504;
 * timeouts and lost connections: gRPC ``DEADLINE_EXCEEDED``, a refused or reset connection, a socket timeout;
 * three server faults that say the server is mending itself (measured with a stage killed under load,
-  tests/test_hardening_live.py): a stage's Python process died under the request ("Stub process ... is not
+  tests/live/test_hardening_live.py): a stage's Python process died under the request ("Stub process ... is not
   healthy", HTTP 500 / ``INTERNAL``; the supervisor reloads it in seconds); a pipeline whose stage is being
   reloaded ("... has no available versions", HTTP 400 / ``NOT_FOUND``: Triton unloads the ensemble with its
   member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is

@@ -5,8 +5,8 @@ Every ``nn.Linear`` of the Qwen2 trunk (q/k/v/o projections, the MLP's gate/up/d
 bias) with that layer's own weights. The embeddings, the norms, RoPE, attention over transformers' KV cache and the
 speech head ``llm_decoder`` stay PyTorch, so batching (:class:`~.llm.BatchDecoder`, the served LM engine), live
 decoding (:mod:`.bistream`) and sampling run as they do in fp32. It is the same arithmetic in another GEMM
-library: the log-probabilities equal fp32's to float32 rounding (tests/test_lm_ort.py, tiny dims: within 1e-5 on the
-prefill and the decode steps, the same tokens under the same draws). Why: ``bench-lm-kernels`` measured
+library: the log-probabilities equal fp32's to float32 rounding (tests/unit/test_lm_ort.py, tiny dims: within 1e-5
+on the prefill and the decode steps, the same tokens under the same draws). Why: ``bench-lm-kernels`` measured
 onnxruntime's fp32 MatMul at 58 % of ``nn.Linear``'s time at batch 1 and 27 % at batch 8 on the trunk's layers
 (docs/benchmarks.md); ``bench-tts`` measures what that leaves of a whole decode step.
 

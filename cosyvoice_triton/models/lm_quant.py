@@ -9,7 +9,7 @@ the ``x86`` engine, fbgemm / oneDNN). The embeddings, the norms, attention itsel
 distribution that is sampled. Activations are quantised per tensor over the rows of a call, so the rows of one
 batched decode step share a scale (a row's output depends slightly on its batch mates; fp32 does not).
 
-The quality bar (:data:`BAR`, measured by tests/test_lm_quant.py on the LM oracle's cases, tiny dims and,
+The quality bar (:data:`BAR`, measured by tests/unit/test_lm_quant.py on the LM oracle's cases, tiny dims and,
 marked slow, full dims): decoding teacher-forced on the fp32 tokens (:func:`compare`), the total variation
 distance between the fp32 and the candidate's speech-token distributions (softmax of the log-probabilities) is at
 most 0.05 at every step and 0.02 on average, and the same injected uniform draw picks the same token as fp32 on at
@@ -64,7 +64,7 @@ class QualityBar:
 
 #: What a reduced precision must keep of the fp32 LM to become the default (module docstring).
 BAR = QualityBar(max_tv=0.05, mean_tv=0.02, min_same_token=0.7)
-#: Whether ``int8`` meets :data:`BAR` on the oracle's cases (tests/test_lm_quant.py checks this claim).
+#: Whether ``int8`` meets :data:`BAR` on the oracle's cases (tests/unit/test_lm_quant.py checks this claim).
 INT8_MEETS_BAR = False
 #: ``int8`` must at least stay this close to fp32 (a broken quantisation is far beyond it).
 SANITY = QualityBar(max_tv=0.35, mean_tv=0.15, min_same_token=0.25)

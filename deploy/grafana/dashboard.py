@@ -6,7 +6,7 @@
 Speech (the cosyvoice_* custom metrics of the Python stages) above Triton's own (nv_*: requests, queue and
 compute time, pending requests, batch size, CPU). Import the JSON in Grafana (Dashboards > Import) and pick the
 Prometheus data source that scrapes deploy/prometheus/prometheus.yml's targets. Every query is checked against
-the metrics a live server exposes (tests/test_metrics_live.py).
+the metrics a live server exposes (tests/live/test_metrics_live.py).
 """
 
 from __future__ import annotations

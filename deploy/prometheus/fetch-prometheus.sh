@@ -1,7 +1,7 @@
 #!/bin/sh
 # Debian's prometheus package (prometheus + promtool, static Go binaries) unpacked under DEST without installing
 # it: `apt-get download` + `dpkg -x`; `apt-get update` once if the package lists lack it. Used by `make
-# prometheus` and by tests/test_metrics_live.py. Prints the bin folder.
+# prometheus` and by tests/live/test_metrics_live.py. Prints the bin folder.
 set -eu
 dest=$(realpath -m "${1:-build/tools/prometheus}")
 if [ -x "$dest/usr/bin/prometheus" ] && [ -x "$dest/usr/bin/promtool" ]; then

@@ -2,7 +2,7 @@
 
 Each ``model_repository/<model>/model.py`` turns request tensors into numpy arrays, makes ONE call into a class
 here for all the requests of an ``execute()``, and turns the result back into responses. Everything is
-therefore tested in-process (``tests/test_serving_stages.py``); :class:`~.local.LocalPipeline` composes the
+therefore tested in-process (``tests/unit/test_serving_stages.py``); :class:`~.local.LocalPipeline` composes the
 stages exactly as the ``cosyvoice_vc`` ensemble does, without a server.
 
 * :mod:`.params`: typed tunables read once from a model config's ``parameters``.

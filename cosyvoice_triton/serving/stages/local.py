@@ -4,7 +4,7 @@
 :class:`~.flow.FlowSolver`, :class:`~.vocoder.HiftRunner` and :class:`~.postprocess.Postprocessor` exactly as
 the ensemble and the BLS models do, for a batch of requests. The served output equals
 :meth:`LocalPipeline.convert_batch` (up to float rounding between batch sizes), which is checked against
-``CosyVoice2.convert`` in ``tests/test_serving_stages.py``; the live server is checked against both.
+``CosyVoice2.convert`` in ``tests/unit/test_serving_stages.py``; the live server is checked against both.
 """
 
 from __future__ import annotations

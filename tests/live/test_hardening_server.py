@@ -50,4 +50,4 @@ def test_the_wheels_triton_has_no_request_size_limit(tmp_path):
     (tmp_path / "repo").mkdir()
     s = TritonServer(tmp_path / "repo", installation=inst)
     assert "--http-restricted-api" in server_mod.server_flags(inst)  # the help text was read
-    assert not s.size_limit_enforced  # 2.51: the README's proxy caps bodies (tests/test_hostile_server.py: gzip)
+    assert not s.size_limit_enforced  # 2.51: the README's proxy caps bodies (tests/live/test_hostile_server.py: gzip)

@@ -21,7 +21,7 @@ import pytest
 from cosyvoice_triton.export import trt
 from cosyvoice_triton.shapes import GRAPHS, AxisRange, GraphSpec, TensorSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = ROOT / "export" / "build_engines.py"
 DOCKERFILE = ROOT / "Dockerfile.triton"
 START = ROOT / "export" / "container_start.sh"

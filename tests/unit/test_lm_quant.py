@@ -94,7 +94,7 @@ def test_int8_against_the_bar_tiny(fp32, int8):
 
 @pytest.fixture(scope="module")
 def full_dir(tmp_path_factory):
-    """The full-size llm.pt, regenerated the oracle's seeded way (2 GB, as tests/test_llm_parity.py does)."""
+    """The full-size llm.pt, regenerated the oracle's seeded way (2 GB, as tests/unit/test_llm_parity.py does)."""
     if not (ORACLE_FULL / "oracle_meta.json").is_file():
         pytest.skip(f"full-size references {ORACLE_FULL} are absent")
     spec = importlib.util.spec_from_file_location("make_llm_oracle", ROOT / "tests" / "oracle" / "make_llm_oracle.py")

@@ -32,7 +32,7 @@ from cosyvoice_triton.loadtest.profile import (
 from cosyvoice_triton.loadtest.report import render_markdown
 from cosyvoice_triton.loadtest.workload import Workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_ESTIMATOR = ROOT / "build" / "onnx" / "fp32" / "flow_estimator.onnx"
 
 

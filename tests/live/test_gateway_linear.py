@@ -296,7 +296,7 @@ def gateway(tmp_path_factory):
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).parent.parent)
+                                cwd=Path(__file__).resolve().parents[2])
     base = f"http://127.0.0.1:{port}"
 
     def healthy():

@@ -22,7 +22,7 @@ PROMPT = FIXTURES / "prompt_en_3s.wav"
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog."
 TEXT = "Hello world, this is a short test."
 LOGP_BAR = 1e-4  # log-probabilities, prefix + rest against one prefill (measured ~1e-6: other matrix sizes)
-MEL_BAR = 1e-5  # as tests/test_incremental.py
+MEL_BAR = 1e-5  # as tests/unit/test_incremental.py
 WAVE_BAR = 1e-3  # HiFT turns mel rounding into up to ~1e-3 of the waveform (tests/oracle/README.md)
 
 

@@ -45,7 +45,7 @@ from cosyvoice_triton.commands import PASSTHROUGH, command_parser
 from cosyvoice_triton.commands import run as run_command
 from cosyvoice_triton.serving.repository import Tunables
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", ROOT / "model_repository" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 VENV_BIN = ROOT / ".venv" / "bin"
 #: Programs a documented command may call besides the project's own: the tools the pages tell the user to have.

@@ -15,7 +15,7 @@ import pytest
 
 from cosyvoice_triton.bench import peer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _figures(**over) -> dict:

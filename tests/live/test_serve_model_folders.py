@@ -20,7 +20,7 @@ from cosyvoice_triton.shapes import GRAPHS
 
 @pytest.fixture(autouse=True)
 def _unverified_export(monkeypatch):
-    """prepare's exports without their verification (tests/test_onnx_export.py checks it): half the time."""
+    """prepare's exports without their verification (tests/unit/test_onnx_export.py checks it): half the time."""
     export = onnx_export.export_onnx
     monkeypatch.setattr(onnx_export, "export_onnx", lambda *a, **kw: export(*a, **{**kw, "verify": False}))
 

@@ -1,7 +1,7 @@
 """The graph model's cache of successful answers (``GraphRunner(cache_mb=...)``, tunable ``graph_cache_mb``), in
 process: a repeated request is answered without a graph call and bit-identically; refused requests, failed calls and
 answers of the fallback graph are never kept; batch-mates are unaffected; bounded by bytes; off at 0; rendered on
-the prompt-side graphs of the local flavor only. Live: tests/test_prompt_cache_served.py."""
+the prompt-side graphs of the local flavor only. Live: tests/live/test_prompt_cache_served.py."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from starlette.testclient import TestClient
 from test_gateway_live import KEY, SEED, TEXT, VOICE, gateway, triton  # noqa: F401  (the shared fixtures)
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "build" / "test-artifacts"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
         "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]

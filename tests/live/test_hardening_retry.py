@@ -265,7 +265,7 @@ def test_what_is_retryable():
     assert not any(is_retryable(triton(s)) for s in ("400", "500", "404", "StatusCode.INVALID_ARGUMENT",
                                                      "StatusCode.INTERNAL", "StatusCode.NOT_FOUND"))
     assert is_retryable(ConnectionRefusedError()) and is_retryable(TimeoutError())
-    # what a stage killed under load answers (tests/test_hardening_live.py): transient, so retried
+    # what a stage killed under load answers (tests/live/test_hardening_live.py): transient, so retried
     assert is_retryable(InferenceServerException("Stub process 'flow_0_0' is not healthy.", status="500"))
     assert is_retryable(InferenceServerException("Request for unknown model: 'cosyvoice_vc' has no available "
                                                  "versions", status="StatusCode.NOT_FOUND"))

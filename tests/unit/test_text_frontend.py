@@ -20,7 +20,7 @@ from cosyvoice_triton.frontend.text import (
 )
 from cosyvoice_triton.frontend.text import normalize as tn
 
-ORACLE = Path(__file__).parent / "fixtures" / "text_oracle"
+ORACLE = Path(__file__).resolve().parents[1] / "fixtures" / "text_oracle"
 REF = json.loads((ORACLE / "official.json").read_text())
 STANDIN = ORACLE / f"standin_{REF['standin_vocab_size']}"
 

@@ -3,7 +3,7 @@
 the image (the gateway the only way in: Triton bound to the pod's loopback, the Service exposing the gateway's
 port alone, probes on Triton's health endpoints from inside the pod, the non-root user of Dockerfile.triton, the
 grace period against the supervisor's exit timeout, the HPA's metrics against the adapter's rules). That the
-adapter's queries name metrics a live server exposes is checked in tests/test_hardening_live.py."""
+adapter's queries name metrics a live server exposes is checked in tests/live/test_hardening_live.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 #: The oldest and the newest Kubernetes release the manifests are validated against.
 VERSIONS = ("1.29.0", "1.37.0")
@@ -92,7 +92,7 @@ def test_gpu_probes_and_ports(tmp_path):
     (tmp_path / "repo").mkdir()
     server = TritonServer(tmp_path / "repo", work_dir=tmp_path / "triton", model_control="explicit")
     assert Supervisor(server, warmup=None).warm_file == tmp_path / "triton" / "warm"
-    # liveness must outlast a supervised restart of tritonserver (27 s measured, tests/test_hostile_server.py)
+    # liveness must outlast a supervised restart of tritonserver (27 s measured, tests/live/test_hostile_server.py)
     live = c["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] >= 45
 

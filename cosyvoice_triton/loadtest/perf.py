@@ -149,9 +149,15 @@ def parse_csv(text: str) -> dict[str, float]:
 def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str | Path, work_dir: str | Path, *,
                       model: str = VC_MODEL, requests_per_window: int = 20, max_trials: int = 3,
                       stability_percent: int = 999, timeout_s: float = 600.0, streaming: bool = False,
-                      extra_args: Sequence[str] = ()) -> dict[str, Any]:
+                      extra_args: Sequence[str] = (), model_version: str | None = None,
+                      attempts: int = 2) -> dict[str, Any]:
     """Run perf_analyzer at one concurrency over ``max_trials`` windows of ``requests_per_window`` requests;
     returns its figures, or ``{"note": why}`` when it cannot run or measure (never raises for that).
+
+    ``model_version``: the version measured (``-x``); by default the newest version the server reports ready.
+    Without ``-x``, perf_analyzer 2.51 looks the model's server-side statistics up under an empty version and
+    now and then ends a finished measurement with "failed to find the requested model version" and no CSV; a
+    run that ends so is tried again, ``attempts`` times in all.
 
     perf_analyzer reports nothing unless its last 3 windows agree within ``stability_percent``; windows of a few
     seconds-long conversions rarely do on a busy CPU, so the default (999) turns that check off: its figures
@@ -177,7 +183,8 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
         libs = library_dir(work / "pa_libs")
     except Exception as exc:
         return {**result, "note": f"cannot link the libraries perf_analyzer needs: {exc}"}
-    cmd = [str(binary), "-m", model, "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
+    version = model_version or ready_version(url, protocol, model)
+    cmd = [str(binary), "-m", model, *(["-x", version] if version else []), "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
            "--input-data", str(data_file), "--measurement-mode", "count_windows",
            "--measurement-request-count", str(requests_per_window), "--max-trials", str(max_trials),
            "-s", str(stability_percent), "-f", str(csv_path),
@@ -187,14 +194,18 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join([str(libs), *[p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]])
     result["command"] = " ".join(cmd).replace(admin_key(), "<admin key>")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {**result, "note": f"perf_analyzer did not finish within {timeout_s:.0f} s"}
-    except OSError as exc:
-        return {**result, "note": f"perf_analyzer could not start: {exc}"}
-    log = (proc.stdout or "") + (proc.stderr or "")
-    (work / f"perf_analyzer_{tag}.log").write_text(log)
+    for attempt in range(1, max(1, attempts) + 1):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return {**result, "note": f"perf_analyzer did not finish within {timeout_s:.0f} s"}
+        except OSError as exc:
+            return {**result, "note": f"perf_analyzer could not start: {exc}"}
+        log = (proc.stdout or "") + (proc.stderr or "")
+        (work / f"perf_analyzer_{tag}.log").write_text(log)
+        if csv_path.is_file() or VERSION_LOOKUP_FAILED not in log:
+            break
+        result["retried"] = attempt
     if csv_path.is_file():
         result["note"] = f"{max_trials} windows of {requests_per_window} requests" + (
             ", stability check off" if stability_percent >= 999 else f", stable within {stability_percent}%")
@@ -215,6 +226,29 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
             result["note"] += f"; exit code {proc.returncode}: {_last_error(log)}"
         return result
     return {**result, "note": f"no result (exit code {proc.returncode}): {_last_error(log)}"}
+
+
+#: perf_analyzer's message when its statistics lookup misses the model (see :func:`run_perf_analyzer`).
+VERSION_LOOKUP_FAILED = "failed to find the requested model version"
+
+
+def ready_version(url: str, protocol: str, model: str) -> str | None:
+    """The newest ready version of ``model`` on the server at ``url``, or None when the server does not say."""
+    try:
+        if protocol == "grpc":
+            import tritonclient.grpc as client
+
+            with client.InferenceServerClient(url) as c:
+                versions = list(c.get_model_metadata(model, headers=admin_headers("grpc")).versions)
+        else:
+            import tritonclient.http as client
+
+            with client.InferenceServerClient(url) as c:
+                versions = list(c.get_model_metadata(model, headers=admin_headers("http")).get("versions", []))
+    except Exception:  # the caller runs perf_analyzer without -x, as before
+        return None
+    numeric = sorted((v for v in versions if str(v).isdigit()), key=int)
+    return str(numeric[-1]) if numeric else None
 
 
 def _timestamps_only(doc: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from cosyvoice_triton.serving.launch.rollout import VersionSpec  # noqa: E402
 from cosyvoice_triton.serving.repository import (  # noqa: E402
     CPU_CHOICE,
     DEFAULT_QUALITY_REPORT,
@@ -30,6 +29,7 @@ from cosyvoice_triton.serving.repository import (  # noqa: E402
     TunableAction,
     render_repository,
 )
+from cosyvoice_triton.serving.versioning import VersionSpec  # noqa: E402
 
 
 def version(text: str) -> VersionSpec:

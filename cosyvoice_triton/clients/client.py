@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from ..admin import admin_headers, given_admin_key
 from ..errors import AudioError
 from ..frontend import audio
 from ..shapes import SPEAKER_EMBEDDING_MODEL, SPEECH_TOKENS_MODEL, TTS_MODEL, TTS_STREAM_MODEL, VC_MODEL
@@ -153,13 +154,6 @@ def _no_stream_priority(model: str, priority) -> None:
         raise PriorityError(f"{model}: HTTP generate_stream cannot carry a request priority in Triton 2.51 (a "
                             "'priority' field reaches the model as a plain request parameter, not as the request's "
                             "priority); stream over gRPC (protocol='grpc') to give one")
-
-
-def _admin_key(key: str | None) -> str | None:
-    """The admin key that opens the config API: the one given, else ``$COSYVOICE_TRITON_ADMIN_KEY`` (never drawn)."""
-    from ..serving.launch.server import ADMIN_KEY_ENV
-
-    return key or os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def _config_of(answer) -> dict:
@@ -504,9 +498,8 @@ def connect(url: str, protocol: str, *, timeout: float, concurrency: int = 1, ve
 
 def inference_statistics(client, protocol: str, model: str = "") -> dict:
     """Triton's per-model statistics (all models when ``model`` is empty) of a synchronous client, as a dict.
-    The statistics API is restricted: the request carries the admin header (:func:`server.admin_headers`)."""
-    from ..serving.launch.server import admin_headers
-
+    The statistics API is restricted: the request carries the admin header
+    (:func:`~cosyvoice_triton.admin.admin_headers`)."""
     if protocol == "http":
         return client.get_inference_statistics(model, headers=admin_headers("http"))
     return client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
@@ -561,9 +554,7 @@ class VCClient:
         return inference_statistics(self._client, self.protocol, model)
 
     def _model_config(self, model: str) -> dict:
-        from ..serving.launch.server import admin_headers
-
-        headers = admin_headers(self.protocol, _admin_key(self.admin_key))
+        headers = admin_headers(self.protocol, given_admin_key(self.admin_key))
         if self.protocol == "http":
             return _config_of(self._client.get_model_config(model, headers=headers))
         return _config_of(self._client.get_model_config(model, headers=headers, as_json=True))
@@ -574,7 +565,7 @@ class VCClient:
         model = model or self.model
         if model not in self._levels:
             levels = None
-            if _admin_key(self.admin_key):
+            if given_admin_key(self.admin_key):
                 try:
                     levels = config_priority_levels(self._model_config(model), self.priority_levels)
                 except Exception as exc:  # not checkable: the priority goes as it is
@@ -886,16 +877,12 @@ class AsyncVCClient:
         await self.close()
 
     async def statistics(self, model: str = "") -> dict:
-        from ..serving.launch.server import admin_headers
-
         if self.protocol == "http":
             return await self._client.get_inference_statistics(model, headers=admin_headers("http"))
         return await self._client.get_inference_statistics(model, headers=admin_headers("grpc"), as_json=True)
 
     async def _model_config(self, model: str) -> dict:
-        from ..serving.launch.server import admin_headers
-
-        headers = admin_headers(self.protocol, _admin_key(self.admin_key))
+        headers = admin_headers(self.protocol, given_admin_key(self.admin_key))
         if self.protocol == "http":
             return _config_of(await self._client.get_model_config(model, headers=headers))
         return _config_of(await self._client.get_model_config(model, headers=headers, as_json=True))
@@ -905,7 +892,7 @@ class AsyncVCClient:
         model = model or self.model
         if model not in self._levels:
             levels = None
-            if _admin_key(self.admin_key):
+            if given_admin_key(self.admin_key):
                 try:
                     config = await self._model_config(model)
                     steps = [st["model_name"] for st in (config.get("ensemble_scheduling") or {}).get("step") or []]

@@ -26,8 +26,8 @@ from cosyvoice_triton.serving.launch.rollout import (
     read_manifests,
     startup_models,
 )
-from cosyvoice_triton.serving.launch.warmup import stage_warmup_samples
 from cosyvoice_triton.serving.repository import MARKER, RenderError, render_repository
+from cosyvoice_triton.serving.samples import stage_warmup_samples
 
 # ---------------------------------------------------------------------------------------------------- split
 

@@ -23,8 +23,8 @@ from cosyvoice_triton.serving.launch.server import (
     free_ports,
 )
 from cosyvoice_triton.serving.launch.supervisor import models_to_load
-from cosyvoice_triton.serving.launch.warmup import stage_warmup_samples
 from cosyvoice_triton.serving.repository import render_repository
+from cosyvoice_triton.serving.samples import stage_warmup_samples
 
 pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
 

@@ -1,5 +1,6 @@
 """The package has no import circles (module-level or inside functions): each module's imports of the package's
-own modules, read from its syntax tree, form a graph without cycles."""
+own modules, read from its syntax tree, form a graph without cycles; so do the subpackages' (``clients``,
+``serving.launch``, ``serving.repository``, ...: one node each, a top-level module its own node)."""
 
 from __future__ import annotations
 
@@ -56,12 +57,44 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _subpackage(name: str, mods: dict[str, Path]) -> str:
+    """The innermost subpackage of a module (itself for a package), or the module itself at the top level."""
+    pkg = name if mods[name].name == "__init__.py" else name.rsplit(".", 1)[0]
+    return name if pkg == PACKAGE.name else pkg
+
+
+def _subpackage_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, targets in _graph(mods).items():
+        graph[_subpackage(name, mods)].update(_subpackage(t, mods) for t in targets)
+    return {v: {w for w in ws if w not in (v, PACKAGE.name)} for v, ws in graph.items()}
+
+
 def test_no_import_circles():
     mods = _modules()
     assert len(mods) > 50
     assert _cycle(_graph(mods)) is None, " -> ".join(_cycle(_graph(mods)))
 
 
+def test_no_circles_between_subpackages():
+    mods = _modules()
+    graph = _subpackage_graph(mods)
+    assert {"cosyvoice_triton.clients", "cosyvoice_triton.serving.launch",
+            "cosyvoice_triton.serving.repository"} <= set(graph)
+    assert "cosyvoice_triton.serving.repository" in graph["cosyvoice_triton.serving.launch"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
 def test_the_check_finds_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_subpackages_are_the_nodes():
+    mods = {"cosyvoice_triton": PACKAGE / "__init__.py", "cosyvoice_triton.errors": PACKAGE / "errors.py",
+            "cosyvoice_triton.serving": PACKAGE / "serving" / "__init__.py",
+            "cosyvoice_triton.serving.marker": PACKAGE / "serving" / "marker.py",
+            "cosyvoice_triton.serving.launch.server": PACKAGE / "serving" / "launch" / "server.py"}
+    assert [_subpackage(m, mods) for m in mods] == ["cosyvoice_triton", "cosyvoice_triton.errors",
+                                                    "cosyvoice_triton.serving", "cosyvoice_triton.serving",
+                                                    "cosyvoice_triton.serving.launch"]

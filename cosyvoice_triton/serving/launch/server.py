@@ -19,9 +19,10 @@ plain HTTP.
 The administrative APIs (shared-memory registration, model repository control, model configs, statistics, trace
 and log settings) are restricted on both protocols (Triton's ``--http-restricted-api`` /
 ``--grpc-restricted-protocol``): a request to them needs the header :data:`ADMIN_HEADER` with the admin key
-(:func:`admin_headers`). The key comes from ``$COSYVOICE_TRITON_ADMIN_KEY``, else it is drawn at random once per
-process and put into that variable (so this process and its children can read it); each server also writes it
-to ``<work_dir>/admin_key`` (mode 0600) for a client in another shell. Health, metadata and inference stay open.
+(:mod:`cosyvoice_triton.admin`, whose names this module re-exports). The key comes from
+``$COSYVOICE_TRITON_ADMIN_KEY``, else it is drawn at random once per process and put into that variable (so this
+process and its children can read it); each server also writes it to ``<work_dir>/admin_key`` (mode 0600) for a
+client in another shell. Health, metadata and inference stay open.
 :class:`TritonInstallation.at` serves with an installed Triton (``/opt/tritonserver`` in the NGC image) instead
 of the wheel.
 """
@@ -33,7 +34,6 @@ import http.client
 import logging
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -43,6 +43,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from ...admin import ADMIN_HEADER, ADMIN_KEY_ENV, admin_headers, admin_key  # re-exported: the public names here
 
 log = logging.getLogger(__name__)
 
@@ -71,39 +73,15 @@ __all__ = [
 PYTRITON_REQUIREMENT = "nvidia-pytriton==0.7.0"
 TRITON_VERSION = "2.51.0"
 
-#: The header a request to a restricted API must carry (lower case: gRPC metadata keys are).
-ADMIN_HEADER = "cosyvoice-admin-key"
-#: Where the admin key is read from (and put when this process draws one).
-ADMIN_KEY_ENV = "COSYVOICE_TRITON_ADMIN_KEY"
 #: Triton's API groups that need the admin header; ``health``, ``metadata`` and ``inference`` stay open.
 RESTRICTED_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging")
-#: Triton's gRPC frontend expects restricted-protocol headers under this prefix.
-GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 #: The request size limit passed where the binary has the flag (``--http-max-input-size``, Triton >= 25.05; not in
 #: 2.51 nor in the 25.01 image: there the proxy in front must cap bodies, README "Hardening"). 64 MiB: a 30 s
 #: 48 kHz source + prompt as JSON numbers is ~45 MB, as binary data ~12 MB.
 HTTP_MAX_INPUT_BYTES = 64 << 20
 
 
-def admin_key() -> str:
-    """The admin key of this process: ``$COSYVOICE_TRITON_ADMIN_KEY``, else a random one drawn now and put there."""
-    key = os.environ.get(ADMIN_KEY_ENV, "")
-    if not key:
-        key = os.environ[ADMIN_KEY_ENV] = secrets.token_hex(24)
-    if not key.replace("-", "").replace("_", "").isalnum():
-        raise ValueError(f"${ADMIN_KEY_ENV} may hold only letters, digits, '-' and '_' (Triton's flag syntax)")
-    return key
-
-
 _process_admin_key = admin_key
-
-
-def admin_headers(protocol: str = "http", key: str | None = None) -> dict[str, str]:
-    """The header(s) that open the restricted APIs to a ``tritonclient`` call (``headers=``) of ``protocol``."""
-    if protocol not in ("http", "grpc"):
-        raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
-    name = ADMIN_HEADER if protocol == "http" else GRPC_HEADER_PREFIX + ADMIN_HEADER
-    return {name: key or admin_key()}
 
 
 class TritonNotInstalled(RuntimeError):

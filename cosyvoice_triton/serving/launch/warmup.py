@@ -31,9 +31,8 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ..marker import MARKER, read_marker
+from ..samples import stage_warmup_samples
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +88,6 @@ def plan(models: list[dict]) -> list[tuple[str, str]]:
             continue
         out.append((m["name"], how))
     return out
-
-
-def stage_warmup_samples(name: str, seconds: float = 1.0) -> dict[str, np.ndarray] | None:
-    """Warm-up inputs of the Python stages that do not call other models (None: no warm-up); ``seconds``: the
-    length of the preprocess sample (at least the configured minimum, or the warm-up would be refused)."""
-    if name == "preprocess":
-        sr = 16000
-        t = np.arange(int(sr * seconds)) / sr
-        speech = (0.3 * np.sin(2 * np.pi * 150 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
-        return {"source_audio": speech, "source_sample_rate": np.array([sr], np.int32),
-                "prompt_audio": speech, "prompt_sample_rate": np.array([sr], np.int32)}
-    if name == "postprocess":
-        return {"waveform": (0.1 * np.sin(np.arange(12000) * 0.05)).astype(np.float32)}
-    return None
 
 
 def _sample(server) -> tuple:

@@ -16,10 +16,10 @@ from ...shapes import (
     GRAPHS,
     VC_MODEL,
 )
-from ..launch.rollout import VERSIONED, VersionSpec
-from ..launch.rollout import pipeline_model as _pipeline_model
 from ..marker import MARKER
 from ..stages.model_params import MODEL_PARAMS
+from ..versioning import VERSIONED, VersionSpec
+from ..versioning import pipeline_model as _pipeline_model
 from .precisions import (
     CPU_CHOICE,
     DEFAULT_QUALITY_REPORT,
@@ -127,7 +127,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         allow_missing: write empty placeholders for missing ONNX / plan files (structural checks only).
         profile: a name of :data:`PROFILES` (``plain``: :data:`PLAIN_TUNABLES`, flavor ``local`` and precision
             ``fp32`` only); ``tunables`` may add to it but not contradict it.
-        versions: numbered versions (:class:`~cosyvoice_triton.serving.launch.rollout.VersionSpec`: model folder,
+        versions: numbered versions (:class:`~cosyvoice_triton.serving.versioning.VersionSpec`: model folder,
             export, precision) of the graphs and ``flow`` / ``hift``, each with its pipeline ``cosyvoice_vc_v<N>`` and
             manifest, and the router as ``cosyvoice_vc`` (:mod:`cosyvoice_triton.serving.launch.rollout`);
             ``model_dir`` / ``onnx_dir`` / ``precision`` are then the live version's (``live_version``, default the

@@ -35,7 +35,7 @@ from ...shapes import (
     VC_OUTPUTS,
     TensorSpec,
 )
-from ..launch.warmup import stage_warmup_samples
+from ..samples import stage_warmup_samples
 from ..stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from ..stages.live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from ..stages.official_api import (
@@ -159,7 +159,7 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
             "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx),
             "stage_suffix": TASK_SUFFIX if tun.task_isolation else "", "lm_precision": tun.lm_precision,
-            **tun.stream_params()}
+            **tun.stream_params(), **tun.stream_state_params()}
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
@@ -292,7 +292,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "default_seed": ctx.tunables.default_seed, "min_seconds": ctx.tunables.min_seconds,
                     "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
                     "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting,
-                    **ctx.tunables.stream_params(), **_output_params(ctx), **_prompt_cache_params(ctx)},
+                    **ctx.tunables.stream_params(), **_output_params(ctx), **_prompt_cache_params(ctx),
+                    **ctx.tunables.stream_state_params(), "torch_threads": ctx.tunables.torch_threads},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
     ServedModel(LIVE_VC_MODEL, f"ensemble/{LIVE_VC_MODEL}", LIVE_VC_INPUTS, LIVE_VC_OUTPUTS,

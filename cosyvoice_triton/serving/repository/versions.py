@@ -17,14 +17,14 @@ from ...shapes import (
     TTS_MODEL,
     TTS_STREAM_MODEL,
 )
-from ..launch.rollout import MANIFEST_NAME as VERSION_MANIFEST
-from ..launch.rollout import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
-from ..launch.rollout import pipeline_model as _pipeline_model
 from ..stages.live_vc import LIVE_VC_MODEL
 from ..stages.official_api import (
     OFFICIAL_MODEL,
 )
 from ..stages.vc_stream import VC_STREAM_MODEL
+from ..versioning import MANIFEST_NAME as VERSION_MANIFEST
+from ..versioning import ROUTER_PARAMS, VERSIONED, VersionSpec, version_manifest
+from ..versioning import pipeline_model as _pipeline_model
 from .precisions import (
     _check_plan,
     _onnx_file,

@@ -79,7 +79,7 @@ def scrape(metrics_url: str, timeout: float = 5.0) -> list[Sample]:
 
 def fetch_statistics(http_url: str, timeout: float = 10.0) -> dict:
     """Triton's per-model statistics (``GET /v2/models/stats``) from ``host:port`` of its HTTP endpoint."""
-    from ..serving.launch.server import admin_headers
+    from ..admin import admin_headers
 
     base = http_url if http_url.startswith("http") else f"http://{http_url}"
     return json.loads(_get(f"{base}/v2/models/stats", timeout, admin_headers("http")))  # a restricted API

@@ -214,7 +214,7 @@ def test_keys_come_from_the_secrets_the_user_creates():
             f"has the user create ({created})")
     c = _container()
     env = next(e for e in c["env"] if e["name"] == "COSYVOICE_TRITON_ADMIN_KEY")
-    from cosyvoice_triton.serving.launch.server import ADMIN_KEY_ENV
+    from cosyvoice_triton.admin import ADMIN_KEY_ENV
 
     assert env["name"] == ADMIN_KEY_ENV and not env["valueFrom"]["secretKeyRef"].get("optional")
 

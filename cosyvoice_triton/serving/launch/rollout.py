@@ -251,7 +251,7 @@ class Rollout:
                  parity_db: float = PARITY_DB, timeout: float = 600.0, drain_settle: float = DRAIN_SETTLE_S):
         import tritonclient.http as httpclient
 
-        from .server import ADMIN_KEY_ENV, admin_headers
+        from ...admin import ADMIN_KEY_ENV, admin_headers
 
         self.url, self.repository = url, Path(repository)
         if admin_key is None:

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import soundfile as sf
 
-from cosyvoice_triton.clients.client import VCClient
+from cosyvoice_triton.clients.client import CosyVoiceClient
 
 
 def main(prompt_wav: str, prompt_text: str, source_wav: str, url: str = "127.0.0.1:8001") -> None:
-    with VCClient(url, protocol="grpc") as client:
+    with CosyVoiceClient(url, protocol="grpc") as client:
         client.register_speaker("example", prompt_wav, prompt_text=prompt_text)
         chunks = []
         for chunk in client.tts_stream("Hello there, this is my voice.", speaker_id="example"):

@@ -175,9 +175,9 @@ def convert_in_pieces(source16: np.ndarray, convert: PieceConverter) -> np.ndarr
 def convert_served(client, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
                    seed: int | None = None) -> np.ndarray:
     """Voice conversion of a source of up to :data:`MAX_SECONDS` through the served ``cosyvoice_vc`` with a
-    :class:`~cosyvoice_triton.clients.client.VCClient` (``source``/``prompt``: paths, encoded bytes, or samples
+    :class:`~cosyvoice_triton.clients.client.CosyVoiceClient` (``source``/``prompt``: paths, encoded bytes, or samples
     with ``*_sr``): a source of at most 30 s is one ordinary request; a longer one is cut here and its pieces
-    sent at once (:meth:`VCClient.convert_many`), then stitched. The server must answer the model's 24 kHz
+    sent at once (:meth:`CosyVoiceClient.convert_many`), then stitched. The server must answer the model's 24 kHz
     waveform without per-request loudness normalisation (``postprocess``'s defaults), or the pieces would not
     join. Returns float32 samples at 24 kHz."""
     src16 = audio.load_audio(source, target_sr=_TOKENIZER_SR, sample_rate=source_sr, name="source",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from locust import User, constant, events, task
 
-from cosyvoice_triton.clients.client import VCClient
+from cosyvoice_triton.clients.client import CosyVoiceClient
 from cosyvoice_triton.clients.retry import NO_RETRY
 from cosyvoice_triton.loadtest.workload import load_workload
 
@@ -31,7 +31,7 @@ class RouterUser(User):
 
     def on_start(self):
         self.index = next(_ids) * 5
-        self.client = VCClient(CONFIG["url"], retry=NO_RETRY, timeout=CONFIG["timeout_s"], concurrency=1)
+        self.client = CosyVoiceClient(CONFIG["url"], retry=NO_RETRY, timeout=CONFIG["timeout_s"], concurrency=1)
 
     def on_stop(self):
         self.client.close()

@@ -75,7 +75,7 @@ def served(model_dir: Path, onnx_dir: Path, work: Path, requests: int, concurren
     ...), so load from elsewhere on the machine falls on both alike."""
     import contextlib
 
-    from ..clients.client import VCClient
+    from ..clients.client import CosyVoiceClient
     from ..serving.launch.server import TritonServer
     from ..serving.repository import render_repository
 
@@ -91,7 +91,7 @@ def served(model_dir: Path, onnx_dir: Path, work: Path, requests: int, concurren
             server = TritonServer(repo, work_dir=work / f"triton-{mode}", exit_timeout=5)
             server.start(timeout=600)
             stack.callback(server.stop)
-            clients[mode] = stack.enter_context(VCClient(server.http_url, concurrency=concurrency, timeout=600))
+            clients[mode] = stack.enter_context(CosyVoiceClient(server.http_url, concurrency=concurrency, timeout=600))
             clients[mode].convert(sources[0], prompt_bytes, source_sr=audio.TOKENIZER_SR)  # warm-up; fills the cache
         runs = {mode: {"latency": [], "wall": 0.0, "n": 0, "compute_ns": 0, "count": 0, "register": []}
                 for mode in modes}

@@ -44,14 +44,6 @@ from ..shapes import (
     TTS_STREAM_MODEL,
     VC_MODEL,
 )
-from .client import (
-    SPEAKERS_MODEL,
-    VC_STREAM_MODEL,
-    PriorityError,
-    StreamStats,
-    VCClient,
-    VCError,
-)
 from .live import (
     TTS_LIVE_MODEL,
     VC_LIVE_MODEL,
@@ -60,6 +52,14 @@ from .live import (
     PacedPieces,
     pcm_pieces,
     text_pieces,
+)
+from .sync_client import CosyVoiceClient
+from .wire import (
+    SPEAKERS_MODEL,
+    VC_STREAM_MODEL,
+    PriorityError,
+    StreamStats,
+    VCError,
 )
 
 COMMANDS = ("vc", "tts", "speaker", "tokens", "embedding")
@@ -216,7 +216,7 @@ def _tts_live(client: LiveClient, args) -> int:
     return 0
 
 
-def _vc(client: VCClient, args) -> int:
+def _vc(client: CosyVoiceClient, args) -> int:
     if args.live:
         return _vc_live(client, args)
     several = len(args.source) > 1
@@ -243,7 +243,7 @@ def _vc(client: VCClient, args) -> int:
     return 1 if failed else 0
 
 
-def _tts(client: VCClient, args) -> int:
+def _tts(client: CosyVoiceClient, args) -> int:
     if args.live:
         return _tts_live(client, args)
     text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
@@ -265,7 +265,7 @@ def _tts(client: VCClient, args) -> int:
     return 0
 
 
-def _speaker(client: VCClient, args) -> int:
+def _speaker(client: CosyVoiceClient, args) -> int:
     if args.action != "list" and not args.id:
         raise CosyVoiceError(f"speaker {args.action} needs a speaker id")
     if args.action == "add":
@@ -283,7 +283,7 @@ def _speaker(client: VCClient, args) -> int:
     return 0
 
 
-def _values(client: VCClient, args) -> int:
+def _values(client: CosyVoiceClient, args) -> int:
     import numpy as np
 
     call = client.speech_tokens if args.command == "tokens" else client.speaker_embedding
@@ -319,8 +319,9 @@ def main(argv=None) -> int:
                  "embedding": SPEAKER_EMBEDDING_MODEL}[args.command]
         if live:
             model = VC_LIVE_MODEL if args.command == "vc" else TTS_LIVE_MODEL
-        client = (LiveClient if live else VCClient)(args.url, protocol=protocol, model=model, timeout=args.timeout,
-                                                    concurrency=getattr(args, "concurrency", 4))
+        client = (LiveClient if live else CosyVoiceClient)(args.url, protocol=protocol, model=model,
+                                                           timeout=args.timeout,
+                                                           concurrency=getattr(args, "concurrency", 4))
     except Exception as exc:
         print(f"error: cannot connect: {exc}", file=sys.stderr)
         return 2

@@ -51,10 +51,10 @@ import numpy as np
 
 from ..errors import AudioError
 from ..frontend import audio
-from .client import (
-    AsyncVCClient,
+from .async_client import AsyncCosyVoiceClient
+from .sync_client import CosyVoiceClient
+from .wire import (
     StreamChunk,
-    VCClient,
     VCError,
     _audio_inputs,
     _is_final,
@@ -429,9 +429,9 @@ def _rate(pieces, sample_rate) -> int:
 # ------------------------------------------------------------------------------------------------ sync
 
 
-class LiveClient(VCClient):
-    """:class:`~.client.VCClient` (gRPC) with live sessions: :meth:`convert_live`, :meth:`tts_live`. One session
-    at a time per client (one gRPC stream); a client per session for several at once."""
+class LiveClient(CosyVoiceClient):
+    """:class:`~.sync_client.CosyVoiceClient` (gRPC) with live sessions: :meth:`convert_live`, :meth:`tts_live`.
+    One session at a time per client (one gRPC stream); a client per session for several at once."""
 
     close_wait_s = 5.0  # closing early: how long the end of the sequence may take to be answered
     max_in_flight = 4  # requests waiting for their answers at once (the server keeps 8 waiting per session)
@@ -550,9 +550,9 @@ async def _aiter(pieces) -> AsyncIterator:
             yield piece
 
 
-class AsyncLiveClient(AsyncVCClient):
-    """:class:`~.client.AsyncVCClient` (gRPC) with live sessions (``async for``): see :class:`LiveClient`. The
-    pieces: an async iterable, or a plain one that does not block (a list)."""
+class AsyncLiveClient(AsyncCosyVoiceClient):
+    """:class:`~.async_client.AsyncCosyVoiceClient` (gRPC) with live sessions (``async for``): see
+    :class:`LiveClient`. The pieces: an async iterable, or a plain one that does not block (a list)."""
 
     close_wait_s = LiveClient.close_wait_s
     max_in_flight = LiveClient.max_in_flight

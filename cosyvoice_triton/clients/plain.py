@@ -41,7 +41,7 @@ from ..serving.stages.frontend import Preprocessor
 from ..serving.stages.postprocess import Postprocessor
 from ..serving.stages.vocoder import parse_seed
 from ..shapes import GRAPHS, STAGES
-from .client import DEFAULT_URLS, PROTOCOLS, VCError, connect, inference_statistics
+from .wire import DEFAULT_URLS, PROTOCOLS, VCError, connect, inference_statistics
 
 __all__ = ["PLAIN_MODELS", "PlainPipeline"]
 

@@ -38,12 +38,12 @@ class Converter(Protocol):
 
 
 class IntegratedConverter:
-    """One request to the ``cosyvoice_vc`` ensemble (:class:`cosyvoice_triton.clients.client.VCClient`)."""
+    """One request to the ``cosyvoice_vc`` ensemble (:class:`cosyvoice_triton.clients.client.CosyVoiceClient`)."""
 
     def __init__(self, url: str, protocol: str = "http", *, timeout: float = 600.0, model_dir: str = ""):
-        from ..clients.client import VCClient
+        from ..clients.client import CosyVoiceClient
 
-        self.client = VCClient(url, protocol=protocol, timeout=timeout, concurrency=1, **_no_retry())
+        self.client = CosyVoiceClient(url, protocol=protocol, timeout=timeout, concurrency=1, **_no_retry())
 
     def convert(self, item: Item, seed: int = 0) -> float:
         result = self.client.convert(item.source, item.prompt, source_sr=item.source_sr, prompt_sr=item.prompt_sr,
@@ -77,12 +77,12 @@ class StreamConverter:
 
     def __init__(self, url: str, protocol: str = "grpc", *, column: str = "tts_stream", timeout: float = 600.0,
                  model_dir: str = ""):
-        from ..clients.client import VCClient
+        from ..clients.client import CosyVoiceClient
 
         if protocol != "grpc":
             raise ValueError(f"{column}: streaming is measured over gRPC, got {protocol!r}")
         self.column = column
-        self.client = VCClient(url, protocol="grpc", timeout=timeout, concurrency=1, **_no_retry())
+        self.client = CosyVoiceClient(url, protocol="grpc", timeout=timeout, concurrency=1, **_no_retry())
 
     def convert(self, item: Item, seed: int = 0) -> Outcome:
         from ..clients.client import StreamStats
@@ -108,9 +108,9 @@ class TTSConverter:
     """Offline text to speech: one request to ``cosyvoice_tts``, the whole answer at once (HTTP or gRPC)."""
 
     def __init__(self, url: str, protocol: str = "grpc", *, timeout: float = 600.0, model_dir: str = ""):
-        from ..clients.client import VCClient
+        from ..clients.client import CosyVoiceClient
 
-        self.client = VCClient(url, protocol=protocol, timeout=timeout, concurrency=1, **_no_retry())
+        self.client = CosyVoiceClient(url, protocol=protocol, timeout=timeout, concurrency=1, **_no_retry())
 
     def convert(self, item: Item, seed: int = 0) -> Outcome:
         result = self.client.tts(item.text, prompt=item.prompt, prompt_sr=item.prompt_sr,

@@ -140,7 +140,7 @@ def _phase(
     url: str, requests: list[Request], prompts: list[tuple[np.ndarray, int]], users: int, seed: int, timeout: float
 ) -> tuple[list[dict[str, Any]], float]:
     """The requests through ``users`` threads, each with its own client (no retries); (records, wall seconds)."""
-    from ..clients.client import VCClient
+    from ..clients.client import CosyVoiceClient
     from .callers import _no_retry
 
     todo: queue.Queue[Request] = queue.Queue()
@@ -150,7 +150,7 @@ def _phase(
     lock = threading.Lock()
 
     def user() -> None:
-        with VCClient(url, timeout=timeout, concurrency=1, **_no_retry()) as client:
+        with CosyVoiceClient(url, timeout=timeout, concurrency=1, **_no_retry()) as client:
             while True:
                 try:
                     r = todo.get_nowait()
@@ -243,9 +243,9 @@ def run_prompt_cache(opts) -> dict[str, Any]:
             server.start(timeout=opts.startup_timeout_s)
             stack.callback(server.stop)
             servers[mode] = server
-            from ..clients.client import VCClient
+            from ..clients.client import CosyVoiceClient
 
-            with VCClient(server.http_url, timeout=opts.max_run_s) as warm:  # load and warm; not a K prompt
+            with CosyVoiceClient(server.http_url, timeout=opts.max_run_s) as warm:  # load and warm; not a K prompt
                 for i in range(2):
                     warm.convert(
                         workload.sources[i],

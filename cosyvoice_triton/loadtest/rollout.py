@@ -94,10 +94,12 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     started = time.time()
     with TritonServer(repo, model_control="explicit", load_models=startup_models(repo), exit_timeout=30) as server:
-        from ..clients.client import VCClient
+        from ..clients.client import CosyVoiceClient
 
-        with VCClient(server.http_url) as client:  # warm-up, one at a time (see the README: first requests at once
-            for i in range(2):                     # into a fresh server crashed it twice here, Signal 11)
+        # warm-up, one at a time (see the README: first requests at once into a fresh server crashed it twice
+        # here, Signal 11)
+        with CosyVoiceClient(server.http_url) as client:
+            for i in range(2):
                 item = workload.item(i)
                 client.convert(item.source, item.prompt, source_sr=item.source_sr, prompt_sr=item.prompt_sr)
         config = out / "locust_config.json"

@@ -118,7 +118,7 @@ def run_soak(server, *, minutes: float, users: int, seed: int = 0, sample_every:
              max_growth: float = 0.05, progress_every: float = 60.0) -> tuple[SoakResult, dict]:
     """Load the running ``server`` (a started :class:`~cosyvoice_triton.serving.launch.server.TritonServer`) for
     ``minutes``; returns the result and the series for the plot."""
-    from ..clients.client import VCClient, VCError
+    from ..clients.client import CosyVoiceClient, VCError
     from .metrics import scrape
     from .sampler import ServerSampler
 
@@ -133,7 +133,7 @@ def run_soak(server, *, minutes: float, users: int, seed: int = 0, sample_every:
         rng = np.random.default_rng(seed + k)
         protocol = "http" if k % 2 == 0 else "grpc"
         url = server.http_url if protocol == "http" else server.grpc_url
-        with VCClient(url, protocol=protocol, timeout=300) as client:
+        with CosyVoiceClient(url, protocol=protocol, timeout=300) as client:
             while not stop.is_set():
                 n = int(rng.uniform(2.0, 5.0) * ssr)
                 start = int(rng.integers(0, max(1, len(src) - n)))

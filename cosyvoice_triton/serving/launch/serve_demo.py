@@ -125,7 +125,7 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
              tts_text: str = DEFAULT_TTS_TEXT, tts_output: str | Path = "build/tts_served_demo.wav",
              **tunables) -> DemoReport:
     """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
-    from ...clients.client import VCClient
+    from ...clients.client import CosyVoiceClient
     from ..marker import MARKER
     from .server import TritonServer
 
@@ -137,7 +137,7 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
           f"metrics {server.metrics_url}; log {server.log_path}")
     try:
         url = server.http_url if protocol == "http" else server.grpc_url
-        with VCClient(url, protocol=protocol) as client:
+        with CosyVoiceClient(url, protocol=protocol) as client:
             latencies, result = [], None
             print(f"== converting {source} in the voice of {prompt} over {protocol} ({max(1, repeats)} runs)")
             for _ in range(max(1, repeats)):

@@ -138,15 +138,15 @@ def _official(server, name: str, audio, sr: int, *, stream: bool, timeout: float
 def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
     """One request through every public pipeline of the running ``server`` (a
     :class:`~cosyvoice_triton.serving.launch.server.TritonServer`); returns model -> seconds it took, or the error."""
-    from ...clients.client import VCClient
+    from ...clients.client import CosyVoiceClient
     from ...clients.retry import NO_RETRY
 
     audio, sr = _sample(server)
     results: dict[str, float | str] = {}
     todo = plan(loaded_models(server))
     # no retries: a warm-up that fails (a stage died meanwhile) is only logged; the next reload warms up again
-    with VCClient(server.http_url, protocol="http", timeout=timeout, concurrency=1, retry=NO_RETRY) as http, \
-            VCClient(server.grpc_url, protocol="grpc", timeout=timeout, retry=NO_RETRY) as grpc:
+    with CosyVoiceClient(server.http_url, protocol="http", timeout=timeout, concurrency=1, retry=NO_RETRY) as http, \
+            CosyVoiceClient(server.grpc_url, protocol="grpc", timeout=timeout, retry=NO_RETRY) as grpc:
         for name, how in todo:
             t0 = time.perf_counter()
             try:

@@ -291,27 +291,22 @@ class GatewayUrls:
 
 
 @contextlib.contextmanager
-def gateway_process(triton_server, log: Path, *args: str):
-    """``python -m cosyvoice_triton.gateway`` in front of ``triton_server`` (both its ports), on free ports, until
-    its ``/health`` answers 200; stopped at the end."""
-    from cosyvoice_triton.serving.launch.server import free_ports
-
-    port, grpc_port = free_ports(2)
+def gateway_running(argv: list[str], log: Path, http: str):
+    """A gateway process (``argv`` after the interpreter, output into ``log``) until ``http``'s (host:port)
+    ``/health`` answers 200; stopped at the end."""
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                 triton_server.grpc_url, "--triton-http", triton_server.http_url, "--port", str(port),
-                                 "--grpc-port", str(grpc_port), *args], stdout=out, stderr=subprocess.STDOUT)
-    urls = GatewayUrls(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
+        proc = subprocess.Popen([sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parents[1])
 
     def healthy():
         if proc.poll() is not None:
             raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
         with contextlib.suppress(OSError):
-            return urllib.request.urlopen(urls.base + "/health", timeout=30).status == 200
+            return urllib.request.urlopen(f"http://{http}/health", timeout=30).status == 200
 
     try:
         wait_until(healthy, "the gateway's /health")
-        yield urls
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -319,3 +314,17 @@ def gateway_process(triton_server, log: Path, *args: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def gateway_process(triton_server, log: Path, *args: str):
+    """``python -m cosyvoice_triton.gateway`` in front of ``triton_server`` (both its ports), on free ports, until
+    its ``/health`` answers 200; stopped at the end."""
+    from cosyvoice_triton.serving.launch.server import free_ports
+
+    port, grpc_port = free_ports(2)
+    urls = GatewayUrls(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
+    with gateway_running(["-m", "cosyvoice_triton.gateway", "--triton-grpc", triton_server.grpc_url, "--triton-http",
+                          triton_server.http_url, "--port", str(port), "--grpc-port", str(grpc_port), *args],
+                         log, urls.http):
+        yield urls

@@ -5,10 +5,9 @@ from __future__ import annotations
 import logging
 import sys
 
-import uvicorn
-
 from .app import create_app
 from .config import from_args
+from .connections import serve
 from .middleware import RequestIdFilter
 
 
@@ -21,10 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     keys = f"{len(config.api_keys)} API key(s)" if config.api_keys else "no API keys (open)"
     logging.getLogger(__name__).info("gateway on %s:%d -> triton %s; %s", config.host, config.port,
                                      config.triton_grpc, keys)
-    # h11: the pure-Python parser whose framing checks the tests exercise; uvicorn's access log is replaced by the
-    # middleware's (which carries the request id)
-    uvicorn.run(create_app(config), host=config.host, port=config.port, http="h11", access_log=False,
-                log_config=None, log_level=config.log_level)
+    # uvicorn's access log is replaced by the middleware's (which carries the request id)
+    serve(create_app(config), config, access_log=False, log_config=None, log_level=config.log_level)
     return 0
 
 

@@ -161,7 +161,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
         grpc_server = None
         if config.grpc_port:
             grpc_server = kserve_grpc.make_server(kserve_grpc.KServeProxy(upstream, keys, limiter, sequences),
-                                                  f"{config.host}:{config.grpc_port}", config.max_body_bytes)
+                                                  f"{config.host}:{config.grpc_port}", config)
             await grpc_server.start()
         try:
             yield

@@ -48,6 +48,13 @@ class GatewayConfig:
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     open_metrics: bool = False  # /metrics without a key even when keys are configured (a scraper that sends none)
     backend_timeout_s: float = 300.0
+    # slow and idle clients (connections.py): deadlines to read a request's head and body, connections per port
+    header_timeout_s: float = 10.0  # also the gRPC port's handshake
+    body_timeout_s: float = 60.0
+    keep_alive_s: float = 5.0  # an HTTP connection idle between requests
+    max_connections: int = 512  # per port (HTTP, gRPC); 0: unlimited
+    grpc_max_streams: int = 100  # concurrent streams (calls) on one gRPC connection
+    grpc_idle_s: float = 300.0  # a gRPC connection without a call this long is closed (GOAWAY)
     log_level: str = "info"
 
 
@@ -132,6 +139,18 @@ def parser() -> argparse.ArgumentParser:
                    default=_env("open_metrics", "").lower() in ("1", "true", "yes", "on"),
                    help="serve /metrics without a key even when keys are configured (for a scraper that sends none)")
     p.add_argument("--backend-timeout-s", type=float, default=float(_env("backend_timeout_s", d.backend_timeout_s)))
+    for name, kind, text in (  # slow and idle clients (connections.py)
+            ("header_timeout_s", float, "a request head (request line and headers) must arrive within this of the "
+                                        "connection's start or the previous answer, else 408 and the connection "
+                                        "closed; also the gRPC handshake"),
+            ("body_timeout_s", float, "a request body must arrive within this of its head, else 408 and the "
+                                      "connection closed"),
+            ("keep_alive_s", float, "an HTTP connection idle this long between requests is closed"),
+            ("max_connections", int, "open connections per port (HTTP and gRPC); beyond: the oldest HTTP connection "
+                                     "without a request head is closed, or the new one refused with 503; 0: unlimited"),
+            ("grpc_max_streams", int, "concurrent calls on one gRPC connection"),
+            ("grpc_idle_s", float, "a gRPC connection without a call this long is closed (the client reconnects)")):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, getattr(d, name))), help=text)
     p.add_argument("--log-level", default=_env("log_level", d.log_level))
     return p
 
@@ -168,5 +187,7 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          cors_origins=tuple(o.strip() for o in origins), open_metrics=args.open_metrics,
-                         backend_timeout_s=args.backend_timeout_s,
-                         log_level=args.log_level)
+                         backend_timeout_s=args.backend_timeout_s, header_timeout_s=args.header_timeout_s,
+                         body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s,
+                         max_connections=args.max_connections, grpc_max_streams=args.grpc_max_streams,
+                         grpc_idle_s=args.grpc_idle_s, log_level=args.log_level)

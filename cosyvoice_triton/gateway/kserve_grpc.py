@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from .config import GatewayConfig
 from .errors import GatewayError
 from .inference import Tensor, bad, check_name, check_outputs, check_parameters, check_request
 from .limits import KeyLimiter, KeyRing
@@ -349,9 +350,23 @@ def add_service(proxy: KServeProxy, server) -> None:
     server.add_registered_method_handlers(got.service, handlers)
 
 
-def make_server(proxy: KServeProxy, address: str, max_message_bytes: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.max_send_message_length", -1)])
+def server_options(config: GatewayConfig) -> list[tuple[str, int]]:
+    """gRPC core's bounds for the port: the message size, the handshake's deadline, calls per connection, idle
+    connections closed, dead clients found by keepalive pings, a connection's age (its calls in progress run to
+    their end), and the connection cap (gRPC core's ``max_allowed_incoming_connections``)."""
+    options = [("grpc.max_receive_message_length", config.max_body_bytes), ("grpc.max_send_message_length", -1),
+               ("grpc.server_handshake_timeout_ms", int(config.header_timeout_s * 1000)),
+               ("grpc.max_concurrent_streams", config.grpc_max_streams),
+               ("grpc.max_connection_idle_ms", int(config.grpc_idle_s * 1000)),
+               ("grpc.max_connection_age_ms", 3_600_000), ("grpc.keepalive_time_ms", 60_000),
+               ("grpc.keepalive_timeout_ms", 20_000)]
+    if config.max_connections:
+        options.append(("grpc.max_allowed_incoming_connections", config.max_connections))
+    return options
+
+
+def make_server(proxy: KServeProxy, address: str, config: GatewayConfig) -> grpc.aio.Server:
+    server = grpc.aio.server(options=server_options(config))
     add_service(proxy, server)
     server.add_insecure_port(address)
     return server

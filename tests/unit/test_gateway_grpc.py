@@ -10,6 +10,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2
 
+from cosyvoice_triton.gateway import GatewayConfig
 from cosyvoice_triton.gateway.inference import Signature
 from cosyvoice_triton.gateway.kserve_grpc import KServeProxy, make_server
 from cosyvoice_triton.gateway.limits import KeyLimiter, KeyRing
@@ -106,7 +107,7 @@ async def _serve(limiter: KeyLimiter | None = None, keys=("ka", "kb")):
     upstream = _Upstream()
     port = _port()
     server = make_server(KServeProxy(upstream, KeyRing(list(keys)), limiter or KeyLimiter()),
-                         f"127.0.0.1:{port}", 1 << 20)
+                         f"127.0.0.1:{port}", GatewayConfig(max_body_bytes=1 << 20))
     await server.start()
     return server, upstream, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
 

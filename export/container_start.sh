@@ -20,7 +20,8 @@
 # SUPERVISOR_MAX_RESTARTS / SUPERVISOR_RESTART_WINDOW (server restarts allowed in a window of seconds, default 5 / 600),
 # SUPERVISOR_EXIT_TIMEOUT (on SIGTERM, seconds the requests in flight may take to finish, default 30),
 # TRITON_HOST (the address Triton's three ports bind to, default 127.0.0.1: reach it through the gateway in the same
-# network namespace, or set 0.0.0.0 to publish Triton itself, behind a proxy: docs/operations/hardening.md).
+# network namespace, or set 0.0.0.0 together with TRITON_PUBLIC=1 to publish Triton itself, behind a proxy; without
+# TRITON_PUBLIC=1 the supervisor refuses an address beyond loopback: docs/operations/hardening.md).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -97,8 +98,10 @@ fi
 # After the load (and after every reload or restart) the supervisor sends one warm-up request through every public
 # pipeline, then writes $BUILD_DIR/triton/warm (the Kubernetes startupProbe waits for it). SIGTERM (docker stop,
 # a pod's termination): Triton finishes the requests in flight, up to SUPERVISOR_EXIT_TIMEOUT s, then exits.
+PUBLIC_TRITON=()
+if [ "${TRITON_PUBLIC:-0}" = 1 ]; then PUBLIC_TRITON=(--public-triton); fi
 exec "$PYTHON" -m cosyvoice_triton.serving.launch.supervisor --triton-root "${TRITON_ROOT:-/opt/tritonserver}" \
-  --model-repository "$REPO" --work-dir "$BUILD_DIR/triton" --host "${TRITON_HOST:-127.0.0.1}" \
+  --model-repository "$REPO" --work-dir "$BUILD_DIR/triton" --host "${TRITON_HOST:-127.0.0.1}" "${PUBLIC_TRITON[@]}" \
   --http-port 8000 --grpc-port 8001 --metrics-port 8002 \
   --max-restarts "${SUPERVISOR_MAX_RESTARTS:-5}" --restart-window "${SUPERVISOR_RESTART_WINDOW:-600}" \
   --exit-timeout "${SUPERVISOR_EXIT_TIMEOUT:-30}"

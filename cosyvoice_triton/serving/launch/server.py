@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import ipaddress
 import logging
 import os
 import re
@@ -76,7 +77,8 @@ TRITON_VERSION = "2.51.0"
 #: Triton's API groups that need the admin header; ``health``, ``metadata`` and ``inference`` stay open.
 RESTRICTED_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "trace", "logging")
 #: The request size limit passed where the binary has the flag (``--http-max-input-size``, Triton >= 25.05; not in
-#: 2.51 nor in the 25.01 image: there the proxy in front must cap bodies, README "Hardening"). 64 MiB: a 30 s
+#: 2.51, the wheel, nor in the old 25.01 image; the 26.07 image should have it, detected at start: without it the
+#: gateway or a proxy in front must cap bodies, README "Hardening"). 64 MiB: a 30 s
 #: 48 kHz source + prompt as JSON numbers is ~45 MB, as binary data ~12 MB.
 HTTP_MAX_INPUT_BYTES = 64 << 20
 
@@ -238,6 +240,40 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     return ports
 
 
+#: tritonserver flags that name an address to bind (besides ``host``, which sets all three).
+ADDRESS_FLAGS = ("--http-address", "--grpc-address", "--metrics-address")
+PUBLIC_TRITON_REFUSED = ("Triton would listen on {addr}, not loopback: its own ports have no keys, no per-tenant "
+                         "voices or sessions and the bugs of docs/operations/hardening.md; keep it on 127.0.0.1 behind "
+                         "the gateway, or pass --public-triton (public=True; the image: TRITON_PUBLIC=1) to publish it "
+                         "on purpose, behind a proxy")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) binds loopback only."""
+    host = host.strip().strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: whatever it resolves to, not ours to trust
+        return False
+
+
+def check_loopback(host: str, extra_args: Sequence[str] = (), public: bool = False) -> None:
+    """Refuse (:class:`ValueError`) a Triton bound beyond loopback, by ``host`` or an address flag in
+    ``extra_args``, unless ``public``."""
+    if public:
+        return
+    addrs = [host]
+    for i, arg in enumerate(extra_args):
+        flag, eq, value = arg.partition("=")
+        if flag in ADDRESS_FLAGS:
+            addrs.append(value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else ""))
+    for addr in addrs:
+        if not is_loopback(addr):
+            raise ValueError(PUBLIC_TRITON_REFUSED.format(addr=addr or "(empty)"))
+
+
 def _tail(path: Path, lines: int = 60) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -253,7 +289,8 @@ class TritonServer:
         model_repository: the rendered repository (see :mod:`cosyvoice_triton.serving.repository`).
         work_dir: where the backend folder and the log go (default: ``<repository>/../triton``).
         http_port, grpc_port, metrics_port: 0 picks free ports at start.
-        host: the address every endpoint binds to (loopback by default).
+        host: the address every endpoint binds to (loopback by default); another address (here or as an address
+            flag in ``extra_args``) is refused unless ``public`` (:func:`check_loopback`).
         model_control: ``"none"`` (load everything at start) or ``"explicit"``.
         load_models: with ``"explicit"``, the models to load at start (``["*"]`` for all).
         log_verbose: Triton's ``--log-verbose`` level.
@@ -277,7 +314,8 @@ class TritonServer:
                  env: Mapping[str, str] | None = None, installation: TritonInstallation | None = None,
                  admin_key: str | None = None, restricted_apis: Sequence[str] = RESTRICTED_APIS,
                  http_max_input_bytes: int | None = HTTP_MAX_INPUT_BYTES, start_timeout: float = 120.0,
-                 probe_timeout: float = 2.0):
+                 probe_timeout: float = 2.0, public: bool = False):
+        check_loopback(host, extra_args, public)
         self.model_repository = Path(model_repository).resolve()
         if not self.model_repository.is_dir():
             raise ServerError(f"model repository {self.model_repository} does not exist (render it first)")

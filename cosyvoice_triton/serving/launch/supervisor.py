@@ -76,6 +76,7 @@ from .server import (
     TritonInstallation,
     TritonServer,
     _tail,
+    check_loopback,
     shm_region_users,
 )
 from .warmup import warm_up
@@ -435,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--triton-root", default=None,
                    help="an installed Triton (e.g. /opt/tritonserver); default: the nvidia-pytriton wheel's")
     p.add_argument("--work-dir", default=None, help="log and admin key folder (default <repository>/../triton)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address Triton's ports bind to; beyond loopback only with --public-triton")
+    p.add_argument("--public-triton", action="store_true",
+                   help="allow a Triton address beyond loopback (its own ports have no keys: put a proxy in front)")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -451,11 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("extra", nargs="*", help="more tritonserver flags (after --)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_loopback(args.host, args.extra, args.public_triton)
+    except ValueError as exc:
+        p.error(str(exc))
     inst = TritonInstallation.at(args.triton_root) if args.triton_root else None
     server = TritonServer(args.model_repository, work_dir=args.work_dir, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, model_control="explicit",
                           load_models=models_to_load(args.model_repository), extra_args=args.extra,
-                          installation=inst, exit_timeout=args.exit_timeout)
+                          installation=inst, exit_timeout=args.exit_timeout, public=args.public_triton)
     sup = Supervisor(server, interval=args.interval, max_restarts=args.max_restarts,
                      restart_window=args.restart_window, start_timeout=args.start_timeout,
                      unload_timeout=args.unload_timeout, warmup=None if args.no_warmup else warm_up)

@@ -134,7 +134,7 @@ def graph_feeds(graph: str, rows: int, length: int, *, hift_source: str | Path |
     ``flow_estimator`` rows are CFG rows). ``hift_decoder``'s ``source`` comes from the ``hift_source`` ONNX file
     ``hift_source`` run on the same mel and noise."""
     from ..export.onnx_export import Case, sample_inputs
-    from ..export.quantize import session
+    from ..export.quantize_calibration import session
 
     case = Case("profile", rows, (length,) * rows)
     if graph != "hift_decoder":
@@ -154,7 +154,7 @@ def time_per_row(model_path: str | Path, feeds_for: Callable[[int], Mapping[str,
                  budget_s: float = 3.0) -> list[dict[str, float]]:
     """Median wall time per call and per row of one session at each row count (one warm-up call each; at least
     ``min_runs`` and at most ``repeats`` timed calls, fewer than ``repeats`` once ``budget_s`` is spent)."""
-    from ..export.quantize import session
+    from ..export.quantize_calibration import session
 
     sess = session(model_path, threads)
     out = []
@@ -215,9 +215,10 @@ def kernel_flops(op_type: str, inputs: Sequence[tuple[str, Sequence[int]]],
 
 
 def summarize_kernels(events: Sequence[Any], runs: int, top: int = 5) -> dict[str, Any]:
-    """Aggregate :class:`~cosyvoice_triton.export.quantize.KernelEvent` s of ``runs`` runs: kernel time per run, per op
-    type (share, ms per run, nodes, GFLOP/s of the GEMM-like ones), the ``top`` nodes, and the GEMM-like kernels'
-    FLOPs and achieved GFLOP/s (over the kernels whose FLOPs the shapes give) with the heaviest one's size."""
+    """Aggregate :class:`~cosyvoice_triton.export.quantize_sensitivity.KernelEvent` s of ``runs`` runs: kernel
+    time per run, per op type (share, ms per run, nodes, GFLOP/s of the GEMM-like ones), the ``top`` nodes, and the
+    GEMM-like kernels' FLOPs and achieved GFLOP/s (over the kernels whose FLOPs the shapes give) with the heaviest
+    one's size."""
     runs = max(1, int(runs))
     total = sum(e.dur_us for e in events)
     ops: dict[str, dict[str, Any]] = {}
@@ -278,7 +279,7 @@ def gemm_ceiling(m: int, k: int, n: int, *, threads: int = 1, min_time_s: float 
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from ..export.quantize import session
+    from ..export.quantize_calibration import session
 
     if math.isfinite(max_flops):
         m = min(int(m), int(max_flops // max(1, 2 * k * n)))
@@ -393,7 +394,7 @@ def profile_stage(repo: str | Path, report: Mapping[str, Any], *, source_s: floa
     """Profile the slowest graph of the integrated column (or ``graph``) as served from ``repo`` (the rendered
     integrated repository), shaped like the load test of ``report`` (the JSON report: per-model statistics)
     whose workload has mean source ``source_s`` and prompt ``prompt_s`` seconds. Returns the JSON section."""
-    from ..export.quantize import kernel_events, profile_trace
+    from ..export.quantize_sensitivity import kernel_events, profile_trace
     from ..shapes import GRAPHS
 
     t_start = time.time()

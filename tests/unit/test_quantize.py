@@ -21,6 +21,7 @@ from conftest import ROOT, require_speech
 from onnx import TensorProto
 
 from cosyvoice_triton.export import quantize as q
+from cosyvoice_triton.export import quantize_fp16
 from cosyvoice_triton.export.onnx_export import export_onnx, load_source_models
 from cosyvoice_triton.models.cfm import cosine_t_span
 from cosyvoice_triton.models.demo import write_demo_model
@@ -251,7 +252,7 @@ def _dq_inputs(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
 
 
 def _consts(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return dict(q._const_arrays(model))
+    return dict(quantize_fp16._const_arrays(model))
 
 
 @pytest.mark.parametrize("graph", CLI_GRAPHS)
@@ -399,7 +400,7 @@ def test_fp16_graph_types(quantized, graph):
     for name in kept:  # blocked nodes compute in fp32 (casts at their borders)
         for t in (*by_name[name].input, *by_name[name].output):
             assert types.get(t) != TensorProto.FLOAT16, (name, t)
-    for name, a in q._const_arrays(model):
+    for name, a in quantize_fp16._const_arrays(model):
         if a.dtype == np.float16:
             assert np.isfinite(a).all(), name
     err = _err(model, fp32, tiny.held.feeds[graph])
@@ -409,7 +410,7 @@ def test_fp16_graph_types(quantized, graph):
 def test_fp16_estimator_has_a_finite_mask_and_fully_padded_items_stay_finite(quantized):
     tiny, _, _ = quantized
     model = _load(tiny.root, "fp16", "flow_estimator")
-    assert not q._large_constants(model, 65504.0)  # no -1e10 / -inf anywhere
+    assert not quantize_fp16._large_constants(model, 65504.0)  # no -1e10 / -inf anywhere
     f = dict(tiny.held.feeds["flow_estimator"][0])
     t = f["x"].shape[-1]
     mask = f["mask"].copy()
@@ -428,7 +429,7 @@ def test_fp16_refuses_hift_source_and_the_official_mask_bias(tiny, tmp_path):
     with pytest.raises(ValueError, match="stays fp32"):
         q.convert_fp16(tiny.fp32 / "hift_source.onnx", graph="hift_source")
     official = onnx.load(str(tiny.fp32 / "flow_estimator.onnx"))
-    assert q._large_constants(official, 1e5)  # the exported -1e10
+    assert quantize_fp16._large_constants(official, 1e5)  # the exported -1e10
     with pytest.raises(ValueError, match="mask_bias"):
         q.convert_fp16(official, graph="flow_estimator")
     # the re-export is exact in fp32: exp(-1e4) underflows like exp(-1e10)

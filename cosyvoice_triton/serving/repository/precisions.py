@@ -72,7 +72,7 @@ def _check_allowed(graph: str, precision: str, flavor: str) -> None:
 
 
 def _per_graph(choice: Mapping[str, str], flavor: str, source: str) -> PrecisionPlan:
-    from ...export.quantize import FP32_ONLY as NOT_CONVERTED  # why each graph has no reduced-precision file
+    from ...export.quantize_rules import FP32_ONLY as NOT_CONVERTED  # why each graph has no reduced-precision file
 
     unknown = sorted(set(choice) - set(GRAPHS))
     if unknown:

@@ -23,7 +23,7 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
                "cosyvoice_triton.clients.cli:main",
                "client tts --text 'Hello there.' --speaker alice -o hi.wav"),
     "serve": ("render the repository, start tritonserver (supervised) and the HTTP gateway until Ctrl-C",
-              "cosyvoice_triton.serving.launch.serve_demo:serve_main",
+              "cosyvoice_triton.serving.launch.serve:main",
               "serve --model-dir models/cosyvoice2-demo-tiny --gateway-port 8080"),
     "demo": ("start a server, convert a sample and speak a sentence through it, stop it",
              "cosyvoice_triton.serving.launch.serve_demo:demo_main",

@@ -73,7 +73,7 @@ def summarize(phases: list[dict], records: Sequence[Sequence]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..serving.launch.serve_demo import prepare
+    from ..serving.launch.serve import prepare
     from ..serving.launch.server import TritonServer
     from .setup import FIXTURES, locust_command, locust_env
     from .workload import cached_workload

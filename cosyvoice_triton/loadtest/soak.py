@@ -255,7 +255,7 @@ def report_md(result: SoakResult, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..serving.launch.serve_demo import DEFAULT_MODEL_DIR, prepare
+    from ..serving.launch.serve import DEFAULT_MODEL_DIR, prepare
     from ..serving.launch.server import TritonServer
     from ..serving.launch.supervisor import Supervisor
     from ..serving.repository import SET_HELP, TunableAction

@@ -14,7 +14,7 @@ from conftest import PATIENCE_S, PATIENT_TEST_S, rel_err, served, speech_pair
 from cosyvoice_triton.export import onnx_export
 from cosyvoice_triton.export.onnx_export import stale_graphs
 from cosyvoice_triton.models.demo import write_demo_model
-from cosyvoice_triton.serving.launch.serve_demo import check_precision_sources, prepare
+from cosyvoice_triton.serving.launch.serve import check_precision_sources, prepare
 from cosyvoice_triton.shapes import GRAPHS
 
 

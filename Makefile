@@ -18,8 +18,8 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels export quantize quality bench-export \
-        engines engines-dry-run engines-llm render serve clean
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels \
+        export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-16s %s\n", $$1, $$2}'
@@ -76,9 +76,11 @@ test-unit: $(VENV)/.installed ## lint, then the tests that start no server (test
 lint: $(VENV)/.installed ## ruff
 	$(VENV)/bin/ruff check .
 
-bench-core: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
+bench: $(VENV)/.installed ## per-stage timings of in-process VC at full dims (writes the full demo model once)
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	$(CLI) bench --model-dir models/cosyvoice2-demo-full
+
+bench-core: bench ## the older name of `make bench`
 
 bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at batch 1, 4, 8 and whole-TTS RTF at full dims (OFFICIAL=checkout: side by side)
 	$(CLI) bench-tts --model-dir models/cosyvoice2-demo-full $(if $(OFFICIAL),--official $(OFFICIAL))
@@ -111,14 +113,16 @@ gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cacheto
 	  --python-version $$v --implementation cp -d build/gpu-wheels pyyaml==6.0.2; done
 	$(VENV)/bin/pip download --quiet --only-binary=:all: --no-deps -d build/gpu-wheels cachetools==8.0.2
 
-export: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
+export-onnx: $(VENV)/.installed ## fp32 ONNX of every graph of MODEL_DIR, each verified against PyTorch with onnxruntime
 	@if [ ! -f $(MODEL_DIR)/flow.pt ]; then $(MAKE) --no-print-directory demo-model; fi
 	$(CLI) export-onnx --model-dir $(MODEL_DIR) --out build/onnx/fp32
+
+export: export-onnx ## the older name of `make export-onnx`
 
 ONNX_ROOT   ?= build/onnx
 CALIBRATION ?= 50
 quantize: $(VENV)/.installed ## INT8 Q/DQ (TensorRT), INT8 for CPU and fp16 graphs from ONNX_ROOT/fp32, calibrated on espeak-ng speech
-	@if [ ! -f $(ONNX_ROOT)/fp32/flow_estimator.onnx ]; then $(MAKE) --no-print-directory export; fi
+	@if [ ! -f $(ONNX_ROOT)/fp32/flow_estimator.onnx ]; then $(MAKE) --no-print-directory export-onnx; fi
 	$(CLI) quantize --model-dir $(MODEL_DIR) --onnx-root $(ONNX_ROOT) --calibration-utterances $(CALIBRATION)
 
 quality: $(VENV)/.installed ## error of each precision against the fp32 pipeline on held-out speech + CPU speed per stage
@@ -144,11 +148,13 @@ engines-dry-run: $(VENV)/.installed ## print the trtexec commands `make engines`
 	$(CLI) engines --onnx-dir build/onnx --engine-dir build/engines --precision $(PRECISION) --dry-run
 
 LLM_ENGINE_ARGS ?=
-engines-llm: $(VENV)/.installed ## the LM for TensorRT-LLM: merged HF folder build/llm_hf (checked against PyTorch), engine in build/engines/llm (skipped, reason printed, without TensorRT-LLM + GPU)
+convert-llm: $(VENV)/.installed ## the LM for TensorRT-LLM: merged HF folder build/llm_hf (checked against PyTorch), engine in build/engines/llm (skipped, reason printed, without TensorRT-LLM + GPU)
 	@if [ ! -f $(MODEL_DIR)/llm.pt ] && [ "$(MODEL_DIR)" = "models/cosyvoice2-demo-$(DEMO_SIZE)" ]; then \
 	  $(CLI) demo-model --size $(DEMO_SIZE) --out $(MODEL_DIR); fi
 	$(CLI) convert-llm --model-dir $(MODEL_DIR) --out build/llm_hf --verify --build-engine \
 	  --checkpoint-dir build/trtllm_checkpoint --engine-dir build/engines/llm $(LLM_ENGINE_ARGS)
+
+engines-llm: convert-llm ## the older name of `make convert-llm`
 
 .PHONY: loadtest loadtest-full loadtest-tts loadtest-tts-full
 LOADTEST_ARGS ?=
@@ -176,15 +182,19 @@ loadtest-prompt-cache: $(VENV)/.installed ## repeated speakers: 4 prompts drawn 
 	$(CLI) loadtest --config tiny --mode prompt-cache --speakers 4 --requests 32 --users 4 \
 		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(LOADTEST_ARGS)
 
-.PHONY: bench-live
+.PHONY: loadtest-live bench-live
 BENCH_LIVE_ARGS ?=
-bench-live: $(VENV)/.installed ## live sessions: concurrent live VC streams held at real time (latency p50/p95, margin, underruns at 1/2/4/8), one stream's RTF, live TTS first audio (DEMO_SIZE=full: one stream) -> build/loadtest/$(DEMO_SIZE)-live/report.md
+loadtest-live: $(VENV)/.installed ## live sessions: concurrent live VC streams held at real time (latency p50/p95, margin, underruns at 1/2/4/8), one stream's RTF, live TTS first audio (DEMO_SIZE=full: one stream) -> build/loadtest/$(DEMO_SIZE)-live/report.md
 	$(CLI) loadtest-live --config $(DEMO_SIZE) \
 		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(BENCH_LIVE_ARGS)
 
-.PHONY: rollout-demo
-rollout-demo: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
+bench-live: loadtest-live ## the older name of `make loadtest-live`
+
+.PHONY: loadtest-rollout rollout-demo
+loadtest-rollout: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
 	$(CLI) loadtest-rollout $(ROLLOUT_ARGS)
+
+rollout-demo: loadtest-rollout ## the older name of `make loadtest-rollout`
 
 .PHONY: prometheus dashboard
 prometheus: ## Debian's prometheus + promtool unpacked into build/tools/prometheus (apt-get download + dpkg -x, no install)

@@ -592,6 +592,15 @@ def test_status_lists_real_make_targets():
     assert names and names <= targets, f"not Makefile targets: {sorted(names - targets)}"
 
 
+def test_each_command_a_make_target_runs_is_a_target_of_its_name():
+    """``make X`` and ``cosyvoice-triton X`` are one thing: every ``cosyvoice-triton`` command a recipe runs is also a
+    target of that name (other targets running it are variants, or older names kept as aliases)."""
+    commands = set(re.findall(r"\$\(CLI\) ([a-z][a-z0-9-]*)", (ROOT / "Makefile").read_text()))
+    targets, _ = makefile()
+    assert {"export-onnx", "convert-llm", "loadtest-live"} <= commands
+    assert commands <= targets, f"commands run by make under another name only: {sorted(commands - targets)}"
+
+
 WRONG = {
     check_make: ["make no-such-target", "make serve NO_SUCH_VARIABLE=1"],
     check_cli: ["cosyvoice-triton render --no-such-flag", "cosyvoice-triton no-such-command",

@@ -209,5 +209,15 @@ SOAK_USERS   ?= 20
 soak: $(VENV)/.installed ## (not in CI) SOAK_MINUTES=30 at SOAK_USERS=20 (2x the load tests): 0 failures, < 5% memory growth -> build/soak/report.md
 	$(CLI) soak --model-dir $(MODEL_DIR) --minutes $(SOAK_MINUTES) --users $(SOAK_USERS) --out build/soak
 
+.PHONY: loadtest-stress fuzz
+STRESS_SECONDS ?= 1800
+loadtest-stress: $(VENV)/.installed ## innocent users beside hostile ones (vanishing clients, live sequences without start or end, timeouts) through the gateway for STRESS_SECONDS: 0 failed innocent requests, memory growth < 10% (tiny) -> build/loadtest/tiny-stress/report.md
+	$(CLI) loadtest --config tiny --mode stress --stress-seconds $(STRESS_SECONDS) --stress-users 4 \
+		--stress-hostile-users 8 --server-arg=--backend-config=python,stub-timeout-seconds=300 $(LOADTEST_ARGS)
+
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(VENV)/.installed ## the gateway's fuzz tests long: FUZZ_EXAMPLES fresh examples per property (headers, chunked framing, JSON, multipart, live gRPC frames; no model runs)
+	COSYVOICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/live/test_gateway_fuzz.py -p no:cacheprovider
+
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

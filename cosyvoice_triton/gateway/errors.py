@@ -53,9 +53,18 @@ def error_bytes(status: int, message: str, **kw) -> bytes:
     return json.dumps(error_body(status, message, **kw)).encode()
 
 
+class ErrorResponse(JSONResponse):
+    """A refusal's JSON in ASCII: a message that names the client's input (an unknown field, a bad value) may hold a
+    lone surrogate of the client's JSON, which no UTF-8 encoder takes (Starlette's own JSON would fail with a 500);
+    escaped, it reads back as what the client sent."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode()
+
+
 def error_response(exc: GatewayError) -> JSONResponse:
-    return JSONResponse(error_body(exc.status, exc.message, code=exc.code, param=exc.param),
-                        status_code=exc.status, headers=exc.headers)
+    return ErrorResponse(error_body(exc.status, exc.message, code=exc.code, param=exc.param),
+                         status_code=exc.status, headers=exc.headers)
 
 
 def install_handlers(app: FastAPI) -> None:

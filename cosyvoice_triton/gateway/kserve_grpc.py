@@ -240,6 +240,9 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                         if await refuse(req, exc):
                             continue
                         return
+                    except BaseException:  # the stream ended (cancelled) during the check: not held yet, give it back
+                        self.limiter.release(who)
+                        raise
                     empty = checked.parameters.get(EMPTY_FINAL)
                     if empty is not None and empty.bool_param:
                         state["client_empty_final"] = True

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
-from .errors import GatewayError
+from .errors import ErrorResponse, GatewayError
 from .inference import Signature, Tensor, bad, check_name, check_outputs, check_parameters, check_request, flatten
 from .limits import bounded_loads
 from .sessions import Scope, SequenceIds
@@ -36,7 +36,7 @@ _SHOWN_NAMES = 100  # unknown fields named in a refusal: more than its 200 chara
 
 
 def _kserve_error(exc: GatewayError) -> JSONResponse:
-    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+    return ErrorResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
 
 
 def _list(value: Any, what: str, most: int = MAX_TENSORS) -> list:

@@ -205,8 +205,12 @@ def run(opts: Options) -> dict[str, Any]:
         from .repeated import run_prompt_cache
 
         return run_prompt_cache(opts)
+    if opts.mode == "stress":
+        from .stress import run_stress
+
+        return run_stress(opts)
     if opts.mode != "vc":
-        raise ValueError(f"mode must be vc, tts, mixed or prompt-cache, got {opts.mode!r}")
+        raise ValueError(f"mode must be vc, tts, mixed, prompt-cache or stress, got {opts.mode!r}")
     out_dir = Path(opts.out_dir)
     if opts.profile_only:
         return profile_only(opts)
@@ -532,11 +536,18 @@ def parser() -> argparse.ArgumentParser:
                    help="skip the profile of the integrated column's slowest graph after the columns")
     p.add_argument("--profile-only", action="store_true", default=None,
                    help="only profile, from an existing <out-dir>/report.json (rewrites report.md / report.json)")
-    p.add_argument("--mode", choices=("vc", "tts", "mixed", "prompt-cache"), help="vc: plain vs integrated voice "
-                   "conversion (default); tts: the TTS column: streaming TTS first-chunk latency and RTF, offline TTS, "
-                   "streaming VC; mixed: a steady high-priority class under a low-priority flood (and the reverse), "
-                   "without and with the sharing policy; prompt-cache: repeated speakers, the integrated pipeline with "
-                   "the prompt caches on vs off (--speakers, --requests per mode, --users)")
+    p.add_argument("--mode", choices=("vc", "tts", "mixed", "prompt-cache", "stress"), help="vc: plain vs integrated "
+                   "voice conversion (default); tts: the TTS column: streaming TTS first-chunk latency and RTF, "
+                   "offline TTS, streaming VC; mixed: a steady high-priority class under a low-priority flood (and "
+                   "the reverse), without and with the sharing policy; prompt-cache: repeated speakers, the integrated "
+                   "pipeline with the prompt caches on vs off (--speakers, --requests per mode, --users); stress: "
+                   "innocent users beside hostile ones (vanishing clients, sequences without start or end, timeouts) "
+                   "through the gateway: 0 failed innocent requests, memory growth bounded (exit 1 otherwise)")
+    p.add_argument("--stress-seconds", type=float, help="--mode stress: how long the users run (default 600)")
+    p.add_argument("--stress-users", type=int, help="--mode stress: innocent users (default 4)")
+    p.add_argument("--stress-hostile-users", type=int, help="--mode stress: hostile users (default 8)")
+    p.add_argument("--stress-max-growth", type=float, help="--mode stress: the largest memory growth of Triton and of "
+                   "the gateway from the first window to the last, a fraction (default 0.10)")
     p.add_argument("--speakers", type=int, help="--mode prompt-cache: distinct prompt recordings the requests draw "
                    "from (default 4)")
     p.add_argument("--mixed-high-users", type=int, help="--mode mixed: users of the steady high-priority class")
@@ -570,7 +581,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
             overrides[key] = tuple(overrides[key])
     opts = Options(**{**asdict(base), **overrides})
     opts.notes = []
-    if opts.mode in ("tts", "mixed", "prompt-cache") and "out_dir" not in overrides:
+    if opts.mode in ("tts", "mixed", "prompt-cache", "stress") and "out_dir" not in overrides:
         opts.out_dir = f"{base.out_dir}-{opts.mode}"
     return opts
 
@@ -579,8 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     opts = options_from_args(args)
-    run(opts)
-    return 0
+    report = run(opts)
+    return 1 if report.get("verdict", {}).get("passed") is False else 0
 
 
 if __name__ == "__main__":

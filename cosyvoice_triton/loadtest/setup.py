@@ -85,6 +85,12 @@ class Options:
     mixed_policies: tuple[bool, ...] = (False, True)
     #: --mode prompt-cache (:mod:`.repeated`): distinct prompt recordings the requests draw from
     speakers: int = 4
+    #: --mode stress (:mod:`.stress`): how long, innocent and hostile users, and the largest memory growth (a
+    #: fraction: 0.1 is 10%) of Triton and of the gateway from the run's first window to its last
+    stress_seconds: float = 600.0
+    stress_users: int = 4
+    stress_hostile_users: int = 8
+    stress_max_growth: float = 0.10
 
     @property
     def warmup(self) -> int:

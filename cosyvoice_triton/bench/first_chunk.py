@@ -25,7 +25,9 @@ PROMPT_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 def _fixtures() -> Path:
-    return Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+    from ..resources import path as resource_path
+
+    return resource_path("tests/fixtures")
 
 
 def _first(chunks, timer) -> tuple[float, dict[str, float], int]:

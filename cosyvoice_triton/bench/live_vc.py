@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..frontend import features
+from ..resources import path as resource_path
 from ..serving.stages.live_vc import LiveSettings, LiveVC, LiveVCSession
 from ..streaming import MEL_CACHE
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cosyvoice_triton.bench.live_vc", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--onnx-dir", required=True, help="the fp32 graphs (<export>/fp32)")
-    fixtures = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+    fixtures = resource_path("tests/fixtures")
     ap.add_argument("--source", action="append", help="source wav (repeatable; default: the bundled speech)")
     ap.add_argument("--prompt", default=str(fixtures / "prompt_en_3s.wav"))
     ap.add_argument("--piece-seconds", type=float, default=0.2)

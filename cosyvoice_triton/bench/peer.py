@@ -39,8 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURES = ROOT / "tests" / "fixtures"
+from .. import resources
+
+#: Where models/ and build/ are: the clone the package runs from, else the current folder (an installed wheel).
+ROOT = resources.checkout() or Path.cwd()
+FIXTURES = resources.path("tests/fixtures")
 DEFAULT_MODEL_DIR = ROOT / "models" / "cosyvoice2-demo-full"
 DEFAULT_OFFICIAL_DEPS = ROOT / "build" / "official-deps"
 GRAPHS = ("flow_encoder", "flow_estimator", "hift")  # what the GFLOP/s are reported for (hift: source + decoder)

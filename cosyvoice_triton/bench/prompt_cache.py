@@ -30,8 +30,9 @@ import numpy as np
 from ..frontend import audio
 from ..pipeline import CosyVoice2, StageTimer
 from ..prompt_cache import PromptCache
+from ..resources import path as resource_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+FIXTURES = resource_path("tests/fixtures")
 SOURCE, PROMPT = FIXTURES / "source_en_5s.wav", FIXTURES / "prompt_en_3s.wav"
 PROMPT_STAGES = ("frontend", "tokenizer", "speaker_embedding")
 

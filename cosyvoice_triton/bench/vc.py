@@ -20,8 +20,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..frontend import audio
 from ..pipeline import CosyVoice2, StageTimer
+from ..resources import path as resource_path
 
-FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+FIXTURES = resource_path("tests/fixtures")
 STAGES = ("frontend", "tokenizer", "speaker_embedding", "flow.encoder", "flow.solver", "hift")
 
 

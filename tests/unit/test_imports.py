@@ -1,6 +1,7 @@
 """The package has no import circles (module-level or inside functions): each module's imports of the package's
 own modules, read from its syntax tree, form a graph without cycles; so do the subpackages' (``clients``,
-``serving.launch``, ``serving.repository``, ...: one node each, a top-level module its own node)."""
+``serving.launch``, ``serving.repository``, ...: one node each, a top-level module its own node). Run-time files are
+found through :mod:`cosyvoice_triton.resources`, never by climbing from a module's own path."""
 
 from __future__ import annotations
 
@@ -83,6 +84,12 @@ def test_no_circles_between_subpackages():
             "cosyvoice_triton.serving.repository"} <= set(graph)
     assert "cosyvoice_triton.serving.repository" in graph["cosyvoice_triton.serving.launch"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_run_time_files_are_found_through_resources():
+    climbing = [f"{name}: {line.strip()}" for name, f in _modules().items() if name != "cosyvoice_triton.resources"
+                for line in f.read_text().splitlines() if "__file__" in line and "parents[" in line]
+    assert not climbing, "use cosyvoice_triton.resources.path(...):\n" + "\n".join(climbing)
 
 
 def test_the_check_finds_a_circle():

@@ -290,6 +290,16 @@ class GatewayUrls:
         return f"http://{self.http}"
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Stop a process a test started: SIGTERM, SIGKILL after ``timeout`` s, reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def gateway_running(argv: list[str], log: Path, http: str):
     """A gateway process (``argv`` after the interpreter, output into ``log``) until ``http``'s (host:port)
@@ -308,12 +318,7 @@ def gateway_running(argv: list[str], log: Path, http: str):
         wait_until(healthy, "the gateway's /health")
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @contextlib.contextmanager

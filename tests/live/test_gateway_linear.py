@@ -17,17 +17,13 @@ import json
 import random
 import re
 import statistics
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
 import pytest
-from conftest import wait_until
+from conftest import gateway_running
 from test_gateway import _client
 from test_gateway_kserve import SIG
 
@@ -294,26 +290,8 @@ def gateway(tmp_path_factory):
 
     (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).resolve().parents[2])
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.poll() is not None:
-            raise AssertionError(f"the gateway exited ({proc.returncode}): {log.read_text()[-3000:]}")
-        return urllib.request.urlopen(base + "/health", timeout=30).status == 200
-
-    try:
-        wait_until(healthy, "the gateway's /health")
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with gateway_running(["-c", SERVER, str(port)], log, f"127.0.0.1:{port}"):
+        yield f"http://127.0.0.1:{port}"
 
 
 def _innocent(client: httpx.Client, i: int) -> float:

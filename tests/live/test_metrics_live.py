@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, speech_pair, wait_until
+from conftest import ROOT, speech_pair, stop_process, wait_until
 
 from cosyvoice_triton.loadtest.metrics import counter_total, parse_prometheus
 from cosyvoice_triton.serving.stages import metrics as m
@@ -315,11 +315,7 @@ def test_prometheus_scrapes_triton_and_answers_a_custom_metric(traffic, triton_s
         assert {r["name"] for r in rules if r["type"] == "alerting"} >= {"TritonDown", "CosyVoiceSlowerThanRealTime"}
         assert not [r for r in rules if r["type"] == "alerting" and r["name"] == "TritonDown" and r["alerts"]]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log.close()
 
 

@@ -4,37 +4,25 @@ pieces' tokenization and checks, ``CosyVoice2.tts_live`` and ``TTSService.live``
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import json
 import threading
 
 import numpy as np
 import pytest
 import torch
 from conftest import FIXTURES, rel_err
+from lm_oracle import ORACLE, CountedDraws, oracle_config, oracle_meta
 
-from cosyvoice_triton.config import LLMConfig, ModelConfig
 from cosyvoice_triton.errors import LLMError, TextError
 from cosyvoice_triton.frontend.text.live import LiveText, piece_texts, piece_tokens
 from cosyvoice_triton.models.bistream import STOP_REASONS, live_decode
 from cosyvoice_triton.models.llm import load_llm
 from cosyvoice_triton.shapes import GRAPHS
 
-ORACLE = FIXTURES / "llm_oracle"
-META = json.loads((ORACLE / "oracle_meta.json").read_text())
+META = oracle_meta()
 CASES = sorted(META["bistream_cases"])
 LOGP_BAR = 1e-4
 WAVE_BAR = 1e-3
-
-
-class _Counted:
-    def __init__(self, draws: np.ndarray):
-        self.values, self.used = draws.tolist(), 0
-
-    def __call__(self) -> float:
-        self.used += 1
-        return self.values[self.used - 1]
 
 
 def _case(name: str) -> dict[str, np.ndarray]:
@@ -48,13 +36,11 @@ def _chunks(z) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def lm():
-    hidden = META["qwen_config"]["hidden_size"]
-    config = dataclasses.replace(ModelConfig.tiny(), llm=LLMConfig(llm_input_size=hidden, llm_output_size=hidden))
-    return load_llm(ORACLE, config)
+    return load_llm(ORACLE, oracle_config())
 
 
 def _decode(lm, z, chunks=None, **options):
-    draw, logps = _Counted(z["draws"]), []
+    draw, logps = CountedDraws(z["draws"]), []
     decode = live_decode(lm, _chunks(z) if chunks is None else chunks, z["prompt_text"], z["prompt_speech_token"],
                          draws=draw, on_step=lambda step, logp: logps.append(logp), **options)
     return list(decode), decode, draw, logps
@@ -140,7 +126,7 @@ def test_max_tokens_stops_in_either_phase(lm, case, cut):
 def test_cancelled_stops_before_the_next_step(lm):
     z = _case("bistream_runout")
     holder = {}
-    decode = live_decode(lm, _chunks(z), z["prompt_text"], z["prompt_speech_token"], draws=_Counted(z["draws"]),
+    decode = live_decode(lm, _chunks(z), z["prompt_text"], z["prompt_speech_token"], draws=CountedDraws(z["draws"]),
                          cancelled=lambda: len(holder["d"].tokens) >= 7)
     holder["d"] = decode
     tokens = list(decode)

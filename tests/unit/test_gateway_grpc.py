@@ -8,6 +8,7 @@ import socket
 
 import grpc
 import pytest
+from grpc_standin import Context, stream_through
 from tritonclient.grpc import service_pb2
 
 from cosyvoice_triton.gateway import GatewayConfig
@@ -152,24 +153,6 @@ def test_garbage_protobuf_is_invalid_argument(garbage):
     asyncio.run(scene())
 
 
-class _Context:
-    def __init__(self, key, codes=False):
-        self.key, self.codes, self.aborted = key, codes, None
-
-    def invocation_metadata(self):
-        return (("authorization", f"Bearer {self.key}"),) + ((("triton_grpc_error", "true"),) if self.codes else ())
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-    def time_remaining(self):
-        return None
-
-    async def abort(self, code, details):
-        self.aborted = (code, details)
-        raise RuntimeError("aborted")
-
-
 @pytest.mark.parametrize("codes", [False, True])
 def test_each_request_of_a_stream_counts_against_the_keys_concurrency(codes):
     """Thirty requests on one stream with a limit of 8: eight go on, the rest are refused naming the limit (or the
@@ -188,7 +171,7 @@ def test_each_request_of_a_stream_counts_against_the_keys_concurrency(codes):
             for i in range(n):
                 yield _request(i)
         try:
-            async for a in proxy.ModelStreamInfer(requests(), ctx := _Context(key, ctx_codes)):
+            async for a in proxy.ModelStreamInfer(requests(), ctx := Context(key, ctx_codes)):
                 answers.append(a)
         except RuntimeError:
             pass
@@ -276,16 +259,10 @@ def test_a_stream_refuses_a_start_beyond_the_tenants_share():
         req.parameters["sequence_start"].bool_param = True
         return req
 
-    async def stream(key, reqs):
-        async def requests():
-            for r in reqs:
-                yield r
-        return [a async for a in proxy.ModelStreamInfer(requests(), _Context(key))]
-
     async def scene():
-        a = await stream("ka", [start(1), start(2)])
+        a = await stream_through(proxy, "ka", [start(1), start(2)])
         assert not a[0].error_message and "at most 1" in a[1].error_message and live in a[1].error_message
-        b = await stream("kb", [start(1)])
+        b = await stream_through(proxy, "kb", [start(1)])
         assert not b[0].error_message
 
     asyncio.run(scene())

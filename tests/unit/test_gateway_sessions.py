@@ -11,6 +11,7 @@ import json
 import re
 
 import pytest
+from grpc_standin import stream_through
 
 from cosyvoice_triton.gateway.errors import GatewayError
 from cosyvoice_triton.gateway.inference import Signature
@@ -227,24 +228,6 @@ def test_grpc_request_and_answers():
 
 
 # ------------------------------------------------------------------------ the gRPC stream, stand-in Triton
-class _Context:
-    def __init__(self, key):
-        self.key, self.aborted = key, None
-
-    def invocation_metadata(self):
-        return (("authorization", f"Bearer {self.key}"),)
-
-    def peer(self):
-        return "ipv4:127.0.0.1:1"
-
-    def time_remaining(self):
-        return None
-
-    async def abort(self, code, details):
-        self.aborted = (code, details)
-        raise RuntimeError("aborted")
-
-
 class _Triton:
     """Triton's sequence batcher, as far as ids go: a start opens the id, a piece of an id never started is refused
     naming it, the end closes it; each request answered by one response (the id it was given as its id)."""
@@ -300,22 +283,16 @@ def test_the_grpc_stream_maps_each_tenants_ids_and_answers_in_theirs():
     upstream, table = Upstream(), SequenceIds(8, 4, 35.0)
     proxy = KServeProxy(upstream, KeyRing(["ka", "kb"], {"ka": "a", "kb": "b"}), KeyLimiter(), table)
 
-    async def stream(key, pieces):
-        async def requests():
-            for p in pieces:
-                yield p
-        return [a async for a in proxy.ModelStreamInfer(requests(), _Context(key))]
-
     async def scene():
-        b = await stream("kb", [_grpc_piece(7, start=True)])
+        b = await stream_through(proxy, "kb", [_grpc_piece(7, start=True)])
         assert not b[0].error_message and table.open_count("b") == 1
-        a = await stream("ka", [_grpc_piece(7), _grpc_piece(7, end=True), _grpc_piece(7, start=True),
-                                _grpc_piece(7, end=True)])
+        a = await stream_through(proxy, "ka", [_grpc_piece(7), _grpc_piece(7, end=True), _grpc_piece(7, start=True),
+                                               _grpc_piece(7, end=True)])
         unknown = "inference request for sequence 7 to model 'cosyvoice_vc_live' must specify the START flag"
         assert [x.error_message[: len(unknown)] for x in a[:2]] == [unknown, unknown]
         assert not a[2].error_message and not a[3].error_message
         assert table.open_count("b") == 1 and table.open_count("a") == 0
-        b = await stream("kb", [_grpc_piece(7, end=True)])
+        b = await stream_through(proxy, "kb", [_grpc_piece(7, end=True)])
         assert not b[0].error_message and table.open_count() == 0 and not upstream.stub.live
         assert 7 not in upstream.stub.seen and len(set(upstream.stub.seen)) == 4  # B's, A's two unknown, A's own
 

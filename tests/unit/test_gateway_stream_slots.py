@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+from grpc_standin import Context
 from test_gateway_grpc import TTS, _request, _Stub
-from test_gateway_sessions import _Context
 
 from cosyvoice_triton.gateway.inference import Signature
 from cosyvoice_triton.gateway.kserve_grpc import KServeProxy
@@ -45,7 +45,7 @@ def test_a_stream_cancelled_while_a_request_is_checked_gives_its_slot_back():
             yield _request(0)
             await asyncio.Event().wait()  # the client keeps its side open
 
-        stream = proxy.ModelStreamInfer(requests(), _Context("ka"))
+        stream = proxy.ModelStreamInfer(requests(), Context("ka"))
         reader = asyncio.ensure_future(stream.__anext__())
         await asyncio.wait_for(upstream.asked.wait(), 30)
         assert limiter.active(who) == 1  # taken for the request being checked

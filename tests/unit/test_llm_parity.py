@@ -10,76 +10,40 @@ rounding of the mel into ~1e-3 of the waveform).
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
-from conftest import FEAT_BAR, FIXTURES, ROOT, rel_err, waveform_bar
+from conftest import FEAT_BAR, rel_err, waveform_bar
+from lm_oracle import (
+    ORACLE,
+    ORACLE_FULL,
+    CountedDraws,
+    full_llm_dir,
+    oracle_cases,
+    oracle_config,
+    oracle_meta,
+    oracle_script,
+)
 
-from cosyvoice_triton.config import LLMConfig, ModelConfig
 from cosyvoice_triton.models import sampling as project_sampling
 from cosyvoice_triton.models.llm import LMRequest, load_llm
 
-ORACLE = FIXTURES / "llm_oracle"
-ORACLE_FULL = ORACLE / "full"
 LOGP_BAR = 1e-4
-
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_llm_oracle", ROOT / "tests" / "oracle" / "make_llm_oracle.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-oracle = _load_script()
-
-
-def _meta(folder):
-    return json.loads((folder / "oracle_meta.json").read_text())
-
-
-def _cases(folder) -> dict[str, dict[str, np.ndarray]]:
-    out = {}
-    for path in sorted(folder.glob("lm_*.npz")):
-        with np.load(path) as z:
-            out[path.stem.removeprefix("lm_")] = {k: z[k] for k in z.files}
-    return out
-
-
-def _config(folder) -> ModelConfig:
-    hidden = _meta(folder)["qwen_config"]["hidden_size"]
-    return dataclasses.replace(ModelConfig.tiny(), llm=LLMConfig(llm_input_size=hidden, llm_output_size=hidden))
-
-
-class _Counted:
-    """The case's uniforms as a draw callable that counts what it hands out."""
-
-    def __init__(self, draws: np.ndarray):
-        self.values, self.used = draws.tolist(), 0
-
-    def __call__(self) -> float:
-        self.used += 1
-        return self.values[self.used - 1]
+oracle = oracle_script()
 
 
 @pytest.fixture(scope="module")
 def lm():
-    return load_llm(ORACLE, _config(ORACLE))
+    return load_llm(ORACLE, oracle_config(ORACLE))
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return _cases(ORACLE)
+    return oracle_cases(ORACLE)
 
 
 def _decode(lm, z: dict[str, np.ndarray], logp_steps: int):
-    draw = _Counted(z["draws"])
+    draw = CountedDraws(z["draws"])
     logps: list[torch.Tensor] = []
 
     def on_step(step: int, logp: torch.Tensor) -> None:
@@ -107,7 +71,7 @@ def _check_case(name, z, tokens, stream, logps, draw, logp_steps):
 
 
 def test_oracle_checkpoint_loads_exactly(lm):
-    meta = _meta(ORACLE)
+    meta = oracle_meta(ORACLE)
     assert oracle.state_digest(lm.state_dict()) == meta["weights"]["state_sha256"]
     # the tied lm_head of the official file is the same tensor as the text embedding after loading
     assert lm.llm.model.lm_head.weight.data_ptr() == lm.qwen.embed_tokens.weight.data_ptr()
@@ -156,7 +120,7 @@ def _tts_case(stream: bool) -> dict[str, np.ndarray]:
 def _wave_bar() -> float:
     """The waveform bar of both text -> waveform cases: from the spread measured on the non-streaming case's HiFT
     input (the streaming case has the same tokens; each of its HiFT calls is shorter and accumulates less)."""
-    return waveform_bar(_meta(ORACLE)["tts_cases"]["tts_zero_shot"]["waveform_spread"])
+    return waveform_bar(oracle_meta(ORACLE)["tts_cases"]["tts_zero_shot"]["waveform_spread"])
 
 
 def _token2wav(model, z, tokens, stream: bool, seed: int, monkeypatch, perturb: float = 0.0):
@@ -186,7 +150,7 @@ def _token2wav(model, z, tokens, stream: bool, seed: int, monkeypatch, perturb: 
 
 
 def test_text_to_waveform_uses_the_flow_oracle_weights(flow_oracle_meta):
-    assert _meta(ORACLE)["flow_hift"]["state_sha256"] == flow_oracle_meta["weights"]["state_sha256"]
+    assert oracle_meta(ORACLE)["flow_hift"]["state_sha256"] == flow_oracle_meta["weights"]["state_sha256"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -221,23 +185,13 @@ def test_wrong_text_to_waveform_fails_the_bars(oracle_model, stream, monkeypatch
 
 @pytest.fixture(scope="module")
 def full_dir(tmp_path_factory):
-    """The full-size llm.pt, regenerated the oracle's seeded way (2 GB, not committed) and checked by digest."""
-    if not (ORACLE_FULL / "oracle_meta.json").is_file():
-        pytest.skip(f"full-size references {ORACLE_FULL} are absent")
-    meta = _meta(ORACLE_FULL)
-    state = oracle.random_llm_state_dict(meta["qwen_config"], seed=meta["seeds"]["weights"])
-    assert oracle.state_digest(state) == meta["weights"]["state_sha256"], "regenerated weights differ from the oracle's"
-    d = tmp_path_factory.mktemp("llm_full")
-    torch.save(state, d / "llm.pt")
-    del state
-    shutil.copytree(ORACLE_FULL / "CosyVoice-BlankEN", d / "CosyVoice-BlankEN")
-    return d
+    return full_llm_dir(tmp_path_factory, "llm_full")
 
 
 @pytest.mark.slow
 def test_full_dims_match_official(full_dir):
-    lm = load_llm(full_dir, _config(ORACLE_FULL))
-    cases = _cases(ORACLE_FULL)
+    lm = load_llm(full_dir, oracle_config(ORACLE_FULL))
+    cases = oracle_cases(ORACLE_FULL)
     assert cases
     worst = {name: _check_case(name, z, *_decode(lm, z, len(z["logp"])), len(z["logp"]))
              for name, z in cases.items()}

@@ -12,7 +12,6 @@ fp32 itself differs from the official code's log-probabilities by up to 6.7e-6 o
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import json
 import re
@@ -22,44 +21,27 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, PATIENCE_S
+from conftest import PATIENCE_S
+from lm_oracle import ORACLE, CountedDraws, oracle_cases, oracle_config, tts_request
 
-from cosyvoice_triton.config import LLMConfig, ModelConfig
 from cosyvoice_triton.errors import ConfigError
 from cosyvoice_triton.models import lm_ort, lm_quant
 from cosyvoice_triton.models.llm import LMRequest, load_llm
 
-ORACLE = FIXTURES / "llm_oracle"
-META = json.loads((ORACLE / "oracle_meta.json").read_text())
 TOP_K, TOP_BAR, TAIL_BAR = 25, 1e-5, 1e-5
 #: the largest differences seen by the tests of this module (printed at the end: ``pytest -s``)
 SEEN = {"top": 0.0, "vector": 0.0}
-
-
-def _config() -> ModelConfig:
-    hidden = META["qwen_config"]["hidden_size"]
-    return dataclasses.replace(ModelConfig.tiny(), llm=LLMConfig(llm_input_size=hidden, llm_output_size=hidden))
-
-
-def _cases() -> dict[str, dict[str, np.ndarray]]:
-    out = {}
-    for path in sorted(ORACLE.glob("lm_*.npz")):
-        with np.load(path) as z:
-            out[path.stem.removeprefix("lm_")] = {k: z[k] for k in z.files}
-    return out
-
-
-CASES = _cases()
+CASES = oracle_cases()
 
 
 @pytest.fixture(scope="module")
 def fp32():
-    return load_llm(ORACLE, _config())
+    return load_llm(ORACLE, oracle_config())
 
 
 @pytest.fixture(scope="module")
 def ort():
-    return load_llm(ORACLE, _config(), precision="fp32-ort")
+    return load_llm(ORACLE, oracle_config(), precision="fp32-ort")
 
 
 def _check_logp(ref: torch.Tensor, got: torch.Tensor, where: str) -> None:
@@ -72,15 +54,6 @@ def _check_logp(ref: torch.Tensor, got: torch.Tensor, where: str) -> None:
     SEEN["top"], SEEN["vector"] = max(SEEN["top"], top), max(SEEN["vector"], float(diff.max()))
     assert top <= TOP_BAR, f"{where}: top-{TOP_K} log-probs differ by {top:.2e}"
     assert rel <= TAIL_BAR, f"{where}: log-probs differ by {rel:.2e} relative"
-
-
-class _Counted:
-    def __init__(self, draws):
-        self.values, self.used = list(draws), 0
-
-    def __call__(self) -> float:
-        self.used += 1
-        return self.values[self.used - 1]
 
 
 # ------------------------------------------------------------------------------------------- the kernel
@@ -155,13 +128,13 @@ def test_fp32_ort_swaps_the_trunk_linears_only(ort):
 
 
 def test_threads_and_devices():
-    lm = load_llm(ORACLE, _config(), precision="fp32-ort", threads=1)
+    lm = load_llm(ORACLE, oracle_config(), precision="fp32-ort", threads=1)
     assert lm.lm_threads == 1 and lm.qwen.layers[0].mlp.up_proj.run.threads == 1
     on_gpu = types.SimpleNamespace(llm_decoder=types.SimpleNamespace(weight=torch.empty(0, device="meta")))
     with pytest.raises(ConfigError, match="fp32-ort is onnxruntime's CPU MatMul"):
         lm_ort.ort_lm(on_gpu)
     with pytest.raises(ConfigError, match="lm_precision must be one of fp32, int8, fp32-ort"):
-        load_llm(ORACLE, _config(), precision="fp16")
+        load_llm(ORACLE, oracle_config(), precision="fp16")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -177,7 +150,7 @@ def test_prefill_and_cached_steps_equal_fp32(fp32, ort, name):
 
 
 def _generate(lm, z, logps: list):
-    draw = _Counted(z["draws"].tolist())
+    draw = CountedDraws(z["draws"].tolist())
     stream = lm.generate(z["text"], z["prompt_text"], z["prompt_speech_token"], draws=draw,
                          on_step=lambda step, logp: logps.append(logp))
     return list(stream), draw.used
@@ -236,7 +209,7 @@ def test_live_decoding_equals_fp32(fp32, ort):
         for label, lm in (("fp32", fp32), ("fp32-ort", ort)):
             logps: list = []
             tokens = list(live_decode(lm, chunks, z["prompt_text"], z["prompt_speech_token"],
-                                      draws=_Counted(z["draws"].tolist()), on_step=lambda s, lp, seen=logps:
+                                      draws=CountedDraws(z["draws"].tolist()), on_step=lambda s, lp, seen=logps:
                                       seen.append(lp)))
             out[label] = tokens, logps
         assert out["fp32-ort"][0] == out["fp32"][0] == z["tokens"].tolist(), name
@@ -297,18 +270,9 @@ def test_tunables_and_the_served_parameter(tmp_path):
 
 def test_tts_service_and_pipeline_with_fp32_ort(serving_assets):
     from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.serving.stages.graphs import GraphRunner
     from cosyvoice_triton.serving.stages.tts import TTSService
-    from cosyvoice_triton.shapes import GRAPHS
 
-    md = serving_assets["model_dir"]
-    onnx = serving_assets["onnx_dir"] / "fp32"
-    graphs = {g: GraphRunner(g, onnx_path=onnx / f"{g}.onnx").run for g in GRAPHS}
-    g = np.random.default_rng(0)
-    wave = (0.1 * g.standard_normal(24000)).astype(np.float32)
-    t = {"text": np.array([[b"Hello there, this is a test."]], object), "prompt_audio": wave[None],
-         "prompt_sample_rate": np.array([[24000]], np.int32), "prompt_text": np.array([[b"the prompt"]], object),
-         "seed": np.array([[3]], np.int64)}
+    md, graphs, wave, t = tts_request(serving_assets)
     answers = {}
     for precision in ("fp32", "fp32-ort"):
         svc = TTSService(md, graphs, lm_precision=precision)

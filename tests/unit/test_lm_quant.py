@@ -4,37 +4,17 @@ batched decoder, the served LM engine and the in-process TTS service."""
 from __future__ import annotations
 
 import copy
-import dataclasses
-import importlib.util
-import json
-import shutil
 import threading
 
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, PATIENCE_S, ROOT, rel_err
+from conftest import PATIENCE_S, rel_err
+from lm_oracle import ORACLE, ORACLE_FULL, full_llm_dir, oracle_cases, oracle_config, tts_request
 
-from cosyvoice_triton.config import LLMConfig, ModelConfig
 from cosyvoice_triton.errors import ConfigError
 from cosyvoice_triton.models import lm_quant
 from cosyvoice_triton.models.llm import LMRequest, load_llm
-
-ORACLE = FIXTURES / "llm_oracle"
-ORACLE_FULL = ORACLE / "full"
-
-
-def _config(folder) -> ModelConfig:
-    hidden = json.loads((folder / "oracle_meta.json").read_text())["qwen_config"]["hidden_size"]
-    return dataclasses.replace(ModelConfig.tiny(), llm=LLMConfig(llm_input_size=hidden, llm_output_size=hidden))
-
-
-def _cases(folder) -> dict[str, dict[str, np.ndarray]]:
-    out = {}
-    for path in sorted(folder.glob("lm_*.npz")):
-        with np.load(path) as z:
-            out[path.stem.removeprefix("lm_")] = {k: z[k] for k in z.files}
-    return out
 
 
 def _report(ref, cand, cases) -> lm_quant.DistributionReport:
@@ -45,12 +25,12 @@ def _report(ref, cand, cases) -> lm_quant.DistributionReport:
 
 @pytest.fixture(scope="module")
 def fp32():
-    return load_llm(ORACLE, _config(ORACLE))
+    return load_llm(ORACLE, oracle_config(ORACLE))
 
 
 @pytest.fixture(scope="module")
 def int8():
-    return load_llm(ORACLE, _config(ORACLE), precision="int8")
+    return load_llm(ORACLE, oracle_config(ORACLE), precision="int8")
 
 
 def test_int8_quantizes_the_trunk_linears_only(int8):
@@ -66,11 +46,11 @@ def test_int8_quantizes_the_trunk_linears_only(int8):
 
 def test_unknown_precision_is_a_config_error():
     with pytest.raises(ConfigError, match="lm_precision must be one of fp32, int8"):
-        load_llm(ORACLE, _config(ORACLE), precision="int4")
+        load_llm(ORACLE, oracle_config(ORACLE), precision="int4")
 
 
 def test_teacher_forcing_reproduces_the_oracle_and_the_measure_is_zero_on_itself(fp32):
-    cases = _cases(ORACLE)
+    cases = oracle_cases(ORACLE)
     for name, z in cases.items():
         logp = lm_quant.teacher_forced_logp(fp32, z["text"], z["prompt_text"], z["prompt_speech_token"],
                                             z["tokens"].tolist())
@@ -89,31 +69,19 @@ def _check_claim(report: lm_quant.DistributionReport, where: str) -> None:
 
 
 def test_int8_against_the_bar_tiny(fp32, int8):
-    _check_claim(_report(fp32, int8, _cases(ORACLE)), "tiny dims")
+    _check_claim(_report(fp32, int8, oracle_cases(ORACLE)), "tiny dims")
 
 
 @pytest.fixture(scope="module")
 def full_dir(tmp_path_factory):
-    """The full-size llm.pt, regenerated the oracle's seeded way (2 GB, as tests/unit/test_llm_parity.py does)."""
-    if not (ORACLE_FULL / "oracle_meta.json").is_file():
-        pytest.skip(f"full-size references {ORACLE_FULL} are absent")
-    spec = importlib.util.spec_from_file_location("make_llm_oracle", ROOT / "tests" / "oracle" / "make_llm_oracle.py")
-    oracle = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(oracle)
-    meta = json.loads((ORACLE_FULL / "oracle_meta.json").read_text())
-    state = oracle.random_llm_state_dict(meta["qwen_config"], seed=meta["seeds"]["weights"])
-    d = tmp_path_factory.mktemp("llm_full_int8")
-    torch.save(state, d / "llm.pt")
-    del state
-    shutil.copytree(ORACLE_FULL / "CosyVoice-BlankEN", d / "CosyVoice-BlankEN")
-    return d
+    return full_llm_dir(tmp_path_factory, "llm_full_int8")
 
 
 @pytest.mark.slow
 def test_int8_against_the_bar_full_dims(full_dir):
-    ref = load_llm(full_dir, _config(ORACLE_FULL))
+    ref = load_llm(full_dir, oracle_config(ORACLE_FULL))
     cand = lm_quant.quantize_lm(copy.deepcopy(ref), "int8")
-    _check_claim(_report(ref, cand, _cases(ORACLE_FULL)), "full dims")
+    _check_claim(_report(ref, cand, oracle_cases(ORACLE_FULL)), "full dims")
 
 
 def _requests(cases, n):
@@ -123,7 +91,7 @@ def _requests(cases, n):
 
 
 def test_int8_decodes_a_batch_of_8(int8):
-    requests = _requests(_cases(ORACLE), 8)
+    requests = _requests(oracle_cases(ORACLE), 8)
     out = int8.generate_batch(requests)
     assert len(out) == 8
     for request, tokens in zip(requests, out, strict=True):
@@ -142,7 +110,7 @@ def test_int8_in_the_served_lm_engine(int8):
 
     engine = LMEngine(int8, max_active=8, max_waiting=8, wait_timeout_s=PATIENCE_S)
     try:
-        jobs = [engine.submit(r) for r in _requests(_cases(ORACLE), 8)]
+        jobs = [engine.submit(r) for r in _requests(oracle_cases(ORACLE), 8)]
         out: list = [None] * 8
 
         def run(i):
@@ -162,18 +130,9 @@ def test_int8_in_the_served_lm_engine(int8):
 
 def test_tts_service_and_pipeline_with_int8(serving_assets):
     from cosyvoice_triton.pipeline import CosyVoice2
-    from cosyvoice_triton.serving.stages.graphs import GraphRunner
     from cosyvoice_triton.serving.stages.tts import TTSService
-    from cosyvoice_triton.shapes import GRAPHS
 
-    md = serving_assets["model_dir"]
-    onnx = serving_assets["onnx_dir"] / "fp32"
-    graphs = {g: GraphRunner(g, onnx_path=onnx / f"{g}.onnx").run for g in GRAPHS}
-    g = np.random.default_rng(0)
-    wave = (0.1 * g.standard_normal(24000)).astype(np.float32)
-    t = {"text": np.array([[b"Hello there, this is a test."]], object), "prompt_audio": wave[None],
-         "prompt_sample_rate": np.array([[24000]], np.int32), "prompt_text": np.array([[b"the prompt"]], object),
-         "seed": np.array([[3]], np.int64)}
+    md, graphs, wave, t = tts_request(serving_assets)
     svc = TTSService(md, graphs, lm_precision="int8")
     try:
         assert svc.lm.lm_precision == "int8"

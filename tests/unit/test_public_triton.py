@@ -1,6 +1,6 @@
 """Triton's own ports have no keys: the launcher (``TritonServer``, the supervisor's command line, and so ``serve``
 and the image's start script) refuses an address beyond loopback unless asked with ``--public-triton`` /
-``public=True`` (issue 27, section 5). Nothing starts here: the refusal comes before any server."""
+``public=True``. Nothing starts here: the refusal comes before any server."""
 
 from __future__ import annotations
 
@@ -47,3 +47,17 @@ def test_the_supervisor_command_refuses_a_public_host_with_a_clear_error(tmp_pat
     with pytest.raises(SystemExit):
         supervisor.main(["--model-repository", str(tmp_path), "--", "--grpc-address=0.0.0.0"])
     assert "Triton would listen on 0.0.0.0" in capsys.readouterr().err
+
+
+def test_serve_keeps_triton_on_loopback_behind_a_public_gateway():
+    import argparse
+
+    from cosyvoice_triton.serving.launch.serve import add_arguments, triton_host
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--host", "0.0.0.0"])
+    assert not args.public_triton and triton_host(args.host, args.public_triton) == "127.0.0.1"
+    args = p.parse_args(["--host", "0.0.0.0", "--public-triton"])
+    assert triton_host(args.host, args.public_triton) == "0.0.0.0"
+    TritonServer(".", host=triton_host("0.0.0.0"))  # what serve builds: accepted without public

@@ -69,11 +69,13 @@ def check_precision_sources(model_dir: Path, onnx_dir: Path, precision: str) -> 
 def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "build/onnx",
           repository: str | Path = "build/model_repository", http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, host: str = "127.0.0.1", flavor: str = "local", precision: str = "fp32",
-          gateway_port: int = 8080, rendered: bool = False, **tunables) -> int:
+          gateway_port: int = 8080, rendered: bool = False, public_triton: bool = False, **tunables) -> int:
     """Render and serve in the foreground until SIGINT / SIGTERM, under :class:`~.supervisor.Supervisor` (a model
     whose Python stub dies is reloaded, a server that dies is restarted; it gives up after 5 restarts in 10 min).
     The gateway (``gateway_port``; 0: none) runs as its own process on Triton's gRPC port and stops with it.
-    ``rendered``: serve ``repository`` as it is (written by ``render``), without preparing or rendering."""
+    ``rendered``: serve ``repository`` as it is (written by ``render``), without preparing or rendering.
+    ``host`` is the gateway's address; Triton's ports stay on loopback (:func:`triton_host`) unless
+    ``public_triton``."""
     from .server import TritonServer
     from .supervisor import Supervisor
 
@@ -84,8 +86,10 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     else:
         repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, flavor=flavor, precision=precision,
                        **tunables)
-    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=host,
-                          model_control="explicit", load_models=["*"])
+    triton = triton_host(host, public_triton)
+    server = TritonServer(repo, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, host=triton,
+                          model_control="explicit", load_models=["*"], public=public_triton)
+    near = "127.0.0.1" if triton in ("0.0.0.0", "::") else triton  # where the gateway reaches Triton
     supervisor = Supervisor(server, start_timeout=600)
     supervisor.start()
     print(f"serving {repo}: http {server.http_url}, grpc {server.grpc_url}, metrics {server.metrics_url} "
@@ -94,9 +98,9 @@ def serve(model_dir: str | Path = DEFAULT_MODEL_DIR, *, onnx_dir: str | Path = "
     gateway = None
     if gateway_port:
         gateway = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc",
-                                    f"{host}:{grpc_port}", "--triton-http", f"{host}:{http_port}", "--host", host,
+                                    f"{near}:{grpc_port}", "--triton-http", f"{near}:{http_port}", "--host", host,
                                     "--port", str(gateway_port), "--grpc-port", str(gateway_port + 1),
-                                    "--triton-metrics", f"http://{host}:{metrics_port}/metrics"])
+                                    "--triton-metrics", f"http://{near}:{metrics_port}/metrics"])
         print(f"gateway (OpenAI speech API): http://{host}:{gateway_port}/v1/audio/speech, Triton's API checked: "
               f"http://{host}:{gateway_port}/v2 and gRPC {host}:{gateway_port + 1} (pid {gateway.pid})")
     stop = {"now": False}
@@ -136,10 +140,18 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repository", default="build/model_repository")
 
 
+def triton_host(host: str, public_triton: bool = False) -> str:
+    """Where Triton's own ports listen under :func:`serve`: ``host`` when ``public_triton``, else loopback (its ports
+    have no keys; the gateway on ``host`` is the door)."""
+    return host if public_triton else "127.0.0.1"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``serve``'s options."""
     add_common_arguments(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="the gateway's address (0.0.0.0: every interface); Triton's "
+                   "ports stay on 127.0.0.1 unless --public-triton")
+    p.add_argument("--public-triton", action="store_true", help="Triton's own ports (no keys) on --host too")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
@@ -165,7 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.model_dir, onnx_dir=args.onnx_dir, repository=args.repository, host=args.host,
                  http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
                  gateway_port=args.gateway_port, flavor=args.flavor, precision=args.precision,
-                 rendered=args.rendered)
+                 rendered=args.rendered, public_triton=args.public_triton)
 
 
 def main(argv: list[str] | None = None) -> int:

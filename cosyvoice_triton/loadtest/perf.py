@@ -184,7 +184,8 @@ def run_perf_analyzer(url: str, protocol: str, concurrency: int, data_file: str 
     except Exception as exc:
         return {**result, "note": f"cannot link the libraries perf_analyzer needs: {exc}"}
     version = model_version or ready_version(url, protocol, model)
-    cmd = [str(binary), "-m", model, *(["-x", version] if version else []), "-u", url, "-i", protocol, "--concurrency-range", f"{concurrency}:{concurrency}",
+    cmd = [str(binary), "-m", model, *(["-x", version] if version else []), "-u", url, "-i", protocol,
+           "--concurrency-range", f"{concurrency}:{concurrency}",
            "--input-data", str(data_file), "--measurement-mode", "count_windows",
            "--measurement-request-count", str(requests_per_window), "--max-trials", str(max_trials),
            "-s", str(stability_percent), "-f", str(csv_path),

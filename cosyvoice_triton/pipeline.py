@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, LLMError, TextError
 from .frontend import audio, features
 from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
-from .models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
+from .models.checkpoint import load_flow, load_into, normalize_keys, read_state_dict
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
@@ -146,11 +146,7 @@ class CosyVoice2:
                                   f"{', '.join(MODEL_FILES)})")
         config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
 
-        path = model_dir / "flow.pt"
-        state = normalize_keys(read_state_dict(path))
-        check_flow_revision(state, path)
-        flow = CausalMaskedDiffWithXvec(config.flow)
-        load_into(flow, state, path)
+        flow = load_flow(model_dir / "flow.pt", config.flow)
 
         path = model_dir / "hift.pt"
         hift = HiFTGenerator(config.hift)

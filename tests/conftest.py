@@ -203,6 +203,29 @@ def serving_assets(tmp_path_factory):
     return {"root": root, "model_dir": Path(model_dir), "onnx_dir": root / "onnx"}
 
 
+@pytest.fixture(scope="session")
+def local_pipeline(serving_assets):
+    """The served graphs in process: ``LocalPipeline`` on the tiny model's fp32 ONNX export."""
+    from cosyvoice_triton.serving.stages.local import LocalPipeline
+
+    return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
+
+
+@pytest.fixture(scope="session")
+def serving_library(serving_assets):
+    """``CosyVoice2`` (torch) on the tiny served model folder."""
+    from cosyvoice_triton.pipeline import CosyVoice2
+
+    return CosyVoice2.from_pretrained(serving_assets["model_dir"])
+
+
+def vc_request(src, ssr, prm, psr, seed: int) -> dict[str, np.ndarray]:
+    """A conversion request's tensors (batch 1): source and prompt with their rates, and the seed."""
+    return {"source_audio": src[None], "source_sample_rate": np.array([[ssr]], np.int32),
+            "prompt_audio": prm[None], "prompt_sample_rate": np.array([[psr]], np.int32),
+            "seed": np.array([[seed]], np.int64)}
+
+
 @contextlib.contextmanager
 def served(repo: Path, **server_kw):
     """A real tritonserver (nvidia-pytriton wheel) on ``repo`` with free ports, stopped on exit; skips the test

@@ -90,19 +90,37 @@ def seams(y: np.ndarray, chunk_lengths: Sequence[int]) -> list[dict[str, float]]
 
 
 def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, prompt_sr: int, *,
-            piece_seconds: float = 0.2, settings: LiveSettings | None = None, seed: int = 0) -> dict:
-    """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.stages.local.LocalPipeline`)."""
+            piece_seconds: float = 0.2, settings: LiveSettings | None = None, seed: int = 0,
+            incremental=None) -> dict:
+    """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.stages.local.LocalPipeline`).
+
+    ``incremental``: an :class:`~cosyvoice_triton.serving.stages.stream_state.IncrementalFlow` (what the served
+    model uses by default): the live figures are then the cached flow window's, and the recomputed window's are
+    given beside them (``*_recompute``) with the distance between the two and each one's conversion time."""
+    import time
+
     from ..serving.stages.vc_stream import VCStreamer
 
     graphs = {k: v.run for k, v in pipeline.graphs.items()}
     streamer = VCStreamer(pipeline.pre, pipeline.flow, graphs)
-    live = LiveVC(streamer, settings)
     first = {"source_sample_rate": np.array([[source_sr]], np.int32), "prompt_audio": prompt[None],
              "prompt_sample_rate": np.array([[prompt_sr]], np.int32), "seed": np.array([[seed]], np.int64)}
     step = max(1, int(piece_seconds * source_sr))
     pieces = [source[i: i + step] for i in range(0, len(source), step)]
+    live = LiveVC(streamer, settings)
+    start = time.perf_counter()
     chunks, tokens = live_tokens(live, first, pieces)
+    recompute_s = time.perf_counter() - start
+    extra = {}
+    if incremental is not None:
+        recomputed = np.concatenate(chunks)
+        live = LiveVC(VCStreamer(pipeline.pre, pipeline.flow, graphs, incremental=incremental), settings)
+        start = time.perf_counter()
+        chunks, tokens = live_tokens(live, first, pieces)
+        extra = {"live_s_recompute": recompute_s, "live_s": time.perf_counter() - start}
     y = np.concatenate(chunks)
+    if incremental is not None:
+        extra["log_mel_cached_vs_recompute"] = log_mel_distance(y, recomputed)
     whole = streamer.tokens(pipeline.pre.source_features(source, source_sr))
     offline = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed)
     other_seed = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed + 1)
@@ -116,12 +134,13 @@ def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, pr
         "tokens_equal_pct": float(100 * np.mean(tokens[:n] == whole[:n])) if n else 0.0,
         "samples_live": len(y), "samples_offline": len(offline),
         "log_mel_live_vs_offline": log_mel_distance(y, offline),
+        **({"log_mel_recompute_vs_offline": log_mel_distance(recomputed, offline)} if incremental is not None else {}),
         "log_mel_streamed_vs_offline": log_mel_distance(streamed, offline),
         "log_mel_other_seed_vs_offline": log_mel_distance(other_seed, offline),
         "seam_click_max": max((s["click"] for s in found), default=0.0),
         "seam_level_min": min((s["level_low"] for s in found), default=1.0),
         "seam_level_max": max((s["level_high"] for s in found), default=1.0),
-        "latency_s": live.settings.latency_seconds,
+        "latency_s": live.settings.latency_seconds, **extra,
     }
 
 
@@ -144,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-context-tokens", type=int, default=LiveSettings.tokenizer_context_tokens)
     ap.add_argument("--tokenizer-lookahead-tokens", type=int, default=LiveSettings.tokenizer_lookahead_tokens)
     ap.add_argument("--flow-context-tokens", type=int, default=LiveSettings.flow_context_tokens)
+    ap.add_argument("--no-state", action="store_true", help="only the recomputed flow window (without the served "
+                    "default, the cached window of the stream state)")
     ap.add_argument("--json", action="store_true", help="one JSON object per source instead of the table")
     ns = ap.parse_args(argv)
     from ..serving.stages.local import LocalPipeline
@@ -152,13 +173,19 @@ def main(argv: list[str] | None = None) -> int:
                             tokenizer_lookahead_tokens=ns.tokenizer_lookahead_tokens,
                             flow_context_tokens=ns.flow_context_tokens)
     pipeline = LocalPipeline(ns.model_dir, ns.onnx_dir)
+    incremental = None
+    if not ns.no_state:
+        from ..serving.stages.stream_state import build_incremental
+
+        incremental = build_incremental({}, ns.model_dir, pipeline.config)
     prompt, prompt_sr = _read(ns.prompt)
     sources = ns.source or [str(fixtures / "source_en_5s.wav"), str(fixtures / "speech_engb_16k.wav")]
     best, worst = settings.latency_seconds
     print(f"live settings: {settings} (algorithmic latency {best:.2f}-{worst:.2f} s)")
     for path in sources:
         src, sr = _read(path)
-        r = measure(pipeline, src, sr, prompt, prompt_sr, piece_seconds=ns.piece_seconds, settings=settings)
+        r = measure(pipeline, src, sr, prompt, prompt_sr, piece_seconds=ns.piece_seconds, settings=settings,
+                    incremental=incremental)
         if ns.json:
             print(json.dumps({"source": path, **r}))
             continue
@@ -168,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  log-mel distance to offline: live {r['log_mel_live_vs_offline']:.3f}, official streaming "
               f"{r['log_mel_streamed_vs_offline']:.3f}, offline with another seed "
               f"{r['log_mel_other_seed_vs_offline']:.3f}")
+        if incremental is not None:
+            print(f"  cached flow window: log-mel distance to the recomputed window "
+                  f"{r['log_mel_cached_vs_recompute']:.3f} (recomputed window to offline "
+                  f"{r['log_mel_recompute_vs_offline']:.3f}); conversion "
+                  f"{r['live_s']:.2f} s cached, {r['live_s_recompute']:.2f} s recomputed, for "
+                  f"{r['source_seconds']:.2f} s of source")
         print(f"  seams: largest step {r['seam_click_max']:.2f}x the 99.9th percentile elsewhere (bar 1.5), RMS "
               f"{r['seam_level_min']:.2f}-{r['seam_level_max']:.2f}x around (bar 0.5-2)")
     return 0

@@ -76,7 +76,7 @@ from ..frontend.speech_models import (
     speech_token_count,
 )
 from ..hashing import file_sha256
-from ..models.checkpoint import check_flow_revision, load_into, normalize_keys, read_state_dict
+from ..models.checkpoint import load_flow, load_into, normalize_keys, read_state_dict
 from ..models.estimator import CausalConditionalDecoder
 from ..models.flow import CausalMaskedDiffWithXvec
 from ..models.hift import HiFTGenerator, fold_weight_norm
@@ -325,12 +325,7 @@ def load_source_models(model_dir: str | Path, *, flow: bool = True, hift: bool =
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
     models = SourceModels(model_dir, config)
     if flow:
-        path = model_dir / "flow.pt"
-        state = normalize_keys(read_state_dict(path))
-        check_flow_revision(state, path)
-        models.flow = CausalMaskedDiffWithXvec(config.flow)
-        load_into(models.flow, state, path)
-        models.flow.eval()
+        models.flow = load_flow(model_dir / "flow.pt", config.flow)
     if hift:
         path = model_dir / "hift.pt"
         models.hift = HiFTGenerator(config.hift)

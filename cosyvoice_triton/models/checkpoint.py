@@ -114,3 +114,15 @@ def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path: str
         )
     module.load_state_dict(state, strict=True)
     log.info("loaded %s (%d tensors)", path, len(state))
+
+
+def load_flow(path: str | Path, config):
+    """The official ``flow.pt`` at ``path`` in a :class:`~.flow.CausalMaskedDiffWithXvec` built from ``config``
+    (a :class:`~cosyvoice_triton.config.FlowConfig`), checked and in eval mode."""
+    from .flow import CausalMaskedDiffWithXvec
+
+    state = normalize_keys(read_state_dict(path))
+    check_flow_revision(state, path)
+    flow = CausalMaskedDiffWithXvec(config)
+    load_into(flow, state, path)
+    return flow.eval()

@@ -43,9 +43,8 @@ state would pass it runs the recompute path and the stream stops caching (so tha
 third chunk). The state is dropped before the final chunk. :func:`cache_bytes_per_frame` gives the figure for a
 config (tiny dims: about 40 KB per frame).
 
-Serving this through the ONNX graphs would need the estimator and encoder graphs to take the caches as inputs
-and return the new keys/values (past/present pairs with a dynamic length axis, as LM decoders do), a per-stream
-cache store in the serving layer (and its eviction), and a second, query-offset attention mask input.
+The served streams keep this state in the model that owns each stream, with this module's code and the checkpoint's
+PyTorch flow (:mod:`cosyvoice_triton.serving.stages.stream_state`, which says why not through the ONNX graphs).
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ from .estimator import Attention, BasicTransformerBlock, CausalConditionalDecode
 from .flow import CausalMaskedDiffWithXvec
 
 __all__ = ["DEFAULT_MAX_CACHE_BYTES", "FlowStreamState", "cache_bytes_per_frame", "estimator_step",
-           "incremental_chunk", "prompt_state"]
+           "incremental_chunk", "prompt_state", "window_chunk"]
 
 #: Default cap on one stream's cached state (2 GiB): about 460 settled mel frames (9 s) at full dims.
 DEFAULT_MAX_CACHE_BYTES = 2 << 30
@@ -83,24 +82,41 @@ def cache_bytes_per_frame(config: FlowConfig, n_timesteps: int | None = None) ->
 
 @dataclass
 class _Cache:
-    """Keys/values and conv tails of one pass (one Euler step, or the encoder), in call order."""
+    """Keys/values and conv tails of one pass (one Euler step, or the encoder), in call order; ``positions``: the
+    frame index of each cached key (every layer of a pass caches the same frames)."""
 
     kv: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     tails: list[Tensor] = field(default_factory=list)
+    positions: Tensor | None = None
 
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.kv) + sum(t.nbytes for t in self.tails)
 
+    def keep(self, keep: Tensor) -> None:
+        """Forget the keys/values of the frames where ``keep`` [len(positions)] is False."""
+        if self.positions is None or bool(keep.all()):
+            return
+        idx = keep.nonzero().reshape(-1)
+        self.kv = [(k.index_select(2, idx), v.index_select(2, idx)) for k, v in self.kv]
+        self.positions = self.positions[idx]
+
 
 class _Pass:
-    """One incremental pass over new frames [start, total): hands out each layer's cache entry in order."""
+    """One incremental pass over new frames [start, total): hands out each layer's cache entry in order.
+
+    The keys are the cached frames (``cache.positions``) then the new ones; ``n_keys`` of them, the new ones from key
+    ``key_start`` on (``total`` and ``start`` unless frames were forgotten: :func:`window_chunk`). The chunk-causal
+    mask is on frame indices."""
 
     def __init__(self, cache: _Cache, start: int, total: int, chunk: int, device: torch.device):
         self.cache, self.start, self.total = cache, start, total
         self.conv_i = self.attn_i = 0
         q = torch.arange(start, total, device=device)
-        keys = torch.arange(total, device=device)
-        self.allowed = keys.unsqueeze(0) < ((q // chunk + 1) * chunk).unsqueeze(1)  # [n, total]
+        old = cache.positions if cache.positions is not None else torch.arange(start, device=device)
+        keys = torch.cat([old.to(device), q])
+        cache.positions = keys
+        self.n_keys, self.key_start = int(keys.numel()), int(old.numel())
+        self.allowed = keys.unsqueeze(0) < ((q // chunk + 1) * chunk).unsqueeze(1)  # [n, n_keys]
 
     def tail(self, x: Tensor, k: int) -> Tensor:
         """x [B, C, n] -> [B, C, k + n]: the last k frames seen before (zeros at first) in front."""
@@ -180,7 +196,9 @@ def estimator_step(est: CausalConditionalDecoder, cache: _Cache, start: int, x: 
 # ----------------------------------------------------------------------------------------------- encoder
 
 def _rel_attention(run: _Pass, attn: RelPositionMultiHeadedAttention, x: Tensor, p: Tensor) -> Tensor:
-    """x [1, n, D] normed new frames; p [1, H, 2 total - 1, dk] (projected rel-pos rows) -> [1, n, D]."""
+    """x [1, n, D] normed new frames; p [1, H, 2 n_keys - 1, dk] (projected rel-pos rows) -> [1, n, D]. The relative
+    positions are those of the keys in order (the cached ones then the new ones, without gaps where frames were
+    forgotten)."""
     b, n, _ = x.shape
     q = attn.linear_q(x).view(b, n, attn.h, attn.d_k)
     k = attn.linear_k(x).view(b, n, attn.h, attn.d_k).transpose(1, 2)
@@ -189,8 +207,8 @@ def _rel_attention(run: _Pass, attn: RelPositionMultiHeadedAttention, x: Tensor,
     ac = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # [1, H, n, total]
     full = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # [1, H, n, 2 total - 1]
     # row r of p encodes relative position total-1-r; query start+a, key j: r = total-1-(start+a)+j
-    total = run.total
-    col = (total - 1 - run.start - torch.arange(n, device=x.device)).unsqueeze(1) + torch.arange(
+    total = run.n_keys
+    col = (total - 1 - run.key_start - torch.arange(n, device=x.device)).unsqueeze(1) + torch.arange(
         total, device=x.device)
     bd = torch.gather(full, 3, col.expand(b, attn.h, n, total))
     scores = (ac + bd) / math.sqrt(attn.d_k)
@@ -207,7 +225,7 @@ def _conformer(run: _Pass, layer: ConformerEncoderLayer, x: Tensor, p: Tensor) -
 
 def _layers(run: _Pass, embed, layers, x: Tensor) -> Tensor:
     """The conformer layers of one rate over the new frames x [1, n, D]."""
-    _, pos_emb = embed.pos_enc(x.new_zeros(1, run.total, 1))  # rows for relative positions total-1 .. -(total-1)
+    _, pos_emb = embed.pos_enc(x.new_zeros(1, run.n_keys, 1))  # rows for relative positions n-1 .. -(n-1)
     for layer in layers:
         attn = layer.self_attn
         p = attn.linear_pos(pos_emb).view(1, -1, attn.h, attn.d_k).transpose(1, 2)
@@ -216,18 +234,20 @@ def _layers(run: _Pass, embed, layers, x: Tensor) -> Tensor:
 
 
 def encoder_chunk(enc: UpsampleConformerEncoder, caches: tuple[_Cache, _Cache], emb: Tensor, start: int,
-                  context: Tensor) -> Tensor:
+                  context: Tensor, *, emb_start: int = 0) -> Tensor:
     """Streaming encoder output [1, stride * (N - start), D] of the new tokens [start, N).
 
-    emb [1, N, input_size]: the raw embeddings of every token so far (without the look-ahead); context
-    [1, P, input_size]: those of the look-ahead tokens. ``caches`` (token rate, mel rate) hold the state of
-    tokens < start and are extended.
+    emb [1, N - emb_start, input_size]: the raw embeddings of the tokens from ``emb_start`` (at most ``start - 2``,
+    or 0) to N (without the look-ahead); context [1, P, input_size]: those of the look-ahead tokens. ``caches``
+    (token rate, mel rate) hold the state of tokens < start and are extended.
     """
     low, high = caches
-    total, pre = emb.shape[1], enc.pre_lookahead_layer
+    total, pre = emb_start + emb.shape[1], enc.pre_lookahead_layer
     p_len = pre.pre_lookahead_len
     lo = max(start - 2, 0)  # conv2 of the look-ahead layer reads 2 frames back
-    x = enc.embed.out(torch.cat([emb[:, lo:], context], dim=1)) * enc.embed.pos_enc.xscale
+    if emb_start > lo:
+        raise ValueError(f"encoder_chunk: the embeddings start at token {emb_start}, after {lo}")
+    x = enc.embed.out(torch.cat([emb[:, lo - emb_start:], context], dim=1)) * enc.embed.pos_enc.xscale
     x = F.pad(x, (0, 0, 0, p_len - context.shape[1]))  # missing look-ahead frames are zeros
     y = F.leaky_relu(pre.conv1(x.transpose(1, 2)), 0.01)  # frames lo .. total-1
     y = F.pad(y, (2 - (start - lo), 0))
@@ -264,6 +284,7 @@ class FlowStreamState:
     encoder: tuple[_Cache, _Cache] = field(default_factory=lambda: (_Cache(), _Cache()))
     steps: list[_Cache] = field(default_factory=list)
     active: bool = True  # False once the stream fell back to recompute for good
+    recent: Tensor | None = None  # window_chunk: the last 2 settled token ids [1, 2] (the look-ahead conv reads back)
 
     def nbytes(self) -> int:
         mel = 0 if self.mel is None else self.mel.nbytes
@@ -277,10 +298,10 @@ class FlowStreamState:
         """A state to continue from, leaving this one as it is: new lists over the same tensors (a chunk
         extends a cache by concatenation and replaces the list entries, never a tensor in place)."""
         def fresh(c: _Cache) -> _Cache:
-            return _Cache(list(c.kv), list(c.tails))
+            return _Cache(list(c.kv), list(c.tails), c.positions)
 
         return FlowStreamState(self.max_cache_bytes, self.tokens, self.mel, (fresh(self.encoder[0]),
-                               fresh(self.encoder[1])), [fresh(c) for c in self.steps], self.active)
+                               fresh(self.encoder[1])), [fresh(c) for c in self.steps], self.active, self.recent)
 
 
 def prompt_state(flow: CausalMaskedDiffWithXvec, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, *,
@@ -300,6 +321,20 @@ def prompt_state(flow: CausalMaskedDiffWithXvec, prompt_token: Tensor, prompt_fe
     mel = incremental_chunk(flow, state, prompt_token[:, settled: settled + p_len], prompt_token[:, :settled],
                             prompt_feat[:, : ratio * settled], embedding)
     return None if mel is None else state
+
+
+def _cached_steps(decoder, state: FlowStreamState, lo: int):
+    """The solver's estimator callable: Euler step i runs :func:`estimator_step` on ``state.steps[i]`` (made at the
+    stream's first chunk) for the new frames from ``lo`` on."""
+    calls = iter(range(decoder.config.n_timesteps))
+
+    def step_fn(x, mask, mu_in, t, spks_in, cond_in, streaming):
+        i = next(calls)
+        if i == len(state.steps):
+            state.steps.append(_Cache())
+        return estimator_step(decoder.estimator, state.steps[i], lo, x, mu_in, t, spks_in, cond_in)
+
+    return step_fn
 
 
 def incremental_chunk(flow: CausalMaskedDiffWithXvec, state: FlowStreamState, token: Tensor, prompt_token: Tensor,
@@ -339,17 +374,66 @@ def incremental_chunk(flow: CausalMaskedDiffWithXvec, state: FlowStreamState, to
         cond = torch.where((frames < tf).view(1, 1, -1), feat, torch.zeros((), dtype=mu.dtype, device=mu.device))
 
     decoder = flow.decoder
-    calls = iter(range(decoder.config.n_timesteps))
-
-    def step_fn(x, mask, mu_in, t, spks_in, cond_in, streaming):
-        i = next(calls)
-        if i == len(state.steps):
-            state.steps.append(_Cache())
-        return estimator_step(decoder.estimator, state.steps[i], lo, x, mu_in, t, spks_in, cond_in)
-
     with _stage(timer, "flow.solver"):
         mel = decoder(mu, torch.ones_like(mu[:, :1]), spks, cond, streaming=True,
-                      noise=decoder.noise(hi)[:, :, lo:], estimator_fn=step_fn)
+                      noise=decoder.noise(hi)[:, :, lo:], estimator_fn=_cached_steps(decoder, state, lo))
     state.mel = mel if state.mel is None else torch.cat([state.mel, mel], dim=-1)
     state.tokens = n
     return state.mel[:, :, tf:]
+
+
+def window_chunk(flow: CausalMaskedDiffWithXvec, state: FlowStreamState, token: Tensor, prompt_token: Tensor,
+                 prompt_feat: Tensor, embedding: Tensor, *, context_tokens: int) -> Tensor | None:
+    """A live chunk's mel [1, 80, frames] of its new tokens only (prompt frames dropped), from ``state``, which then
+    forgets every frame the next chunk will not see: live conversion with a bounded flow window, cached.
+
+    ``token`` [1, m]: the chunk's new source tokens then the look-ahead ones (on the first call the prompt tokens
+    come before them, from ``prompt_token``). The next chunk's frames see the prompt's attention chunks and the
+    chunks from ``(end - context_tokens)`` on, rounded down to a 25-token chunk (``end``: the chunk's last token, as
+    the sliding window of :mod:`cosyvoice_triton.serving.stages.live_vc` counts it); their relative positions are
+    those of the keys kept, in order, without the gap. Unlike that window, which recomputes every frame of it
+    against the window's first token, a frame here is computed once, when it is new, with the keys then visible,
+    so it is final: each chunk costs only its own frames, however long the stream. The noise is the official
+    buffer indexed by frame, wrapping around after its end.
+
+    Returns None (and the state stops: ``active`` False) when the chunk does not start and end on the attention
+    chunks (25 tokens, 50 mel frames): the caller recomputes instead.
+    """
+    if not state.active:
+        return None
+    p_len, ratio = flow.pre_lookahead_len, flow.token_mel_ratio
+    enc_chunk, est_chunk = flow.encoder.static_chunk_size, flow.decoder.estimator.static_chunk_size
+    start = state.tokens
+    if start == 0:
+        tokens, emb_start = torch.cat([prompt_token, token], dim=1), 0
+    else:
+        tokens, emb_start = torch.cat([state.recent, token], dim=1), start - state.recent.shape[1]
+    settled = tokens.shape[1] - p_len
+    n = emb_start + settled
+    if n <= start or any(x % enc_chunk or (ratio * x) % est_chunk for x in (start, n)) or settled < 2:
+        state.reset()
+        state.active = False
+        return None
+    lo, hi = ratio * start, ratio * n
+    tf = prompt_feat.shape[1]
+    spks = flow.speaker_projection(embedding)
+    emb = flow.input_embedding(tokens.clamp(min=0).long())
+    h = encoder_chunk(flow.encoder, state.encoder, emb[:, :settled], start, emb[:, settled:], emb_start=emb_start)
+    mu = flow.encoder_proj(h).transpose(1, 2)  # [1, 80, hi - lo]
+    cond = torch.zeros_like(mu)
+    if lo < tf:
+        cond[:, :, : min(tf, hi) - lo] = prompt_feat[:, lo: min(tf, hi)].transpose(1, 2).to(mu.dtype)
+    decoder = flow.decoder
+    buffer = decoder.rand_noise
+    noise = buffer[:, :, torch.arange(lo, hi, device=buffer.device) % buffer.shape[-1]]
+    mel = decoder(mu, torch.ones_like(mu[:, :1]), spks, cond, streaming=True, noise=noise,
+                  estimator_fn=_cached_steps(decoder, state, lo))
+    state.tokens, state.recent = n, tokens[:, settled - 2: settled]
+    # what the next chunk sees: the prompt's chunks and the window before its first token
+    prompt_end = -(-prompt_token.shape[1] // enc_chunk) * enc_chunk
+    window = max(0, (n - context_tokens) // enc_chunk * enc_chunk)
+    low, high = state.encoder
+    for cache, rate in ((low, 1), (high, ratio), *((c, ratio) for c in state.steps)):
+        pos = cache.positions
+        cache.keep((pos < rate * prompt_end) | (pos >= rate * window))
+    return mel[:, :, max(tf - lo, 0):]

@@ -17,6 +17,7 @@ from cosyvoice_triton.serving.stages.live import LiveSessions, SessionGauge
 from cosyvoice_triton.serving.stages.live_tts import LIVE_TTS_INPUTS, serve_session
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.stream_state import StateGauge
 from cosyvoice_triton.serving.stages.tts import build_service
 
 CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to stop and close their senders
@@ -25,7 +26,8 @@ CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to st
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts_live"], model=args["model_name"])
-        self.tts = build_service(pb_utils, p)
+        self.tts = build_service(pb_utils, p, on_state_change=StateGauge(pb_utils, args["model_name"],
+                                                                         args["model_version"]))
         ratio = p["max_token_text_ratio"]
         self.sessions = LiveSessions(pb_utils, lambda ctx: serve_session(self.tts, ctx, max_token_text_ratio=ratio),
                                      [t.name for t in LIVE_TTS_INPUTS], max_sessions=p["max_sessions"],

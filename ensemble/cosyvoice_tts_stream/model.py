@@ -14,6 +14,7 @@ from cosyvoice_triton.serving.stages.lm_engine import JobCancelled
 from cosyvoice_triton.serving.stages.metrics import METRIC_LOCK, SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.stream_state import StateGauge
 from cosyvoice_triton.serving.stages.tts import build_service, error_response
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
 
@@ -24,7 +25,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts_stream"], model=args["model_name"])
-        self.tts = build_service(pb_utils, p)  # tunables task_nice, task_isolation, torch_threads
+        # tunables task_nice, task_isolation, torch_threads; the streams' flow state on a gauge
+        self.tts = build_service(pb_utils, p, on_state_change=StateGauge(pb_utils, args["model_name"],
+                                                                         args["model_version"]))
         self.family = family = pb_utils.MetricFamily(  # kept: it must outlive its metrics
             name="cosyvoice_llm", description="in-flight LM engine and streams of cosyvoice_tts_stream (counts since "
             "load; label what)", kind=pb_utils.MetricFamily.GAUGE)

@@ -330,10 +330,13 @@ def speech():
 @pytest.fixture(scope="module")
 def library(serving_assets):
     from cosyvoice_triton.serving.stages.local import LocalPipeline
+    from cosyvoice_triton.serving.stages.stream_state import build_incremental
     from cosyvoice_triton.serving.stages.vc_stream import VCStreamer
 
     local = LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
-    return LiveVC(VCStreamer(local.pre, local.flow, {k: v.run for k, v in local.graphs.items()}), LiveSettings())
+    inc = build_incremental({}, serving_assets["model_dir"], local.config)  # the served default: the cached window
+    return LiveVC(VCStreamer(local.pre, local.flow, {k: v.run for k, v in local.graphs.items()}, incremental=inc),
+                  LiveSettings())
 
 
 class Stream:
@@ -393,13 +396,13 @@ def _first(ssr, prm, psr):
             "prompt_sample_rate": np.array([[psr]], np.int32), "seed": np.array([[SEED]], np.int64)}
 
 
-def _sessions(server) -> float:
+def _sessions(server, name: str = "cosyvoice_live_sessions") -> float:
+    """The live VC model's gauge ``name`` (the sessions held; the streams' flow state and its bytes)."""
     from cosyvoice_triton.loadtest.metrics import parse_prometheus
 
     with urllib.request.urlopen(server.metrics_url, timeout=30) as r:
         series = parse_prometheus(r.read().decode())
-    return sum(s.value for s in series
-               if s.name == "cosyvoice_live_sessions" and s.labels.get("model") == LIVE_VC_MODEL)
+    return sum(s.value for s in series if s.name == name and s.labels.get("model") == LIVE_VC_MODEL)
 
 
 def _pieces(src, ssr, seconds=0.2):
@@ -437,6 +440,7 @@ def test_live_stream_equals_the_library(server, speech, library):
         assert int(o["sample_rate"].ravel()[0]) == 24000
         assert rel_err(o["waveform"][0], w) < 1e-3
     wait_until(lambda: _sessions(server) == 0, "the ended session freed")
+    wait_until(lambda: _sessions(server, "cosyvoice_stream_states") == 0, "its flow state freed")
 
 
 def _expect_error(s, n, want):
@@ -545,14 +549,18 @@ def test_a_vanished_client_and_an_idle_stream_are_freed(server, speech):
     src, ssr, prm, psr = speech
     gone, idle = Stream(server, 601), Stream(server, 602)
     try:
-        gone.send({**_first(ssr, prm, psr), "source_audio": src[None, : ssr]}, start=True)
-        idle.send({**_first(ssr, prm, psr), "source_audio": src[None, : ssr]}, start=True)
+        gone.send({**_first(ssr, prm, psr), "source_audio": src[None, : 2 * ssr]}, start=True)
+        idle.send({**_first(ssr, prm, psr), "source_audio": src[None, : 2 * ssr]}, start=True)
         wait_until(lambda: _sessions(server) == 2, "two sessions held")
+        # 2 s of source make a chunk: each session holds its cached flow window
+        wait_until(lambda: _sessions(server, "cosyvoice_stream_states") == 2, "two sessions' flow state held")
         gone.close()  # no END: the client goes away
         idle.collect(1)
         wait_until(lambda: _sessions(server) == 0, "both sessions freed (cancelled or idle)",
                    timeout=IDLE_S * 3 + PATIENCE_S)
-        idle.send({"source_audio": src[None, ssr: 2 * ssr]}, end=True)
+        wait_until(lambda: _sessions(server, "cosyvoice_stream_states") == 0, "their flow state freed")
+        assert _sessions(server, "cosyvoice_stream_state_bytes") == 0
+        idle.send({"source_audio": src[None, 2 * ssr: 3 * ssr]}, end=True)
         _, errors, _ = idle.collect(1)
         # the model's answer, or Triton's own where it forgot the sequence first (5 s after the model on a slow
         # machine)

@@ -13,7 +13,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import PATIENCE_S, rel_err, speech_pair, wait_until
+from conftest import PATIENCE_S, rel_err, speech_pair, vc_request, wait_until
 
 from cosyvoice_triton.clients.client import VCClient, VCError
 from cosyvoice_triton.loadtest.metrics import counter_total, scrape
@@ -29,23 +29,17 @@ def speech():
 
 
 @pytest.fixture(scope="module")
-def local(serving_assets):
-    from cosyvoice_triton.serving.stages.local import LocalPipeline
-
-    return LocalPipeline(serving_assets["model_dir"], serving_assets["onnx_dir"] / "fp32")
+def local(local_pipeline):
+    return local_pipeline
 
 
 @pytest.fixture(scope="module")
-def model(serving_assets):
-    from cosyvoice_triton.pipeline import CosyVoice2
-
-    return CosyVoice2.from_pretrained(serving_assets["model_dir"])
+def model(serving_library):
+    return serving_library
 
 
 def _request(src, ssr, prm, psr, seed=SEED):
-    return {"source_audio": src[None], "source_sample_rate": np.array([[ssr]], np.int32),
-            "prompt_audio": prm[None], "prompt_sample_rate": np.array([[psr]], np.int32),
-            "seed": np.array([[seed]], np.int64)}
+    return vc_request(src, ssr, prm, psr, seed)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +93,10 @@ def _stream_metric(triton_server, name: str, **labels: str) -> float:
     return counter_total(scrape(triton_server.metrics_url, timeout=30), name, model="cosyvoice_vc_stream", **labels)
 
 
-def _encoder_count(triton_server) -> int:
+def _chunk_count(triton_server) -> int:
+    """hift_decoder calls: one per chunk (non-final chunks leave the flow graphs alone: the stream state)."""
     with VCClient(triton_server.http_url) as c:
-        return int(c.statistics("flow_encoder")["model_stats"][0]["inference_count"])
+        return int(c.statistics("hift_decoder")["model_stats"][0]["inference_count"])
 
 
 def test_served_stream_equals_in_process(grpc, speech, reference):
@@ -155,11 +150,11 @@ def test_cancel_stops_the_work(triton_server, speech, protocol):
     long_src = np.concatenate([src, src, src])  # 12 s: 300 tokens, 4 chunks
     url = triton_server.grpc_url if protocol == "grpc" else triton_server.http_url
     with VCClient(url, protocol=protocol, timeout=PATIENCE_S) as c:
-        before = _encoder_count(triton_server)
+        before = _chunk_count(triton_server)
         full = list(c.convert_stream(long_src, prm, source_sr=ssr, prompt_sr=psr))
-        per_stream = _encoder_count(triton_server) - before
+        per_stream = _chunk_count(triton_server) - before
         assert len(full) == per_stream >= 4
-        before = _encoder_count(triton_server)
+        before = _chunk_count(triton_server)
         stopped = _stream_metric(triton_server, "cosyvoice_rejects_total", reason="cancelled")
         stream = c.convert_stream(long_src, prm, source_sr=ssr, prompt_sr=psr)
         next(stream)
@@ -167,9 +162,9 @@ def test_cancel_stops_the_work(triton_server, speech, protocol):
         # the chunk in flight finishes, then the stream sees the cancel before its next graph call and stops
         wait_until(lambda: _stream_metric(triton_server, "cosyvoice_rejects_total", reason="cancelled") > stopped,
                    "the server's stream counted as cancelled", interval=0.2)
-        cancelled = _encoder_count(triton_server) - before
+        cancelled = _chunk_count(triton_server) - before
         time.sleep(2.0)
-        assert _encoder_count(triton_server) - before == cancelled  # and nothing runs later
+        assert _chunk_count(triton_server) - before == cancelled  # and nothing runs later
     assert cancelled <= 2 < per_stream, (cancelled, per_stream)
 
 

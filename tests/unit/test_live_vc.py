@@ -205,18 +205,23 @@ def test_bad_sessions_are_refused(local, speech, case):
     assert want in str(info.value)
 
 
-def test_the_cost_of_going_live(local, speech, capsys):
+def test_the_cost_of_going_live(local, speech, capsys, serving_assets):
     """Against offline conversion of the same source, per bundled speech fixture (printed: ``pytest -s``)."""
     import soundfile as sf
     from conftest import FIXTURES
 
+    from cosyvoice_triton.serving.stages.stream_state import build_incremental
+
     _, _, prm, psr = speech
+    incremental = build_incremental({}, serving_assets["model_dir"], local.config)
     for name in ("source_en_5s.wav", "speech_engb_16k.wav"):
         src, ssr = sf.read(FIXTURES / name, dtype="float32")
-        r = bench.measure(local, src, ssr, prm, psr, piece_seconds=0.2)
+        r = bench.measure(local, src, ssr, prm, psr, piece_seconds=0.2, incremental=incremental)
         with capsys.disabled():
             print(f"\n{name}: {r}")
         assert r["tokens_live"] == r["tokens_whole"] and r["samples_live"] == r["samples_offline"]
+        # the cached window (served default) computes other frames than the recomputed one, as the window moves
+        assert r["log_mel_cached_vs_recompute"] > 0 and np.isfinite(r["log_mel_recompute_vs_offline"])
         # the stand-in tokenizer's every token depends on the whole utterance's mean: agreement is partial
         assert 0 < r["tokens_equal_pct"] <= 100
         assert r["seam_click_max"] <= 1.5 and r["seam_level_min"] >= 0.5 and r["seam_level_max"] <= 2.0

@@ -207,7 +207,8 @@ def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
             "chunk_tokens": settings.chunk_tokens, "tokenizer_context_tokens": settings.tokenizer_context_tokens,
             "tokenizer_lookahead_tokens": settings.tokenizer_lookahead_tokens,
             "flow_context_tokens": settings.flow_context_tokens, "max_piece_seconds": settings.max_piece_seconds,
-            "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx)}
+            "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx),
+            **tun.stream_state_params(), "torch_threads": tun.torch_threads}
 
 
 def _live_tts_params(ctx: RenderContext) -> dict[str, Any]:

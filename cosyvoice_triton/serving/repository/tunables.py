@@ -99,6 +99,15 @@ class Tunables:
     stream_first_hop: int = 25
     stream_hop_growth: int = 2
     stream_max_hop: int = 100
+    #: The streams' flow state (serving/stages/stream_state.py): cosyvoice_vc_stream, cosyvoice_tts_stream and
+    #: cosyvoice_tts_live compute each non-final chunk's new frames only, from the stream's cached keys/values (the
+    #: checkpoint's PyTorch flow loaded in those models), instead of the flow graphs over every frame; the most MiB
+    #: one stream holds and all the streams of an instance hold (beyond either, a stream recomputes from there on),
+    #: and the MiB of registered speakers' settled prompt frames kept (0: off)
+    stream_state: bool = True
+    stream_state_mb: float = 2048.0
+    stream_state_total_mb: float = 4096.0
+    speaker_state_mb: float = 1024.0
     #: The live models (``cosyvoice_vc_live``; serving/stages/live.py, live_vc.py): sessions held at once (a stream
     #: beyond is refused at its start with UNAVAILABLE), pieces waiting per session (a faster sender's next piece is
     #: refused), the idle timeout that frees a session, and live VC's chunk, tokenizer window and flow window in
@@ -162,7 +171,8 @@ class Tunables:
                 raise RenderError(f"tunable {name} must be >= 0, got {getattr(self, name)}")
         if self.max_queue_size < 1:
             raise RenderError("tunable max_queue_size must be >= 1")
-        for name in ("response_cache_mb", "graph_cache_mb"):
+        for name in ("response_cache_mb", "graph_cache_mb", "stream_state_mb", "stream_state_total_mb",
+                     "speaker_state_mb"):
             if getattr(self, name) < 0:
                 raise RenderError(f"tunable {name} must be >= 0 (0: off), got {getattr(self, name)}")
         if self.runtime not in MODEL_PARAMS["graph"][1].choices:
@@ -220,6 +230,11 @@ class Tunables:
 
     def stream_schedule(self) -> StreamSchedule:
         return StreamSchedule(self.stream_first_hop, self.stream_hop_growth, self.stream_max_hop)
+
+    def stream_state_params(self) -> dict[str, Any]:
+        return {"stream_state": self.stream_state, "stream_state_mb": self.stream_state_mb,
+                "stream_state_total_mb": self.stream_state_total_mb, "speaker_state_mb": self.speaker_state_mb,
+                "device": self.device}
 
     def stream_params(self) -> dict[str, int]:
         return {"stream_first_hop": self.stream_first_hop, "stream_hop_growth": self.stream_hop_growth,

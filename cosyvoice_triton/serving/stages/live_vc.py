@@ -18,7 +18,10 @@ the end), and converts in chunks of ``chunk_tokens`` speech tokens (25 Hz: 640 s
   earlier frame exactly as a longer input would compute it. So the first chunk is padded to that boundary (as the
   official schedule does), ``chunk_tokens`` should be a multiple of 25 (another value works; the frames before an
   unaligned end are then computed without the rest of their block), and the flow window starts on a multiple of 25
-  source tokens.
+  source tokens. When the streamer keeps stream state (:mod:`.stream_state`, the served default), the window is
+  cached instead of recomputed (:func:`~cosyvoice_triton.models.incremental.window_chunk`): each non-final chunk
+  computes only its new frames, against the prompt's chunks and the window's keys kept from earlier chunks; the
+  last chunk recomputes the window with the graphs, as without it. An unaligned chunk falls back to recomputing.
 
 **Algorithmic latency** (audio that must have arrived before a piece of output can be answered; compute comes on
 top): a chunk ending at token ``E`` runs once the audio of ``E + 3 + tokenizer_lookahead_tokens`` tokens has
@@ -114,7 +117,9 @@ class LiveVCSession:
         self.live, self.s, self.prompt = live, live.settings, prompt
         self.source_sample_rate = int(source_sample_rate)
         self.sample_rate = live.sample_rate
-        self.state = live.streamer.token2wav.open(prompt, seed=seed)
+        # the flow window cached when the streamer keeps stream state (models/incremental.py window_chunk)
+        self.state = live.streamer.token2wav.open(prompt, seed=seed, incremental=True,
+                                                  window_tokens=self.s.flow_context_tokens)
         self.post = live.streamer.post.stream()
         self.resampler = None
         if self.source_sample_rate != audio.TOKENIZER_SR:
@@ -250,6 +255,10 @@ class LiveVCSession:
         if out.size:
             yield out
 
+    def close(self) -> None:
+        """Free the session's flow state (idempotent; the end of the stream frees it too)."""
+        self.state.close()
+
     def tensors(self, chunk: np.ndarray) -> dict[str, np.ndarray]:
         """One response's outputs (batch 1); numbers the chunks of the session 0, 1, 2, ..."""
         index, self.emitted = self.emitted, self.emitted + 1
@@ -318,15 +327,18 @@ def convert_pieces(live: LiveVC, tensors: Mapping[str, np.ndarray | None], piece
                    cancelled: Callable[[], bool] | None = None) -> list[np.ndarray]:
     """In process: one session over ``pieces`` (arrays of samples at the first request's rate; the last one
     ends the stream), every chunk in order. What the served model answers for the same pieces."""
-    session = live.open(tensors)
-    out = []
     pieces = list(pieces)
     if not pieces:
         raise CosyVoiceError("convert_pieces: no pieces")
-    for i, p in enumerate(pieces):
-        last = i == len(pieces) - 1
-        out.extend(live.piece(session, {"source_audio": np.asarray(p, np.float32)[None]}, first=i == 0, last=last,
-                              cancelled=cancelled))
+    session = live.open(tensors)
+    out = []
+    try:
+        for i, p in enumerate(pieces):
+            last = i == len(pieces) - 1
+            out.extend(live.piece(session, {"source_audio": np.asarray(p, np.float32)[None]}, first=i == 0,
+                                  last=last, cancelled=cancelled))
+    finally:
+        session.close()
     return out
 
 
@@ -335,20 +347,25 @@ def serve_session(live: LiveVC, ctx) -> None:
     rate fails the session), each piece's chunks go on its sender; a bad piece is refused alone (the session goes
     on, its state untouched), the END piece flushes the tail. A session freed for idleness answers nothing more."""
     session = None
-    for tensors, end in ctx.pieces():
-        first = session is None
-        if first:
-            session = live.open(tensors, ctx.parameters)
-        try:
-            for out in live.responses(session, tensors, first=first, last=end, cancelled=ctx.cancelled):
-                ctx.send(out)
-        except (AudioError, RequestError) as exc:
-            ctx.reject(exc)
+    try:
+        for tensors, end in ctx.pieces():
+            first = session is None
+            if first:
+                session = live.open(tensors, ctx.parameters)
+            try:
+                for out in live.responses(session, tensors, first=first, last=end, cancelled=ctx.cancelled):
+                    ctx.send(out)
+            except (AudioError, RequestError) as exc:
+                ctx.reject(exc)
+    finally:  # ended, cancelled, idle, failed: the flow state goes now
+        if session is not None:
+            session.close()
 
 
-def build_live(params: Mapping, graph_fn, speakers) -> LiveVC:
+def build_live(params: Mapping, graph_fn, speakers, *, on_state_change=None) -> LiveVC:
     """The live converter of a ``cosyvoice_vc_live`` model from its config parameters
-    (``MODEL_PARAMS["cosyvoice_vc_live"]``); ``graph_fn(model, graph)`` as in :func:`.vc_stream.build_streamer`."""
+    (``MODEL_PARAMS["cosyvoice_vc_live"]``); ``graph_fn(model, graph)`` and ``on_state_change`` as in
+    :func:`.vc_stream.build_streamer`."""
     from .vc_stream import build_streamer
 
     settings = LiveSettings(chunk_tokens=params["chunk_tokens"],
@@ -356,4 +373,4 @@ def build_live(params: Mapping, graph_fn, speakers) -> LiveVC:
                             tokenizer_lookahead_tokens=params["tokenizer_lookahead_tokens"],
                             flow_context_tokens=params["flow_context_tokens"],
                             max_piece_seconds=params["max_piece_seconds"])
-    return LiveVC(build_streamer(params, graph_fn, speakers), settings)
+    return LiveVC(build_streamer(params, graph_fn, speakers, on_state_change=on_state_change), settings)

@@ -36,6 +36,19 @@ _STREAM_SCHEDULE = (
     Param("stream_hop_growth", int, 2, "factor of each next hop (every later hop must be a multiple of 25)"),
     Param("stream_max_hop", int, 100, "largest hop in speech tokens (a multiple of 25)"),
 )
+#: The streams' flow state (serving/stages/stream_state.py).
+_STREAM_STATE = (
+    Param("stream_state", bool, True, "non-final streamed chunks compute only their new frames from the stream's "
+          "cached flow state (the checkpoint's PyTorch flow in this instance; the final chunk runs the graphs); "
+          "false: every chunk runs the flow graphs over every frame"),
+    Param("stream_state_mb", float, 2048.0, "most MiB of flow state one stream holds; beyond, it recomputes from "
+          "there"),
+    Param("stream_state_total_mb", float, 4096.0, "most MiB of flow state all streams of this instance hold; a "
+          "stream that would pass it recomputes from there"),
+    Param("speaker_state_mb", float, 1024.0, "MiB of registered speakers' settled prompt frames kept by content "
+          "(their streams start after them; 0: off)"),
+    Param("device", str, "cpu", "where the stream state's flow runs: cpu or cuda[:N]"),
+)
 #: The output options of ``postprocess``, also read by the pipelines that answer audio without it (the streaming
 #: models apply what a stream can: the rate; ``cosyvoice_tts`` the loudness of the whole answer).
 _OUTPUT = (
@@ -69,6 +82,7 @@ _TTS_SERVICE = (
     Param("stage_suffix", str, "", "appended to the names of the graphs and of flow / hift it calls ('_tts': "
           "the TTS task's own copies, tunable task_isolation)"),
     *_OUTPUT,
+    *_STREAM_STATE,
     _BLS_TIMEOUT,
     _TORCH_THREADS,
     _NICE,
@@ -161,6 +175,8 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_waiting", int, 4, "streams waiting for a worker; beyond, refused at once (UNAVAILABLE)"),
         *_STREAM_SCHEDULE,
         *_OUTPUT,
+        *_STREAM_STATE,
+        _TORCH_THREADS,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,
     ),
@@ -181,6 +197,8 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
               "state and the cost per chunk of a long stream)"),
         Param("max_piece_seconds", float, 5.0, "longest accepted piece of source audio"),
         *_OUTPUT,
+        *_STREAM_STATE,
+        _TORCH_THREADS,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,
     ),

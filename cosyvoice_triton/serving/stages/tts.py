@@ -55,6 +55,7 @@ from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled, LMEngine
 from .postprocess import Postprocessor
 from .speakers import compute_prompt
+from .stream_state import IncrementalFlow
 from .vc_stream import StreamCancelled, StreamingToken2Wav, StreamPrompt, stream_postprocessor
 from .vocoder import parse_seed
 
@@ -105,6 +106,10 @@ class TTSPlan:
     speaker_id: str | None = None
     max_speech_tokens: int | None = None  # the flow's room beside the prompt: the LM stops there
 
+    def stream_prompt(self) -> StreamPrompt:
+        """The flow's prompt of the streamed chunks (a registered speaker's shares its settled frames)."""
+        return StreamPrompt.from_speaker(self.prompt, registered=self.speaker_id is not None)
+
 
 class TTSService:
     """The served TTS of one model folder (see the module docstring).
@@ -126,6 +131,8 @@ class TTSService:
         stream_schedule: the streaming hops (:class:`~...streaming.StreamSchedule`; None: the official ones).
         lm_prefix_cache_mb: a registered speaker's requests share the LM's KV cache of sos + its transcript
             (:class:`~...speaker_state.SpeakerState`, keyed by the tokens: never stale; 0: off).
+        incremental: the streams' flow state (:class:`~.stream_state.IncrementalFlow`; None: every streamed chunk
+            runs the flow graphs over every frame).
     """
 
     def __init__(self, model_dir: str | Path, graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
@@ -135,7 +142,8 @@ class TTSService:
                  min_seconds: float = 0.1, max_seconds: float = 30.0,
                  prompt_cache: PromptCache | None = None,
                  device: str = "cpu", output: Mapping[str, Any] | None = None, lm_precision: str = "fp32",
-                 stream_schedule: StreamSchedule | None = None, lm_prefix_cache_mb: float = 64.0):
+                 stream_schedule: StreamSchedule | None = None, lm_prefix_cache_mb: float = 64.0,
+                 incremental: IncrementalFlow | None = None):
         from ...frontend.text import TextFrontend
 
         model_dir = Path(model_dir)
@@ -161,7 +169,8 @@ class TTSService:
         self.lookahead = self.config.flow.pre_lookahead_len
         if stream_schedule is not None:  # aligned to this model's attention chunk (checked again)
             stream_schedule = replace(stream_schedule, chunk=self.config.flow.encoder.static_chunk_size)
-        self.streamer = StreamingToken2Wav(self.solver, graphs, lookahead=self.lookahead, schedule=stream_schedule)
+        self.streamer = StreamingToken2Wav(self.solver, graphs, lookahead=self.lookahead, schedule=stream_schedule,
+                                           incremental=incremental)
         self.stats = {"streams_started": 0, "streams_finished": 0, "streams_cancelled": 0}
         self._lock = threading.Lock()
 
@@ -238,7 +247,7 @@ class TTSService:
             try:
                 tokens = job.tokens()
                 if stream:
-                    for chunk, final in self.streamer.chunks(StreamPrompt.from_speaker(plan.prompt), tokens,
+                    for chunk, final in self.streamer.chunks(plan.stream_prompt(), tokens,
                                                              seed=plan.seed):
                         yield chunk, final and last_segment
                 else:
@@ -305,7 +314,7 @@ class TTSService:
             return decode.stop_reason == "cancelled" or cancelled()
 
         try:
-            pairs = self.streamer.chunks(StreamPrompt.from_speaker(plan.prompt), decode, seed=plan.seed,
+            pairs = self.streamer.chunks(plan.stream_prompt(), decode, seed=plan.seed,
                                          cancelled=stop)
             for i, chunk in enumerate(self.post.stream().run(pairs)):
                 if stop():
@@ -489,12 +498,15 @@ def stage_callables(pb, *, flow_model: str = "flow", hift_model: str = "hift", s
     return flow, hift, speaker
 
 
-def build_service(pb, p: Mapping[str, Any]) -> TTSService:
+def build_service(pb, p: Mapping[str, Any], *, on_state_change: Callable[[int, int], object] | None = None
+                  ) -> TTSService:
     """The :class:`TTSService` of a served TTS model from its config parameters (``MODEL_PARAMS``' TTS service
     keys): the graphs, ``flow`` / ``hift`` and the speakers model by BLS (``pb``: ``triton_python_backend_utils``),
-    the instance's niceness and torch threads set first (before it starts its threads)."""
+    the instance's niceness and torch threads set first (before it starts its threads); ``on_state_change(streams,
+    bytes)``: told of the streams' flow state (a gauge; :mod:`.stream_state`)."""
     from ...shapes import GRAPHS
     from .params import set_niceness
+    from .stream_state import build_incremental
     from .triton_io import BlsGraph
     from .vc_stream import stream_schedule
 
@@ -511,4 +523,6 @@ def build_service(pb, p: Mapping[str, Any]) -> TTSService:
                       n_timesteps=p["n_timesteps"] or None, min_seconds=p["min_seconds"],
                       max_seconds=p["max_seconds"], output=p, lm_precision=p["lm_precision"],
                       stream_schedule=stream_schedule(p), lm_prefix_cache_mb=p["lm_prefix_cache_mb"],
+                      incremental=build_incremental(p, p["model_dir"], ModelConfig.from_yaml(
+                          Path(p["model_dir"]) / "cosyvoice2.yaml"), on_change=on_state_change),
                       prompt_cache=PromptCache.from_params(p["prompt_cache_entries"], p["prompt_cache_mb"]))

@@ -47,6 +47,7 @@ from .flow import FlowItem, FlowSolver, GraphFn
 from .frontend import Preprocessor
 from .postprocess import Postprocessor
 from .speakers import bytes_scalar
+from .stream_state import IncrementalFlow, StreamFlow
 from .vocoder import parse_seed
 
 __all__ = ["STREAM_INPUTS", "VC_STREAM_INPUTS", "VC_STREAM_MODEL", "VC_STREAM_OUTPUTS", "StreamCancelled",
@@ -70,24 +71,30 @@ class StreamPrompt:
     prompt_tokens: np.ndarray
     prompt_mel: np.ndarray
     embedding: np.ndarray
+    #: a registered speaker's prompt: streams share its settled flow frames (:mod:`.stream_state`)
+    registered: bool = False
 
     @classmethod
-    def from_speaker(cls, speaker: SpeakerPrompt) -> StreamPrompt:
-        return cls(np.array(speaker.prompt_tokens), np.array(speaker.prompt_mel), np.array(speaker.embedding))
+    def from_speaker(cls, speaker: SpeakerPrompt, *, registered: bool = True) -> StreamPrompt:
+        return cls(np.array(speaker.prompt_tokens), np.array(speaker.prompt_mel), np.array(speaker.embedding),
+                   registered)
 
 
 class StreamingToken2Wav:
     """Speech tokens to 24 kHz float32 chunks on the official streaming schedule (see the module docstring).
 
-    ``graphs``: ``flow_encoder``, ``flow_estimator``, ``hift_source``, ``hift_decoder`` -> :data:`~.flow.GraphFn`.
+    ``graphs``: ``flow_encoder``, ``flow_estimator``, ``hift_source``, ``hift_decoder`` -> :data:`~.flow.GraphFn`;
+    ``incremental``: the streams' flow state (:class:`~.stream_state.IncrementalFlow`; None: every chunk runs the
+    flow graphs over every frame).
     """
 
     def __init__(self, solver: FlowSolver, graphs: Mapping[str, GraphFn], *, lookahead: int = MAX_LOOKAHEAD,
-                 schedule: StreamSchedule | None = None):
+                 schedule: StreamSchedule | None = None, incremental: IncrementalFlow | None = None):
         missing = sorted({"flow_encoder", "flow_estimator", "hift_source", "hift_decoder"} - set(graphs))
         if missing:
             raise ValueError(f"StreamingToken2Wav: no callable for graph(s) {', '.join(missing)}")
         self.solver, self.graphs, self.lookahead = solver, graphs, int(lookahead)
+        self.incremental = incremental
         self.schedule = schedule  # the hops of chunks() (None: the official ones)
         self.ratio = solver.token_mel_ratio
         self.source_cache = MEL_CACHE * SAMPLES_PER_MEL_FRAME
@@ -105,15 +112,22 @@ class StreamingToken2Wav:
                cancelled: Callable[[], bool] | None = None) -> Iterator[tuple[np.ndarray, bool]]:
         """:meth:`stream` as ``(chunk, final)`` pairs: the last chunk says so when it comes (a streaming
         resampler flushes on it)."""
-        state = self.open(prompt, seed=seed)
-        for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead,
-                                   schedule=self.schedule):
-            self._check(cancelled)
-            yield state.step(chunk.tokens, chunk.offset, final=chunk.final), chunk.final
+        state = self.open(prompt, seed=seed, incremental=True)
+        try:
+            for chunk in stream_chunks(tokens, len(prompt.prompt_tokens), lookahead=self.lookahead,
+                                       schedule=self.schedule):
+                self._check(cancelled)
+                yield state.step(chunk.tokens, chunk.offset, final=chunk.final), chunk.final
+        finally:  # the end, a cancel, a failure or a consumer that stopped: the flow state goes now
+            state.close()
 
-    def open(self, prompt: StreamPrompt, *, seed: int = 0) -> Token2WavState:
-        """The flow + HiFT state of one stream, for a caller with its own chunk schedule (live conversion)."""
-        return Token2WavState(self, prompt, seed)
+    def open(self, prompt: StreamPrompt, *, seed: int = 0, incremental: bool = False,
+             window_tokens: int | None = None) -> Token2WavState:
+        """The flow + HiFT state of one stream, for a caller with its own chunk schedule (live conversion).
+        ``incremental``: keep the flow state (:mod:`.stream_state`) when this streamer has one: for steps whose
+        tokens start at the first source token and grow (the official schedule), or, with ``window_tokens``, for
+        live conversion's sliding flow window of that many tokens (:meth:`Token2WavState.step`'s ``first``)."""
+        return Token2WavState(self, prompt, seed, incremental=incremental, window_tokens=window_tokens)
 
     @staticmethod
     def _check(cancelled: Callable[[], bool] | None) -> None:
@@ -162,24 +176,47 @@ class Token2WavState:
     :meth:`step` is one chunk: the flow on ``tokens`` (every token the flow sees, look-ahead included unless
     ``final``), the mel from token ``offset`` on, then HiFT with the caches of the previous step. Both the official
     schedule (:meth:`StreamingToken2Wav.chunks`) and live conversion (:mod:`.live_vc`, a sliding window) use it.
+    With ``incremental`` (the official schedule only), a non-final step's mel comes from the stream's flow state
+    (:class:`~.stream_state.StreamFlow`); :meth:`close` frees it.
     """
 
-    def __init__(self, token2wav: StreamingToken2Wav, prompt: StreamPrompt, seed: int):
+    def __init__(self, token2wav: StreamingToken2Wav, prompt: StreamPrompt, seed: int, *, incremental: bool = False,
+                 window_tokens: int | None = None):
         self.token2wav, self.prompt = token2wav, prompt
         self.generator = torch.Generator().manual_seed(int(seed))
         self.cache: dict | None = None
         self.finished = False
+        inc = token2wav.incremental if incremental else None
+        self.flow_state: StreamFlow | None = None if inc is None else inc.open(
+            prompt, registered=prompt.registered, window_tokens=window_tokens)
 
     def step(self, tokens: np.ndarray, offset: int, *, final: bool) -> np.ndarray:
-        """Float32 speech of the chunk (without the held-back tail when not ``final``)."""
+        """Float32 speech of the chunk (without the held-back tail when not ``final``): its mel from token
+        ``offset`` of ``tokens`` on. With a live window's flow state, ``tokens[offset:]`` are the chunk's new tokens
+        (and the look-ahead), the earlier ones the window the graphs would recompute."""
         if self.finished:
             raise ValueError("Token2WavState.step: the stream's final chunk has run")
         t2w = self.token2wav
         lookahead = 0 if final else t2w.lookahead
-        mel = t2w._flow(self.prompt, tokens, lookahead)[:, int(offset) * t2w.ratio:]
+        mel = None
+        if self.flow_state is not None and not final:
+            window = self.flow_state.window_tokens is not None
+            mel = self.flow_state.chunk(tokens[int(offset):] if window else tokens)
+            if mel is not None and window:
+                offset = 0  # the state's mel starts at the new tokens
+        if final:
+            self.close()
+        if mel is None:
+            mel = t2w._flow(self.prompt, tokens, lookahead)
+        mel = mel[:, int(offset) * t2w.ratio:]
         speech, self.cache = t2w._hift(mel, self.cache, self.generator, final=final)
         self.finished = bool(final)
         return speech
+
+    def close(self) -> None:
+        """Free the stream's flow state (idempotent; HiFT's caches are a few KB and go with this object)."""
+        if self.flow_state is not None:
+            self.flow_state.close()
 
 
 class VCStreamer:
@@ -192,9 +229,10 @@ class VCStreamer:
 
     def __init__(self, pre: Preprocessor, solver: FlowSolver, graphs: Mapping[str, GraphFn], *,
                  speakers: Callable[[str], SpeakerPrompt] | None = None, default_seed: int = 0,
-                 post: Postprocessor | None = None, schedule: StreamSchedule | None = None):
+                 post: Postprocessor | None = None, schedule: StreamSchedule | None = None,
+                 incremental: IncrementalFlow | None = None):
         self.pre, self.graphs, self.speakers = pre, graphs, speakers
-        self.token2wav = StreamingToken2Wav(solver, graphs, schedule=schedule)
+        self.token2wav = StreamingToken2Wav(solver, graphs, schedule=schedule, incremental=incremental)
         self.default_seed = int(default_seed)
         self.post = post or Postprocessor(model_sample_rate=pre.sample_rate)
         #: the rate of the served chunks
@@ -288,12 +326,15 @@ def chunk_tensors(chunk: np.ndarray, index: int, sample_rate: int) -> dict[str, 
 
 
 def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
-                   speakers: Callable[[str], SpeakerPrompt] | None) -> VCStreamer:
+                   speakers: Callable[[str], SpeakerPrompt] | None, *,
+                   on_state_change: Callable[[int, int], object] | None = None) -> VCStreamer:
     """The streamer of a ``cosyvoice_vc_stream`` model from its config parameters
-    (``MODEL_PARAMS["cosyvoice_vc_stream"]``); ``graph_fn(model, graph)`` as in :func:`.speakers.build_service`."""
+    (``MODEL_PARAMS["cosyvoice_vc_stream"]``); ``graph_fn(model, graph)`` as in :func:`.speakers.build_service`;
+    ``on_state_change(streams, bytes)``: told of the streams' flow state (a gauge; :mod:`.stream_state`)."""
     from pathlib import Path
 
     from ...config import ModelConfig
+    from .stream_state import build_incremental
 
     model_dir = Path(params["model_dir"])
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
@@ -306,7 +347,8 @@ def build_streamer(params: Mapping, graph_fn: Callable[[str, str], GraphFn],
                         n_timesteps=params["n_timesteps"] or None)
     graphs = {g: graph_fn(g, g) for g in GRAPHS}
     return VCStreamer(pre, solver, graphs, speakers=speakers, default_seed=params["default_seed"],
-                      post=stream_postprocessor(params, config.sample_rate), schedule=stream_schedule(params, config))
+                      post=stream_postprocessor(params, config.sample_rate), schedule=stream_schedule(params, config),
+                      incremental=build_incremental(params, model_dir, config, on_change=on_state_change))
 
 
 def stream_schedule(params: Mapping, config=None) -> StreamSchedule:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -122,7 +123,9 @@ def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, pr
     if incremental is not None:
         extra["log_mel_cached_vs_recompute"] = log_mel_distance(y, recomputed)
     whole = streamer.tokens(pipeline.pre.source_features(source, source_sr))
+    start = time.perf_counter()
     offline = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed)
+    extra["offline_s"] = time.perf_counter() - start
     other_seed = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed + 1)
     req = {"source_audio": source[None], "source_sample_rate": np.array([[source_sr]], np.int32), **first}
     streamed = np.concatenate(list(streamer.stream(req)))
@@ -181,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     prompt, prompt_sr = _read(ns.prompt)
     sources = ns.source or [str(fixtures / "source_en_5s.wav"), str(fixtures / "speech_engb_16k.wav")]
     best, worst = settings.latency_seconds
+    from ..loadtest.live import commit
+    from ..loadtest.setup import machine
+
+    print(f"commit {commit()}; {machine()}")
     print(f"live settings: {settings} (algorithmic latency {best:.2f}-{worst:.2f} s)")
     for path in sources:
         src, sr = _read(path)
@@ -199,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  cached flow window: log-mel distance to the recomputed window "
                   f"{r['log_mel_cached_vs_recompute']:.3f} (recomputed window to offline "
                   f"{r['log_mel_recompute_vs_offline']:.3f}); conversion "
-                  f"{r['live_s']:.2f} s cached, {r['live_s_recompute']:.2f} s recomputed, for "
-                  f"{r['source_seconds']:.2f} s of source")
+                  f"{r['live_s']:.2f} s cached, {r['live_s_recompute']:.2f} s recomputed, offline (whole source) "
+                  f"{r['offline_s']:.2f} s, for {r['source_seconds']:.2f} s of source")
         print(f"  seams: largest step {r['seam_click_max']:.2f}x the 99.9th percentile elsewhere (bar 1.5), RMS "
               f"{r['seam_level_min']:.2f}-{r['seam_level_max']:.2f}x around (bar 0.5-2)")
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 
 

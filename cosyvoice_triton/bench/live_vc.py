@@ -92,12 +92,14 @@ def seams(y: np.ndarray, chunk_lengths: Sequence[int]) -> list[dict[str, float]]
 
 def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, prompt_sr: int, *,
             piece_seconds: float = 0.2, settings: LiveSettings | None = None, seed: int = 0,
-            incremental=None) -> dict:
+            incremental=None, recompute: bool = True) -> dict:
     """The figures of one source (``pipeline``: a :class:`~cosyvoice_triton.serving.stages.local.LocalPipeline`).
 
     ``incremental``: an :class:`~cosyvoice_triton.serving.stages.stream_state.IncrementalFlow` (what the served
     model uses by default): the live figures are then the cached flow window's, and the recomputed window's are
-    given beside them (``*_recompute``) with the distance between the two and each one's conversion time."""
+    given beside them (``*_recompute``) with the distance between the two and each one's conversion time.
+    ``recompute`` False (with ``incremental``): the cached window only, without the recomputed window and the
+    official streaming yardstick (both cost many times the cached window at the real dims)."""
     import time
 
     from ..serving.stages.vc_stream import VCStreamer
@@ -108,27 +110,29 @@ def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, pr
              "prompt_sample_rate": np.array([[prompt_sr]], np.int32), "seed": np.array([[seed]], np.int64)}
     step = max(1, int(piece_seconds * source_sr))
     pieces = [source[i: i + step] for i in range(0, len(source), step)]
-    live = LiveVC(streamer, settings)
-    start = time.perf_counter()
-    chunks, tokens = live_tokens(live, first, pieces)
-    recompute_s = time.perf_counter() - start
+    recompute = recompute or incremental is None
     extra = {}
-    if incremental is not None:
+    if recompute:
+        live = LiveVC(streamer, settings)
+        start = time.perf_counter()
+        chunks, tokens = live_tokens(live, first, pieces)
+        recompute_s = time.perf_counter() - start
         recomputed = np.concatenate(chunks)
+    if incremental is not None:
         live = LiveVC(VCStreamer(pipeline.pre, pipeline.flow, graphs, incremental=incremental), settings)
         start = time.perf_counter()
         chunks, tokens = live_tokens(live, first, pieces)
-        extra = {"live_s_recompute": recompute_s, "live_s": time.perf_counter() - start}
+        extra["live_s"] = time.perf_counter() - start
     y = np.concatenate(chunks)
-    if incremental is not None:
-        extra["log_mel_cached_vs_recompute"] = log_mel_distance(y, recomputed)
+    if incremental is not None and recompute:
+        extra.update(live_s_recompute=recompute_s, log_mel_cached_vs_recompute=log_mel_distance(y, recomputed))
     whole = streamer.tokens(pipeline.pre.source_features(source, source_sr))
     start = time.perf_counter()
     offline = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed)
     extra["offline_s"] = time.perf_counter() - start
     other_seed = pipeline.convert(source, source_sr, prompt, prompt_sr, seed=seed + 1)
     req = {"source_audio": source[None], "source_sample_rate": np.array([[source_sr]], np.int32), **first}
-    streamed = np.concatenate(list(streamer.stream(req)))
+    streamed = np.concatenate(list(streamer.stream(req))) if recompute else None
     n = min(len(tokens), len(whole))
     found = seams(y, [len(c) for c in chunks])
     return {
@@ -137,8 +141,9 @@ def measure(pipeline, source: np.ndarray, source_sr: int, prompt: np.ndarray, pr
         "tokens_equal_pct": float(100 * np.mean(tokens[:n] == whole[:n])) if n else 0.0,
         "samples_live": len(y), "samples_offline": len(offline),
         "log_mel_live_vs_offline": log_mel_distance(y, offline),
-        **({"log_mel_recompute_vs_offline": log_mel_distance(recomputed, offline)} if incremental is not None else {}),
-        "log_mel_streamed_vs_offline": log_mel_distance(streamed, offline),
+        **({"log_mel_recompute_vs_offline": log_mel_distance(recomputed, offline)}
+           if incremental is not None and recompute else {}),
+        "log_mel_streamed_vs_offline": log_mel_distance(streamed, offline) if recompute else None,
         "log_mel_other_seed_vs_offline": log_mel_distance(other_seed, offline),
         "seam_click_max": max((s["click"] for s in found), default=0.0),
         "seam_level_min": min((s["level_low"] for s in found), default=1.0),
@@ -168,14 +173,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flow-context-tokens", type=int, default=LiveSettings.flow_context_tokens)
     ap.add_argument("--no-state", action="store_true", help="only the recomputed flow window (without the served "
                     "default, the cached window of the stream state)")
+    ap.add_argument("--no-recompute", action="store_true", help="the cached window only: without the recomputed "
+                    "window and the official streaming yardstick (many times its cost at the real dims)")
+    ap.add_argument("--threads", type=int, default=1, help="torch and onnxruntime intra-op threads (default 1, as "
+                    "the served instances)")
     ap.add_argument("--json", action="store_true", help="one JSON object per source instead of the table")
     ns = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(ns.threads)
     from ..serving.stages.local import LocalPipeline
 
     settings = LiveSettings(chunk_tokens=ns.chunk_tokens, tokenizer_context_tokens=ns.tokenizer_context_tokens,
                             tokenizer_lookahead_tokens=ns.tokenizer_lookahead_tokens,
                             flow_context_tokens=ns.flow_context_tokens)
-    pipeline = LocalPipeline(ns.model_dir, ns.onnx_dir)
+    pipeline = LocalPipeline(ns.model_dir, ns.onnx_dir, intra_op_threads=ns.threads)
     incremental = None
     if not ns.no_state:
         from ..serving.stages.stream_state import build_incremental
@@ -188,26 +200,34 @@ def main(argv: list[str] | None = None) -> int:
     from ..loadtest.setup import machine
 
     print(f"commit {commit()}; {machine()}")
-    print(f"live settings: {settings} (algorithmic latency {best:.2f}-{worst:.2f} s)")
-    for path in sources:
+    print(f"live settings: {settings} (algorithmic latency {best:.2f}-{worst:.2f} s); {ns.threads} thread(s)")
+    for k, path in enumerate(sources):
         src, sr = _read(path)
+        if k == 0:  # warm-up: every graph session and the torch flow once, so that no figure carries a first call
+            measure(pipeline, src[: 2 * sr], sr, prompt, prompt_sr, piece_seconds=ns.piece_seconds,
+                    settings=settings, incremental=incremental, recompute=False)
         r = measure(pipeline, src, sr, prompt, prompt_sr, piece_seconds=ns.piece_seconds, settings=settings,
-                    incremental=incremental)
+                    incremental=incremental, recompute=not ns.no_recompute)
         if ns.json:
             print(json.dumps({"source": path, **r}))
             continue
         print(f"{Path(path).name}: {r['source_seconds']:.2f} s in {ns.piece_seconds:g} s pieces, {r['chunks']} chunks")
         print(f"  tokens equal to the whole-utterance tokenizer: {r['tokens_equal_pct']:.1f}% "
               f"({r['tokens_live']} live, {r['tokens_whole']} whole)")
+        streamed = r["log_mel_streamed_vs_offline"]
         print(f"  log-mel distance to offline: live {r['log_mel_live_vs_offline']:.3f}, official streaming "
-              f"{r['log_mel_streamed_vs_offline']:.3f}, offline with another seed "
+              f"{'-' if streamed is None else f'{streamed:.3f}'}, offline with another seed "
               f"{r['log_mel_other_seed_vs_offline']:.3f}")
-        if incremental is not None:
+        secs = r["source_seconds"]
+        if "live_s_recompute" in r:
             print(f"  cached flow window: log-mel distance to the recomputed window "
                   f"{r['log_mel_cached_vs_recompute']:.3f} (recomputed window to offline "
-                  f"{r['log_mel_recompute_vs_offline']:.3f}); conversion "
-                  f"{r['live_s']:.2f} s cached, {r['live_s_recompute']:.2f} s recomputed, offline (whole source) "
-                  f"{r['offline_s']:.2f} s, for {r['source_seconds']:.2f} s of source")
+                  f"{r['log_mel_recompute_vs_offline']:.3f}); recomputed window {r['live_s_recompute']:.2f} s "
+                  f"(RTF {r['live_s_recompute'] / secs:.2f})")
+        if "live_s" in r:
+            print(f"  conversion: live (cached window) {r['live_s']:.2f} s (RTF {r['live_s'] / secs:.2f}), offline "
+                  f"(whole source) {r['offline_s']:.2f} s (RTF {r['offline_s'] / secs:.2f}): live / offline "
+                  f"{r['live_s'] / r['offline_s']:.2f}x, for {secs:.2f} s of source")
         print(f"  seams: largest step {r['seam_click_max']:.2f}x the 99.9th percentile elsewhere (bar 1.5), RMS "
               f"{r['seam_level_min']:.2f}-{r['seam_level_max']:.2f}x around (bar 0.5-2)")
     print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

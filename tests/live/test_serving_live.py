@@ -304,6 +304,8 @@ def test_the_live_model_is_rendered_with_a_sequence_batcher(serving_assets, tmp_
     p = read_parameters(_json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True)),
                         MODEL_PARAMS[LIVE_VC_MODEL], model=LIVE_VC_MODEL)
     assert (p["max_sessions"], p["idle_timeout_s"], p["chunk_tokens"]) == (3, 7.5, 50)
+    # the cached flow window's flow runs where the graphs run
+    assert p["stream_state"] and p["device"] == ("cpu" if flavor == "local" else "cuda")
     with pytest.raises(RenderError, match="tokenizer window"):
         render_repository(flavor, tmp_path / "bad", model_dir=serving_assets["model_dir"],
                           onnx_dir=serving_assets["onnx_dir"], tts="off", allow_missing=True,

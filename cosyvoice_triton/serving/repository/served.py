@@ -159,7 +159,7 @@ def _tts_params(ctx: RenderContext) -> dict[str, Any]:
             "bls_timeout_us": tun.bls_timeout_us, "torch_threads": tun.torch_threads,
             "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx),
             "stage_suffix": TASK_SUFFIX if tun.task_isolation else "", "lm_precision": tun.lm_precision,
-            **tun.stream_params(), **tun.stream_state_params()}
+            **tun.stream_params(), **_stream_state_params(ctx)}
 
 
 def _tts_front_params(ctx: RenderContext) -> dict[str, Any]:
@@ -208,7 +208,7 @@ def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
             "tokenizer_lookahead_tokens": settings.tokenizer_lookahead_tokens,
             "flow_context_tokens": settings.flow_context_tokens, "max_piece_seconds": settings.max_piece_seconds,
             "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx),
-            **tun.stream_state_params(), "torch_threads": tun.torch_threads}
+            **_stream_state_params(ctx), "torch_threads": tun.torch_threads}
 
 
 def _live_tts_params(ctx: RenderContext) -> dict[str, Any]:
@@ -244,6 +244,14 @@ def _official(ctx: RenderContext) -> bool:
     output elsewhere does not get it: the official clients write the samples at 24 kHz whatever they are)."""
     rate = ctx.tunables.output_sample_rate or _model_sample_rate(ctx.model_dir)
     return ctx.has_tts and rate == OUTPUT_SAMPLE_RATE
+
+
+def _stream_state_params(ctx: RenderContext) -> dict[str, Any]:
+    """The streams' flow state (serving/stages/stream_state.py): its flow runs where the graphs run (cuda in the onnx
+    and trt flavors unless their instances are put on the CPU), else on the ``device`` tunable."""
+    tun = ctx.tunables
+    gpu = ctx.flavor in ("onnx", "trt") and (tun.instance_kind or "KIND_GPU") == "KIND_GPU"
+    return {**tun.stream_state_params(), "device": "cuda" if gpu else tun.device}
 
 
 def _prompt_cache_params(ctx) -> dict[str, Any]:
@@ -294,7 +302,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
                     "max_streams": ctx.tunables.vc_max_streams, "max_waiting": ctx.tunables.vc_max_waiting,
                     **ctx.tunables.stream_params(), **_output_params(ctx), **_prompt_cache_params(ctx),
-                    **ctx.tunables.stream_state_params(), "torch_threads": ctx.tunables.torch_threads},
+                    **_stream_state_params(ctx), "torch_threads": ctx.tunables.torch_threads},
                 doc="streaming voice conversion (decoupled BLS orchestrator): one response per chunk on the official "
                     "schedule; chunked flow_encoder / flow_estimator / hift graphs"),
     ServedModel(LIVE_VC_MODEL, f"ensemble/{LIVE_VC_MODEL}", LIVE_VC_INPUTS, LIVE_VC_OUTPUTS,

@@ -47,7 +47,8 @@ MB = 1 << 20
 class StateBudget:
     """Bytes of stream state held by one model instance, at most ``max_bytes`` (thread-safe).
 
-    ``on_change(streams, nbytes)`` is told after every change (a gauge)."""
+    ``on_change(streams, nbytes)`` is told of every change, in order, under the budget's lock (a gauge; it must not
+    call back into the budget)."""
 
     def __init__(self, max_bytes: int, on_change: Callable[[int, int], Any] | None = None):
         if int(max_bytes) < 0:
@@ -78,16 +79,14 @@ class StateBudget:
                 return False
             self.held[key] = int(nbytes)
             self.peak = max(self.peak, total)
-            counts = (len(self.held), total)
-        self._tell(*counts)
+            self._tell(len(self.held), total)  # under the lock: the gauge sees the changes in their order
         return True
 
     def release(self, key: int) -> None:
         with self.lock:
             if self.held.pop(key, None) is None:
                 return
-            counts = (len(self.held), sum(self.held.values()))
-        self._tell(*counts)
+            self._tell(len(self.held), sum(self.held.values()))
 
     def _tell(self, streams: int, nbytes: int) -> None:
         if self.on_change is not None:

@@ -142,20 +142,35 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         except GatewayError as exc:
             return await self._fail(context, exc)
         scope = Scope(self.sequences, ns.tenant)
+        held = False
         try:
             kw = {}
             if infer:
                 request, kw = await self._checked(request, ns, scope), {"metadata": self._metadata(context)}
-            elif model is not None:
+                # Triton 2.51's gRPC server can crash when an inference it runs is cancelled (a client's deadline
+                # passed on, or a client gone; triton-inference-server/server#8034; the stress mode crashed it so):
+                # once sent, an inference runs to its end under the gateway's own ceiling, and the key's slot stays
+                # held until Triton answers, so a client that leaves early frees nothing before the work is done
+                call = asyncio.ensure_future(self.upstream.stub.ModelInfer(request, timeout=self.upstream.timeout_s,
+                                                                           **kw))
+                try:
+                    answer = await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    held = True
+                    call.add_done_callback(lambda done: (done.cancelled() or done.exception(),
+                                                         self.limiter.release(who)))
+                    raise
+                return scope.grpc_response(answer)
+            if model is not None:
                 self.upstream.public(model)
-            answer = await getattr(self.upstream.stub, method)(request, timeout=self._timeout(context), **kw)
-            return scope.grpc_response(answer) if infer else answer
+            return await getattr(self.upstream.stub, method)(request, timeout=self._timeout(context), **kw)
         except GatewayError as exc:
             await self._fail(context, exc)
         except grpc.aio.AioRpcError as exc:
             await context.abort(exc.code(), scope.names.text(exc.details() or ""))
         finally:
-            self.limiter.release(who)
+            if not held:
+                self.limiter.release(who)
 
     async def ServerLive(self, request, context):
         return await self._unary("ServerLive", request, context)

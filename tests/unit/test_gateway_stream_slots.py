@@ -59,3 +59,52 @@ def test_a_stream_cancelled_while_a_request_is_checked_gives_its_slot_back():
         assert limiter.active(who) == 0
 
     asyncio.run(scene())
+
+
+class _HeldUpstream(_SlowUpstream):
+    """Triton whose ModelInfer answers once ``answer`` is set; it records whether the call was cancelled."""
+
+    def __init__(self):
+        super().__init__()
+        self.answer.set()  # the metadata at once
+        self.infer_started, self.infer_done, self.infer_cancelled = asyncio.Event(), asyncio.Event(), False
+        self.release = asyncio.Event()
+        upstream = self
+
+        class Stub:
+            async def ModelInfer(self, request, timeout=None, metadata=None):
+                upstream.infer_started.set()
+                try:
+                    await upstream.release.wait()
+                except asyncio.CancelledError:
+                    upstream.infer_cancelled = True
+                    raise
+                upstream.infer_done.set()
+                return await _Stub().ModelInfer(request)
+
+        self.stub = Stub()
+
+
+def test_a_client_that_leaves_does_not_cancel_triton_and_keeps_its_slot_until_triton_answers():
+    """Triton 2.51's gRPC server can crash when an inference it runs is cancelled (the stress mode crashed it with
+    clients whose deadlines passed): the gateway lets the inference finish, the key's slot held until then."""
+    async def scene():
+        keys, limiter = KeyRing(["ka"]), KeyLimiter(8)
+        upstream = _HeldUpstream()
+        proxy = KServeProxy(upstream, keys, limiter)
+        who = keys.identify("Bearer ka")
+        handler = asyncio.ensure_future(proxy.ModelInfer(_request(0), Context("ka")))
+        await asyncio.wait_for(upstream.infer_started.wait(), 30)
+        handler.cancel()  # the client's deadline passed, or it went away
+        await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        assert not upstream.infer_cancelled and limiter.active(who) == 1  # still running at Triton, slot held
+        upstream.release.set()
+        await asyncio.wait_for(upstream.infer_done.wait(), 30)
+        for _ in range(100):
+            if limiter.active(who) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert limiter.active(who) == 0 and not upstream.infer_cancelled
+
+    asyncio.run(scene())

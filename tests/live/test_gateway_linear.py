@@ -19,6 +19,7 @@ import re
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
@@ -231,7 +232,6 @@ def test_unknown_kserve_fields_are_named_as_before_without_sorting_them_all():
 SERVER = r"""
 import sys
 
-import numpy as np
 import uvicorn
 
 from cosyvoice_triton.gateway import GatewayConfig, create_app
@@ -253,27 +253,14 @@ async def signature(self, model):  # no Triton behind: the model's metadata as T
 Upstream.signature = signature
 
 
-class Backend:
-    async def ready(self):
-        return True
-
-    async def synthesize(self, job, request_id=""):
-        return np.zeros(2400, np.float32), 24000
-
-    async def stream(self, job, request_id=""):
-        for _ in range(2):
-            yield np.zeros(2400, np.float32), 24000
-
-    async def voices(self):
-        return ["alice"]
-
-    async def close(self):
-        pass
-
+sys.path.insert(0, sys.argv[2])  # tests/live: the stand-in speech backend
+from standin_gateway import Backend  # noqa: E402
 
 port = int(sys.argv[1])
+backend = Backend()
+backend.table["alice"] = 3.0
 config = GatewayConfig(port=port, api_keys=frozenset({"attacker-key", "other-key"}))
-uvicorn.run(create_app(config, Backend()), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+uvicorn.run(create_app(config, backend), host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 """
 
 ATTACKER = {"authorization": "Bearer attacker-key"}
@@ -290,7 +277,7 @@ def gateway(tmp_path_factory):
 
     (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with gateway_running(["-c", SERVER, str(port)], log, f"127.0.0.1:{port}"):
+    with gateway_running(["-c", SERVER, str(port), str(Path(__file__).parent)], log, f"127.0.0.1:{port}"):
         yield f"http://127.0.0.1:{port}"
 
 

@@ -229,7 +229,8 @@ def test_unknown_kserve_fields_are_named_as_before_without_sorting_them_all():
 
 # ------------------------------------------------------------------------------------- through the real gateway
 
-SERVER = r"""
+#: A script for ``python -c``; it finds the stand-in speech backend beside this file.
+SERVER = f"LIVE_DIR = {str(Path(__file__).parent)!r}\n" + r"""
 import sys
 
 import uvicorn
@@ -253,7 +254,7 @@ async def signature(self, model):  # no Triton behind: the model's metadata as T
 Upstream.signature = signature
 
 
-sys.path.insert(0, sys.argv[2])  # tests/live: the stand-in speech backend
+sys.path.insert(0, LIVE_DIR)  # tests/live: the stand-in speech backend
 from standin_gateway import Backend  # noqa: E402
 
 port = int(sys.argv[1])
@@ -277,7 +278,7 @@ def gateway(tmp_path_factory):
 
     (port,) = free_ports(1)
     log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with gateway_running(["-c", SERVER, str(port), str(Path(__file__).parent)], log, f"127.0.0.1:{port}"):
+    with gateway_running(["-c", SERVER, str(port)], log, f"127.0.0.1:{port}"):
         yield f"http://127.0.0.1:{port}"
 
 

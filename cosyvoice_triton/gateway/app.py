@@ -31,6 +31,7 @@ from . import audio, compat, kserve_grpc, kserve_http, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body, install_handlers
+from .fair import FairGate
 from .limits import KeyLimiter, KeyRing, bounded_loads
 from .metrics import CONTENT_TYPE_LATEST, GatewayMetrics
 from .middleware import GatewayMiddleware
@@ -143,7 +144,9 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     config = config or GatewayConfig()
     metrics = GatewayMetrics()
     keys = KeyRing(config.api_keys, dict(config.tenants))
-    limiter = KeyLimiter(config.max_concurrency_per_key, config.rate_limit)
+    limiter = KeyLimiter(config.max_concurrency_per_key, config.rate_limit,
+                         FairGate(config.max_in_flight, config.max_queue_s))
+    metrics.waiting.set_function(lambda: limiter.gate.waiting)
     upstream = Upstream(config.triton_grpc, config.triton_http, config.kserve_models,
                         timeout_s=config.backend_timeout_s, max_message_bytes=config.max_body_bytes)
     # sequence ids (live sessions) per tenant; one tenant (no keys): passed through as they are

@@ -45,6 +45,9 @@ class GatewayConfig:
     max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
     max_concurrency_per_key: int = 8  # 0: unlimited
     rate_limit: str | None = None  # per key, `limits` notation: "10/second", "100 per minute"; None: off
+    # the fair gate (fair.py): requests of all keys in flight to Triton at once; beyond, they wait in turn per key
+    max_in_flight: int = 32  # 0: no gate (Triton's own queue, first come first served)
+    max_queue_s: float = 60.0  # a wait longer than this: 503
     cors_origins: tuple[str, ...] = ()  # empty: no CORS headers at all
     open_metrics: bool = False  # /metrics without a key even when keys are configured (a scraper that sends none)
     backend_timeout_s: float = 300.0
@@ -132,6 +135,11 @@ def parser() -> argparse.ArgumentParser:
                    default=int(_env("max_concurrency_per_key", d.max_concurrency_per_key)), help="0: unlimited")
     p.add_argument("--rate-limit", default=_env("rate_limit", d.rate_limit),
                    help="requests per key, e.g. '10/second' or '600 per minute'; unset: off")
+    p.add_argument("--max-in-flight", type=int, default=int(_env("max_in_flight", d.max_in_flight)),
+                   help="requests of all keys on their way to Triton at once; beyond, a request waits and freed "
+                        "slots go to the waiting keys in turn (0: no gate)")
+    p.add_argument("--max-queue-s", type=float, default=float(_env("max_queue_s", d.max_queue_s)),
+                   help="the longest a request waits for its turn; beyond: 503")
     p.add_argument("--cors-origin", action="append", default=None,
                    help=f"an allowed CORS origin (repeatable; ${ENV_PREFIX}CORS_ORIGINS comma-separated); "
                         "none: CORS off")
@@ -186,6 +194,7 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          sequence_idle_s=args.sequence_idle_s, live_sessions_per_tenant=shares,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
+                         max_in_flight=args.max_in_flight, max_queue_s=args.max_queue_s,
                          cors_origins=tuple(o.strip() for o in origins), open_metrics=args.open_metrics,
                          backend_timeout_s=args.backend_timeout_s, header_timeout_s=args.header_timeout_s,
                          body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s,

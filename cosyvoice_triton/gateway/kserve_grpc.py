@@ -123,11 +123,6 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         peer = context.peer() or "anonymous"
         return peer.rsplit(":", 1)[0], PUBLIC
 
-    def _admit(self, context) -> tuple[str, Namespace]:
-        who, ns = self._identify(context)
-        self.limiter.acquire(who)
-        return who, ns
-
     def _metadata(self, context) -> list[tuple[str, str]]:
         return [(ERROR_HEADER, "true")] if _headers(context).get(ERROR_HEADER, "").lower() == "true" else []
 
@@ -138,9 +133,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _unary(self, method: str, request, context, model: str | None = None, *, infer: bool = False):
         """One call on to Triton: admitted, the model public, an inference request checked first."""
         try:
-            who, ns = self._admit(context)
+            who, ns = self._identify(context)
+            if infer:  # work for Triton: its turn at the fair gate when the service is full
+                await self.limiter.admit(who)
+            else:
+                self.limiter.acquire(who)
         except GatewayError as exc:
             return await self._fail(context, exc)
+        done = self.limiter.leave if infer else self.limiter.release
         scope = Scope(self.sequences, ns.tenant)
         held = False
         try:
@@ -157,8 +157,8 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     answer = await asyncio.shield(call)
                 except asyncio.CancelledError:
                     held = True
-                    call.add_done_callback(lambda done: (done.cancelled() or done.exception(),
-                                                         self.limiter.release(who)))
+                    call.add_done_callback(lambda answered: (answered.cancelled() or answered.exception(),
+                                                             done(who)))
                     raise
                 return scope.grpc_response(answer)
             if model is not None:
@@ -170,7 +170,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             await context.abort(exc.code(), scope.names.text(exc.details() or ""))
         finally:
             if not held:
-                self.limiter.release(who)
+                done(who)
 
     async def ServerLive(self, request, context):
         return await self._unary("ServerLive", request, context)
@@ -217,7 +217,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         def release_one() -> None:
             if state["held"] > 0:
                 state["held"] -= 1
-                self.limiter.release(who)
+                self.limiter.leave(who)
 
         async def requests():
             while True:
@@ -242,8 +242,8 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if isinstance(req, Undecodable):  # no model, no id to answer in the stream: the stream ends
                         await out.put(GatewayError(400, req.message))
                         return
-                    try:
-                        self.limiter.acquire(who)
+                    try:  # a live piece after its session's start does not wait behind new work (fair.py)
+                        await self.limiter.admit(who, wait=not _continues_session(req))
                     except GatewayError as exc:
                         if await refuse(req, exc):
                             continue
@@ -251,12 +251,12 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     try:
                         checked = await self._checked(req, ns, scope)
                     except GatewayError as exc:
-                        self.limiter.release(who)
+                        self.limiter.leave(who)
                         if await refuse(req, exc):
                             continue
                         return
                     except BaseException:  # the stream ended (cancelled) during the check: not held yet, give it back
-                        self.limiter.release(who)
+                        self.limiter.leave(who)
                         raise
                     empty = checked.parameters.get(EMPTY_FINAL)
                     if empty is not None and empty.bool_param:
@@ -303,6 +303,16 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             call.cancel()
             while state["held"]:
                 release_one()
+
+
+def _continues_session(request: service_pb2.ModelInferRequest) -> bool:
+    """A request of an open sequence: a sequence id, without the start flag."""
+    params = request.parameters
+    seq = params.get("sequence_id")
+    if seq is None or not (seq.int64_param or seq.uint64_param or seq.string_param):
+        return False
+    start = params.get("sequence_start")
+    return not (start is not None and start.bool_param)
 
 
 def _empty(answer: service_pb2.ModelStreamInferResponse) -> bool:

@@ -16,6 +16,7 @@ from limits.storage import MemoryStorage
 from limits.strategies import MovingWindowRateLimiter
 
 from .errors import GatewayError
+from .fair import FairGate
 from .tenants import key_tenant
 
 _QUOTE, _OPEN, _CLOSE = ord('"'), ord("{"), ord("}")  # "[" and "]" fold onto "{" and "}" (| 0x20)
@@ -119,9 +120,11 @@ def _key_id(key: str) -> str:
 
 class KeyLimiter:
     """Per key: at most ``max_concurrency`` requests in flight (0: unlimited) and ``rate`` (``limits`` notation,
-    e.g. ``"10/second"``; None: unlimited). Runs on the event loop's thread: no locks."""
+    e.g. ``"10/second"``; None: unlimited); work for Triton also takes a slot of the fair ``gate`` (:meth:`admit`,
+    :meth:`leave`). Runs on the event loop's thread: no locks."""
 
-    def __init__(self, max_concurrency: int = 0, rate: str | None = None):
+    def __init__(self, max_concurrency: int = 0, rate: str | None = None, gate: FairGate | None = None):
+        self.gate = gate or FairGate()
         self.max_concurrency = max(0, int(max_concurrency))
         self._active: dict[str, int] = defaultdict(int)
         self._rate = parse(rate) if rate else None
@@ -138,6 +141,23 @@ class KeyLimiter:
             raise GatewayError(429, f"too many concurrent requests for this key (at most {self.max_concurrency})",
                                code="concurrency_limit_exceeded", headers={"retry-after": "1"})
         self._active[key] += 1
+
+    async def admit(self, key: str, *, wait: bool = True) -> None:
+        """:meth:`acquire`, then a slot of the fair gate (``wait=False``: at once, for a continuation of an admitted
+        session); :meth:`leave` both when Triton has answered."""
+        self.acquire(key)
+        try:
+            if wait:
+                await self.gate.acquire(key)
+            else:
+                self.gate.take(key)
+        except BaseException:
+            self.release(key)
+            raise
+
+    def leave(self, key: str) -> None:
+        self.gate.release()
+        self.release(key)
 
     def release(self, key: str) -> None:
         self._active[key] -= 1

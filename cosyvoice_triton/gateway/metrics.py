@@ -25,6 +25,8 @@ class GatewayMetrics:
         self.refused = Counter("cosyvoice_gateway_refused", "requests refused by the gateway's limits, by reason",
                                ["reason"], registry=self.registry)
         self.in_flight = Gauge("cosyvoice_gateway_in_flight", "requests being answered", registry=self.registry)
+        self.waiting = Gauge("cosyvoice_gateway_waiting", "requests waiting for their turn at the fair gate (the "
+                             "service full)", registry=self.registry)
         self.latency = Histogram("cosyvoice_gateway_request_seconds", "time to the whole answer, by route",
                                  ["route"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.first_audio = Histogram("cosyvoice_gateway_first_audio_seconds",

@@ -113,14 +113,19 @@ class GatewayMiddleware:
                 scope["state"]["tenant"] = self.keys.tenant_of(who)  # the routes' Namespace (tenants.py)
             else:
                 who = scope["client"][0] if scope.get("client") else "anonymous"
-            self.limiter.acquire(who)
+            # a GET may carry a body too (the official CosyVoice client sends its forms with GET); a request with
+            # one is work for Triton and waits for its turn at the fair gate when the service is full
+            work = scope["method"] in _BODY_METHODS or "transfer-encoding" in headers or \
+                headers.get("content-length", "0") not in ("", "0")
+            if work:
+                await self.limiter.admit(who)
+            else:
+                self.limiter.acquire(who)
         except GatewayError as exc:
             await self._refuse(send, exc, path=scope["path"])
             return who
         try:
-            # a GET may carry a body too (the official CosyVoice client sends its forms with GET)
-            if scope["method"] in _BODY_METHODS or "transfer-encoding" in headers or \
-                    headers.get("content-length", "0") not in ("", "0"):
+            if work:
                 try:
                     body = await self._read_body(receive)
                 except GatewayError as exc:
@@ -132,7 +137,7 @@ class GatewayMiddleware:
                 receive = _replay(body, receive, FORM_PIECE_BYTES if form else max(len(body), 1))
             await self.app(scope, receive, send)
         finally:
-            self.limiter.release(who)
+            (self.limiter.leave if work else self.limiter.release)(who)
         return who
 
     def _check_framing(self, headers: Headers) -> None:

@@ -61,7 +61,7 @@ from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_input"]
+__all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_input", "service_from_params"]
 
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
@@ -506,9 +506,7 @@ def build_service(pb, p: Mapping[str, Any], *, on_state_change: Callable[[int, i
     bytes)``: told of the streams' flow state (a gauge; :mod:`.stream_state`)."""
     from ...shapes import GRAPHS
     from .params import set_niceness
-    from .stream_state import build_incremental
     from .triton_io import BlsGraph
-    from .vc_stream import stream_schedule
 
     set_niceness(p["nice"])
     torch.set_num_threads(p["torch_threads"])
@@ -516,6 +514,18 @@ def build_service(pb, p: Mapping[str, Any], *, on_state_change: Callable[[int, i
     graphs = {g: BlsGraph(pb, g + sfx, g, timeout_us=timeout) for g in GRAPHS}
     flow, hift, speakers = stage_callables(pb, flow_model="flow" + sfx, hift_model="hift" + sfx,
                                            speakers_model=p["speakers_model"], timeout_us=timeout)
+    return service_from_params(p, graphs, flow=flow, hift=hift, speakers=speakers, on_state_change=on_state_change)
+
+
+def service_from_params(p: Mapping[str, Any], graphs: Mapping[str, GraphFn], *, flow: FlowFn | None = None,
+                        hift: HiftFn | None = None, speakers: SpeakerFn | None = None,
+                        on_state_change: Callable[[int, int], object] | None = None) -> TTSService:
+    """The :class:`TTSService` of a TTS model's config parameters with these graphs, stages and speakers (the
+    served model's by BLS: :func:`build_service`; in process: :class:`~.graphs.GraphRunner` s, None for the
+    stages). The caller sets the torch threads (``torch_threads``)."""
+    from .stream_state import build_incremental
+    from .vc_stream import stream_schedule
+
     return TTSService(p["model_dir"], graphs, flow=flow, hift=hift, speakers=speakers,
                       max_active=p["max_active_requests"], max_waiting=p["max_waiting_requests"],
                       wait_timeout_s=p["wait_timeout_s"], max_text_chars=p["max_text_chars"],

@@ -244,12 +244,12 @@ class _Session:
     clients): :meth:`request` frames a piece, :meth:`end` the end of the sequence, :meth:`receive` an answer."""
 
     def __init__(self, module, model: str, kind: str, voice: list, *, sample_rate: int | None = None,
-                 stats: LiveStats | None = None, priority: int = 0):
+                 stats: LiveStats | None = None, priority: int = 0, sequence_id: int | str | None = None):
         self.module, self.model, self.kind, self.voice = module, model, kind, voice
         self.sample_rate = sample_rate
         self.stats = stats if stats is not None else LiveStats()
         self.priority = priority
-        self.sequence_id = new_sequence_id()
+        self.sequence_id = new_sequence_id() if sequence_id is None else sequence_id
         self.channels = audio.StreamChannels()  # VC: the pieces' layout, fixed by the first one
         self.sent_at: list[float] = []  # perf_counter of each request
         self.ends: list[float] = []  # VC: source seconds sent after each request
@@ -565,24 +565,28 @@ class AsyncLiveClient(AsyncCosyVoiceClient):
     async def convert_live(self, pieces, *, prompt=None, speaker_id: str | None = None,
                            sample_rate: int | None = None, prompt_sr: int | None = None, seed: int | None = None,
                            encoded: bool = False, stats: LiveStats | None = None, model: str = VC_LIVE_MODEL,
-                           priority: int | None = None) -> AsyncIterator[LiveChunk]:
-        """See :meth:`LiveClient.convert_live`."""
+                           priority: int | None = None, sequence_id: int | str | None = None
+                           ) -> AsyncIterator[LiveChunk]:
+        """See :meth:`LiveClient.convert_live`; ``sequence_id``: the session's id (default: a random one)."""
         voice = _vc_voice(self._module, prompt, prompt_sr, speaker_id, seed, encoded)
         session = _Session(self._module, model, "vc", voice, sample_rate=_rate(pieces, sample_rate), stats=stats,
-                           priority=await self.validate_priority(model, priority))
-        async for chunk in self._run(session, pieces):
-            yield chunk
+                           priority=await self.validate_priority(model, priority), sequence_id=sequence_id)
+        async with contextlib.aclosing(self._run(session, pieces)) as chunks:  # closed now, not when collected
+            async for chunk in chunks:
+                yield chunk
 
     async def tts_live(self, text_pieces, *, prompt=None, prompt_sr: int | None = None,
                        prompt_text: str | None = None, speaker_id: str | None = None, seed: int | None = None,
                        encoded: bool = False, stats: LiveStats | None = None, model: str = TTS_LIVE_MODEL,
-                       priority: int | None = None) -> AsyncIterator[LiveChunk]:
-        """See :meth:`LiveClient.tts_live`."""
+                       priority: int | None = None, sequence_id: int | str | None = None
+                       ) -> AsyncIterator[LiveChunk]:
+        """See :meth:`LiveClient.tts_live`; ``sequence_id`` as for :meth:`convert_live`."""
         voice = _tts_voice(self._module, prompt, prompt_sr, prompt_text, speaker_id, seed, encoded)
         session = _Session(self._module, model, "tts", voice, stats=stats,
-                           priority=await self.validate_priority(model, priority))
-        async for chunk in self._run(session, text_pieces):
-            yield chunk
+                           priority=await self.validate_priority(model, priority), sequence_id=sequence_id)
+        async with contextlib.aclosing(self._run(session, text_pieces)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _run(self, session: _Session, pieces) -> AsyncIterator[LiveChunk]:
         outbox: asyncio.Queue = asyncio.Queue()  # the stream's requests; None closes it

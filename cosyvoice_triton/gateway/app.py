@@ -14,7 +14,6 @@ CosyVoice's own HTTP API (the official server's ``/inference_*`` form routes) an
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import json
 import time
@@ -27,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import shown
-from . import audio, compat, kserve_grpc, kserve_http, page, voices
+from . import audio, compat, kserve_grpc, kserve_http, live_ws, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body, install_handlers
@@ -70,19 +69,6 @@ def _param_error(exc: ValidationError) -> GatewayError:
     return GatewayError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")
 
 
-def _reference(data: str) -> bytes:
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise GatewayError(400, "reference_audio: not valid base64", param="reference_audio",
-                           code="invalid_value") from None
-    if not raw:
-        raise GatewayError(400, "reference_audio: empty", param="reference_audio", code="invalid_value")
-    return raw
-
-
 def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC) -> SpeechJob:
     """The request's checks that need no model, then the job for the backend (a registered voice by its id in
     ``ns``, the caller's namespace)."""
@@ -116,9 +102,9 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
             raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
                                code="invalid_value")
         voice = ns.scoped(voice)
+    reference = None if req.reference_audio is None else audio.reference_bytes(req.reference_audio)
     return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
-                     reference_audio=None if req.reference_audio is None else _reference(req.reference_audio),
-                     reference_text=req.reference_text)
+                     reference_audio=reference, reference_text=req.reference_text)
 
 
 def speech_request(raw: bytes, config: GatewayConfig, ns: Namespace = PUBLIC) -> tuple[SpeechRequest, SpeechJob]:
@@ -138,9 +124,10 @@ def _sse(event: dict) -> bytes:
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
-def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
+def create_app(config: GatewayConfig | None = None, backend=None, live=None) -> FastAPI:
     """The gateway on ``backend`` (an object with ``synthesize``, ``stream``, ``voices``, ``ready``, ``close``;
-    default: :class:`~.backend.TritonBackend` on ``config.triton_grpc``, made at startup)."""
+    default: :class:`~.backend.TritonBackend` on ``config.triton_grpc``, made at startup); ``live``: what runs the
+    live WebSocket sessions upstream (:class:`~.live_ws.LiveSockets`; default: an ``AsyncLiveClient`` on Triton)."""
     config = config or GatewayConfig()
     metrics = GatewayMetrics()
     keys = KeyRing(config.api_keys, dict(config.tenants))
@@ -154,6 +141,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
                             per_model=dict(config.live_sessions_per_tenant)) if keys.enabled else None
     if sequences is not None:
         metrics.sequences.set_function(sequences.open_count)
+    sockets = live_ws.LiveSockets(config, keys, limiter, metrics, sequences, client=live)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -172,6 +160,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
             if grpc_server is not None:
                 await grpc_server.stop(grace=5)
             await upstream.close()
+            await sockets.close()
             if own:
                 await app.state.backend.close()
 
@@ -259,6 +248,7 @@ def create_app(config: GatewayConfig | None = None, backend=None) -> FastAPI:
     app.include_router(voices.router(config, backend_call))
     app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
     app.include_router(kserve_http.router(upstream, config.max_json_depth, sequences))
+    app.include_router(sockets.router())  # live sessions over WebSocket (the middleware passes them by)
 
     @app.get("/health")
     async def health(request: Request):

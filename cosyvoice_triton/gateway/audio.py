@@ -7,12 +7,16 @@ A streamed wav has the streaming header (RIFF and data sizes 0xFFFFFFFF: length 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import struct
 
 import lameenc
 import numpy as np
 import soundfile as sf
+
+from .errors import GatewayError
 
 #: ``response_format`` -> Content-Type.
 CONTENT_TYPES = {"mp3": "audio/mpeg", "opus": "audio/ogg", "flac": "audio/flac", "wav": "audio/wav",
@@ -21,6 +25,19 @@ FORMATS = tuple(CONTENT_TYPES)
 STREAM_FORMATS = ("mp3", "opus", "wav", "pcm")
 _SOUNDFILE = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "opus": ("OGG", "OPUS")}
 MP3_KBPS = 128
+
+
+def reference_bytes(data: str, param: str = "reference_audio") -> bytes:
+    """A recording sent as base64 or a ``data:`` URL (``reference_audio``), decoded; 400 naming ``param``."""
+    if data.startswith("data:"):
+        data = data.partition(",")[2]
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise GatewayError(400, f"{param}: not valid base64", param=param, code="invalid_value") from None
+    if not raw:
+        raise GatewayError(400, f"{param}: empty", param=param, code="invalid_value")
+    return raw
 
 
 def pcm16(wave: np.ndarray) -> np.ndarray:

@@ -40,6 +40,11 @@ class GatewayConfig:
     # live_max_sessions 4, live_tts_max_sessions 2), so that one key cannot take them all
     live_sessions_per_tenant: tuple[tuple[str, int], ...] = (("cosyvoice_vc_live", 2), ("cosyvoice_tts_live", 1))
     sequence_idle_s: float = 35.0  # at least the live models' idle time (live_idle_timeout_s + 5 s: Triton's)
+    # live sessions over WebSocket (live_ws.py): a socket whose input stops this long is cut; pieces waiting to go
+    # on to Triton, beyond which the session is cut; the longest audio piece (the live VC model's max_piece_seconds)
+    live_idle_s: float = 30.0
+    live_max_pending: int = 16
+    live_max_piece_s: float = 5.0
     max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
     max_json_depth: int = 16
     max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
@@ -128,6 +133,14 @@ def parser() -> argparse.ArgumentParser:
                    help="open sessions one tenant may hold on a live model (repeatable; default "
                         + ", ".join(f"{m}={n}" for m, n in d.live_sessions_per_tenant)
                         + f"; ${ENV_PREFIX}LIVE_SESSIONS_PER_TENANT comma-separated)")
+    for name, kind, text in (  # live sessions over WebSocket (live_ws.py)
+            ("live_idle_s", float, "a live WebSocket session whose input stops this long (no piece, no message "
+                                   "before input.end) is cut with session_idle; keep it below --sequence-idle-s"),
+            ("live_max_pending", int, "pieces of a live WebSocket session waiting to go on to Triton; one more cuts "
+                                      "the session (input_overrun)"),
+            ("live_max_piece_s", float, "the longest audio piece (binary frame) of a live voice conversion session, "
+                                        "in seconds; keep it at most the live model's max_piece_seconds")):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, getattr(d, name))), help=text)
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
     p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
     p.add_argument("--max-input-chars", type=int, default=int(_env("max_input_chars", d.max_input_chars)))
@@ -192,6 +205,8 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          max_voice_bytes_per_tenant=args.max_voice_bytes_per_tenant, max_body_bytes=args.max_body_bytes,
                          max_sequences=args.max_sequences, max_sequences_per_tenant=args.max_sequences_per_tenant,
                          sequence_idle_s=args.sequence_idle_s, live_sessions_per_tenant=shares,
+                         live_idle_s=args.live_idle_s, live_max_pending=args.live_max_pending,
+                         live_max_piece_s=args.live_max_piece_s,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          max_in_flight=args.max_in_flight, max_queue_s=args.max_queue_s,

@@ -100,6 +100,7 @@ def protocol(config: GatewayConfig) -> type[H11Protocol]:
 
 def serve(app, config: GatewayConfig, **kwargs) -> None:
     """``app`` under uvicorn on ``config.host:config.port`` with the gateway's protocol (h11: the pure-Python parser
-    whose framing checks the tests exercise)."""
+    whose framing checks the tests exercise); a WebSocket message (the live sessions, :mod:`.live_ws`) over the
+    body cap closes its socket (1009), and a socket whose client stops answering pings is closed."""
     uvicorn.run(app, host=config.host, port=config.port, http=protocol(config),
-                timeout_keep_alive=config.keep_alive_s, **kwargs)
+                timeout_keep_alive=config.keep_alive_s, ws_max_size=config.max_body_bytes, **kwargs)

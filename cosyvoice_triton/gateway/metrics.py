@@ -36,6 +36,21 @@ class GatewayMetrics:
                                      ["format"], registry=self.registry)
         self.sequences = Gauge("cosyvoice_gateway_sequences", "sequence ids (live sessions) the tenants have open "
                                "at the KServe entry points", registry=self.registry)
+        # live sessions over WebSocket (live_ws.py), by live model
+        self.live_sessions = Gauge("cosyvoice_gateway_live_sessions", "live WebSocket sessions open",
+                                   ["model"], registry=self.registry)
+        self.live_ended = Counter("cosyvoice_gateway_live_sessions_ended", "live WebSocket sessions ended, by how: "
+                                  "done, client_gone, or the error code they were cut with", ["model", "reason"],
+                                  registry=self.registry)
+        self.live_first_audio = Histogram("cosyvoice_gateway_live_first_audio_seconds", "a live session's first "
+                                          "piece sent to Triton -> its first audio", ["model"],
+                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.live_chunk_latency = Histogram("cosyvoice_gateway_live_chunk_latency_seconds", "each audio chunk's "
+                                            "arrival after the piece that completed it was sent to Triton",
+                                            ["model"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.live_underruns = Counter("cosyvoice_gateway_live_underruns", "audio chunks that came after the audio "
+                                      "before them had played out (played from the first chunk on, back to back)",
+                                      ["model"], registry=self.registry)
         self.backend_errors = Counter("cosyvoice_gateway_backend_errors", "Triton refusals and failures, by HTTP "
                                       "status they were answered with", ["status"], registry=self.registry)
 

@@ -27,7 +27,8 @@ if missing:
     print(f"setup.py: warning: {', '.join(missing)} not found: the package is built without their files")
 
 package_dir: dict[str, str] = {}
-package_data: dict[str, list[str]] = {"cosyvoice_triton.gateway": ["static/*"]}  # the gateway's page (GET /listen)
+# the gateway's page (GET /listen) and the wire format of CosyVoice's own gRPC service
+package_data: dict[str, list[str]] = {"cosyvoice_triton.gateway": ["static/*", "*.proto"]}
 for folder, (subfolders, patterns) in SHIPPED.items():
     if folder in missing:
         continue

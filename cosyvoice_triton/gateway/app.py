@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import shown
-from . import audio, compat, kserve_grpc, kserve_http, live_ws, page, voices
+from . import audio, compat, kserve_grpc, kserve_http, live_ws, official_grpc, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body, install_handlers
@@ -153,6 +153,9 @@ def create_app(config: GatewayConfig | None = None, backend=None, live=None) -> 
         if config.grpc_port:
             grpc_server = kserve_grpc.make_server(kserve_grpc.KServeProxy(upstream, keys, limiter, sequences),
                                                   f"{config.host}:{config.grpc_port}", config)
+            # CosyVoice's own gRPC service on the same port
+            official_grpc.add_service(official_grpc.OfficialService(lambda: app.state.backend, keys, limiter, config,
+                                                                    metrics), grpc_server)
             await grpc_server.start()
         try:
             yield

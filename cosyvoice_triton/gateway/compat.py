@@ -28,7 +28,7 @@ from ..frontend import audio as audio_in
 from .backend import ConversionJob, SpeechJob, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, check_text
-from .tenants import namespace
+from .tenants import Namespace, namespace
 
 PREFIX = "/inference_"
 SFT, ZERO_SHOT, CROSS_LINGUAL = PREFIX + "sft", PREFIX + "zero_shot", PREFIX + "cross_lingual"
@@ -39,7 +39,9 @@ PATHS = (SFT, ZERO_SHOT, CROSS_LINGUAL, INSTRUCT, INSTRUCT2, VC)
 METHODS = ["GET", "POST"]  # the official server takes both, and its client sends GET with a form body
 
 
-def _text(value: str, name: str, config: GatewayConfig) -> str:
+def form_text(value: str, name: str, config: GatewayConfig) -> str:
+    """``value``, a text field: valid, not blank, at most ``config.max_input_chars``; 400 naming ``name``
+    otherwise."""
     check_text(value, name)
     if not value.strip():
         raise GatewayError(400, f"{name}: empty text", param=name, code="invalid_value")
@@ -49,12 +51,12 @@ def _text(value: str, name: str, config: GatewayConfig) -> str:
     return value
 
 
-def _voice(request: Request, value: str, name: str = "spk_id") -> str:
-    """The ``speakers`` model's id of the caller's voice ``value`` (its tenant's, :mod:`.tenants`)."""
+def voice_id(ns: Namespace, value: str, name: str = "spk_id") -> str:
+    """The ``speakers`` model's id of the caller's voice ``value`` (in ``ns``, its tenant's: :mod:`.tenants`)."""
     check_text(value, name)
     if not value.strip():
         raise GatewayError(400, f"{name}: empty speaker id", param=name, code="invalid_value")
-    return namespace(request).scoped(value, name)
+    return ns.scoped(value, name)
 
 
 async def upload(file: UploadFile, name: str) -> tuple[np.ndarray, int]:
@@ -79,20 +81,20 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
 
     @api.api_route(SFT, methods=METHODS)
     async def sft(request: Request, tts_text: Text, spk_id: Text):
-        job = SpeechJob(text=_text(tts_text, "tts_text", config), voice=_voice(request, spk_id))
+        job = SpeechJob(text=form_text(tts_text, "tts_text", config), voice=voice_id(namespace(request), spk_id))
         return await speak(request, job, SFT)
 
     @api.api_route(ZERO_SHOT, methods=METHODS)
     async def zero_shot(request: Request, tts_text: Text, prompt_text: Text,
                         prompt_wav: Upload):
-        text, prompt_text = _text(tts_text, "tts_text", config), _text(prompt_text, "prompt_text", config)
+        text, prompt_text = form_text(tts_text, "tts_text", config), form_text(prompt_text, "prompt_text", config)
         wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               reference_text=prompt_text, mode="zero_shot"), ZERO_SHOT)
 
     @api.api_route(CROSS_LINGUAL, methods=METHODS)
     async def cross_lingual(request: Request, tts_text: Text, prompt_wav: Upload):
-        text = _text(tts_text, "tts_text", config)
+        text = form_text(tts_text, "tts_text", config)
         wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               mode="cross_lingual"), CROSS_LINGUAL)
@@ -106,7 +108,7 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
     @api.api_route(INSTRUCT2, methods=METHODS)
     async def instruct2(request: Request, tts_text: Text, instruct_text: Text,
                         prompt_wav: Upload):
-        text, how = _text(tts_text, "tts_text", config), _text(instruct_text, "instruct_text", config)
+        text, how = form_text(tts_text, "tts_text", config), form_text(instruct_text, "instruct_text", config)
         wave, sr = await upload(prompt_wav, "prompt_wav")
         return await speak(request, SpeechJob(text=text, reference_audio=wave, reference_rate=sr,
                                               instruct=instruction(how), mode="instruct"), INSTRUCT2)
@@ -122,7 +124,7 @@ def router(config: GatewayConfig, streamed) -> APIRouter:
             prompt, prompt_sr = await upload(prompt_wav, "prompt_wav")
             job = ConversionJob(source=source, source_rate=source_sr, prompt=prompt, prompt_rate=prompt_sr)
         else:
-            job = ConversionJob(source=source, source_rate=source_sr, voice=_voice(request, spk_id))
+            job = ConversionJob(source=source, source_rate=source_sr, voice=voice_id(namespace(request), spk_id))
         t0 = time.perf_counter()
         chunks = request.app.state.backend.convert_stream(job, getattr(request.state, "request_id", ""))
         return await streamed(chunks, "pcm", False, t0, VC, namespace(request))

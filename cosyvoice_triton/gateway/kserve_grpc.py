@@ -107,6 +107,16 @@ def _headers(context) -> dict[str, str]:
     return {k.lower(): v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
 
 
+def caller(keys: KeyRing, context) -> tuple[str, Namespace]:
+    """Who makes a gRPC call (a key's id from its ``authorization`` metadata, or the peer's address without keys)
+    and its namespace; 401 for a missing or bad key."""
+    if keys.enabled:
+        who = keys.identify(_headers(context).get("authorization"))
+        return who, Namespace(keys.tenant_of(who))
+    peer = context.peer() or "anonymous"
+    return peer.rsplit(":", 1)[0], PUBLIC
+
+
 class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, upstream: Upstream, keys: KeyRing, limiter: KeyLimiter, sequences: SequenceIds | None = None):
         self.upstream, self.keys, self.limiter, self.sequences = upstream, keys, limiter, sequences
@@ -115,13 +125,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(GRPC_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
 
     def _identify(self, context) -> tuple[str, Namespace]:
-        """Who calls (a key's id, or the peer's address without keys) and its namespace; 401 for a bad key."""
-        metadata = _headers(context)
-        if self.keys.enabled:
-            who = self.keys.identify(metadata.get("authorization"))
-            return who, Namespace(self.keys.tenant_of(who))
-        peer = context.peer() or "anonymous"
-        return peer.rsplit(":", 1)[0], PUBLIC
+        return caller(self.keys, context)
 
     def _metadata(self, context) -> list[tuple[str, str]]:
         return [(ERROR_HEADER, "true")] if _headers(context).get(ERROR_HEADER, "").lower() == "true" else []
@@ -329,7 +333,8 @@ class Undecodable:
         self.message = f"the request is not a valid {what} message ({type(exc).__name__})"
 
 
-def _lenient(deserialize, what: str):
+def lenient(deserialize, what: str):
+    """``deserialize`` that returns an :class:`Undecodable` for bytes it cannot parse, instead of raising."""
     def parse(data: bytes):
         try:
             return deserialize(data)
@@ -365,7 +370,7 @@ def add_service(proxy: KServeProxy, server) -> None:
     for name, h in got.handlers.items():
         what = getattr(h.request_deserializer, "__self__", None)
         what = getattr(what, "__name__", name)
-        parse = _lenient(h.request_deserializer, what)
+        parse = lenient(h.request_deserializer, what)
         if h.unary_unary is not None and inspect.iscoroutinefunction(h.unary_unary):
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 _refusing(h.unary_unary), request_deserializer=parse, response_serializer=h.response_serializer)

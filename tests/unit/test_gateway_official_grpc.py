@@ -1,0 +1,274 @@
+"""CosyVoice's own gRPC service at the gateway (``gateway/official_grpc.py``), in process: the gateway (``create_app``
+with its gRPC port on, a fake speech backend) called as the official ``runtime/python/grpc/client.py`` calls it,
+with a synchronous channel and stubs generated at test time by grpcio-tools' protoc.
+
+The stubs come from the official ``cosyvoice.proto`` when an official checkout is at hand (``$COSYVOICE_OFFICIAL_GIT``,
+a git folder of FunAudioLLM/CosyVoice, default ../.mirror/FunAudioLLM+CosyVoice/repo; or
+``$COSYVOICE_REFERENCE_DIR/runtime/python/grpc/cosyvoice.proto``), else from the project's own file; a test checks
+that both files describe the same wire format (skipped without the official one), another checks the project's
+against the format written out here."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ROOT, wait_until
+from starlette.testclient import TestClient
+from test_gateway import FakeBackend, _wave
+
+from cosyvoice_triton.gateway import GatewayConfig, create_app
+from cosyvoice_triton.gateway import audio as gw_audio
+from cosyvoice_triton.gateway.backend import SpeechJob
+from cosyvoice_triton.gateway.official_grpc import PROTO, ROUTE, compile_proto
+from cosyvoice_triton.gateway.tenants import key_tenant
+
+OFFICIAL_PATH = "runtime/python/grpc/cosyvoice.proto"
+OFFICIAL_GIT = Path(os.environ.get("COSYVOICE_OFFICIAL_GIT") or ROOT.parent / ".mirror" / "FunAudioLLM+CosyVoice"
+                    / "repo")
+KEYS = ("sk-a", "sk-b")
+#: The official wire format: message -> field -> (number, type, message type); the oneof of ``Request``.
+T_STRING, T_BYTES, T_MESSAGE = 9, 12, 11
+WIRE = {
+    "Request": {"sft_request": (1, T_MESSAGE, ".cosyvoice.sftRequest"),
+                "zero_shot_request": (2, T_MESSAGE, ".cosyvoice.zeroshotRequest"),
+                "cross_lingual_request": (3, T_MESSAGE, ".cosyvoice.crosslingualRequest"),
+                "instruct_request": (4, T_MESSAGE, ".cosyvoice.instructRequest")},
+    "sftRequest": {"spk_id": (1, T_STRING, ""), "tts_text": (2, T_STRING, "")},
+    "zeroshotRequest": {"tts_text": (1, T_STRING, ""), "prompt_text": (2, T_STRING, ""),
+                        "prompt_audio": (3, T_BYTES, "")},
+    "crosslingualRequest": {"tts_text": (1, T_STRING, ""), "prompt_audio": (2, T_BYTES, "")},
+    "instructRequest": {"tts_text": (1, T_STRING, ""), "spk_id": (2, T_STRING, ""), "instruct_text": (3, T_STRING, "")},
+    "Response": {"tts_audio": (1, T_BYTES, "")},
+}
+
+
+def official_proto(tmp: Path) -> Path | None:
+    """The official ``cosyvoice.proto`` copied into ``tmp``, or None without a checkout."""
+    ref = os.environ.get("COSYVOICE_REFERENCE_DIR")
+    if ref and (Path(ref) / OFFICIAL_PATH).is_file():
+        text = (Path(ref) / OFFICIAL_PATH).read_text()
+    elif OFFICIAL_GIT.is_dir():
+        got = subprocess.run(["git", f"--git-dir={OFFICIAL_GIT}", "show", f"HEAD:{OFFICIAL_PATH}"],
+                             capture_output=True, text=True)
+        if got.returncode:
+            return None
+        text = got.stdout
+    else:
+        return None
+    out = tmp / "official" / "cosyvoice.proto"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+def wire(proto: Path) -> dict:
+    """What decides the wire format of ``proto``: package, service and methods, each message's fields (name, number,
+    type, message type, oneof)."""
+    fd = compile_proto(proto)
+    messages = {}
+    for m in fd.message_type:
+        oneofs = [o.name for o in m.oneof_decl]
+        messages[m.name] = {f.name: (f.number, f.type, f.type_name, f.label,
+                                     oneofs[f.oneof_index] if f.HasField("oneof_index") else None) for f in m.field}
+    services = {s.name: {x.name: (x.input_type, x.output_type, x.client_streaming, x.server_streaming)
+                         for x in s.method} for s in fd.service}
+    return {"package": fd.package, "services": services, "messages": messages}
+
+
+def test_the_projects_proto_is_the_official_wire_format():
+    got = wire(PROTO)
+    assert got["package"] == "cosyvoice"
+    assert got["services"] == {"CosyVoice": {"Inference": (".cosyvoice.Request", ".cosyvoice.Response", False, True)}}
+    assert {m: {f: v[:3] for f, v in fields.items()} for m, fields in got["messages"].items()} == WIRE
+    assert {v[4] for v in got["messages"]["Request"].values()} == {"RequestPayload"}
+
+
+def test_same_wire_format_as_the_official_proto(tmp_path):
+    official = official_proto(tmp_path)
+    if official is None:
+        pytest.skip(f"no official checkout at {OFFICIAL_GIT} (set COSYVOICE_OFFICIAL_GIT or COSYVOICE_REFERENCE_DIR)")
+    assert wire(official) == wire(PROTO)
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory):
+    """``(cosyvoice_pb2, cosyvoice_pb2_grpc)`` generated by protoc from the official file (or the project's)."""
+    from grpc_tools import protoc
+
+    tmp = tmp_path_factory.mktemp("stubs")
+    proto = official_proto(tmp) or PROTO
+    out = tmp / "gen"
+    out.mkdir()
+    assert protoc.main(["protoc", f"-I{proto.parent}", f"--python_out={out}", f"--grpc_python_out={out}",
+                        proto.name]) == 0
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module("cosyvoice_pb2"), importlib.import_module("cosyvoice_pb2_grpc")
+    finally:
+        sys.path.remove(str(out))
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def gateway():
+    """``(stub factory, backend, http client)``: the gateway with keys, its gRPC port on."""
+    made = []
+
+    def start(backend=None, **cfg):
+        backend = backend or FakeBackend()
+        port = _port()
+        config = GatewayConfig(grpc_port=port, api_keys=frozenset(KEYS), **cfg)
+        client = TestClient(create_app(config, backend), raise_server_exceptions=False)
+        client.__enter__()  # the lifespan: the gRPC server starts
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        made.append((client, channel))
+        return channel, backend, client
+
+    yield start
+    for client, channel in made:
+        channel.close()
+        client.__exit__(None, None, None)
+
+
+def _call(stubs, channel, request, key: str | None = "sk-a") -> bytes:
+    """The official client's call: each response's audio, concatenated."""
+    _, pb2_grpc = stubs
+    metadata = [("authorization", f"Bearer {key}")] if key else None
+    return b"".join(r.tts_audio for r in pb2_grpc.CosyVoiceStub(channel).Inference(request, metadata=metadata))
+
+
+def _refused(stubs, channel, request, code, words: str, key: str | None = "sk-a") -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stubs, channel, request, key)
+    assert err.value.code() == code, err.value.details()
+    assert words in err.value.details(), err.value.details()
+
+
+def _prompt() -> tuple[np.ndarray, bytes]:
+    """A prompt as the official client sends it: 16-bit PCM at 16 kHz, and the samples the gateway reads from it."""
+    pcm = (np.sin(np.arange(16000) / 16000 * 2 * np.pi * 200) * 8000).astype("<i2")
+    return pcm.astype(np.float32) / 32768.0, pcm.tobytes()
+
+
+def test_the_four_requests_reach_the_backend_and_answer_its_audio(stubs, gateway):
+    pb2, _ = stubs
+    channel, backend, http = gateway()
+    want = gw_audio.pcm16(np.concatenate([_wave(4800, k) for k in range(FakeBackend.CHUNKS)])).tobytes()
+    alice = f"t-{key_tenant('sk-a')}.alice"  # the caller tenant's voice
+    samples, pcm = _prompt()
+
+    got = _call(stubs, channel, pb2.Request(sft_request=pb2.sftRequest(spk_id="alice", tts_text="Hi.")))
+    assert got == want and backend.jobs[-1] == SpeechJob(text="Hi.", voice=alice)
+    # the same audio as the form route's
+    form = http.post("/inference_sft", data={"tts_text": "Hi.", "spk_id": "alice"},
+                     headers={"authorization": "Bearer sk-a"})
+    assert form.status_code == 200 and form.content == got and backend.jobs[-1] == backend.jobs[-2]
+
+    got = _call(stubs, channel, pb2.Request(instruct_request=pb2.instructRequest(
+        tts_text="Hi.", spk_id="alice", instruct_text="Speak slowly.")))
+    assert got == want
+    assert backend.jobs[-1] == SpeechJob(text="Hi.", voice=alice, instruct="Speak slowly.<|endofprompt|>",
+                                         mode="instruct")
+
+    requests = {"zero_shot": pb2.Request(zero_shot_request=pb2.zeroshotRequest(
+                    tts_text="Hi.", prompt_text="the prompt", prompt_audio=pcm)),
+                "cross_lingual": pb2.Request(cross_lingual_request=pb2.crosslingualRequest(
+                    tts_text="Hi.", prompt_audio=pcm))}
+    for mode, request in requests.items():
+        assert _call(stubs, channel, request) == want
+        job = backend.jobs[-1]
+        assert (job.text, job.mode, job.voice, job.reference_rate) == ("Hi.", mode, None, 16000)
+        assert job.reference_text == ("the prompt" if mode == "zero_shot" else None)
+        np.testing.assert_array_equal(job.reference_audio, samples)
+    metrics = http.get("/metrics", headers={"authorization": "Bearer sk-a"}).text
+    assert f'route="{ROUTE}"' in metrics
+
+
+@pytest.mark.parametrize("kind,fields,words", [
+    (None, {}, "request: give one of sft_request"),
+    ("sft_request", {"spk_id": "alice", "tts_text": "  "}, "sft_request.tts_text: empty text"),
+    ("sft_request", {"spk_id": "", "tts_text": "Hi."}, "sft_request.spk_id: empty speaker id"),
+    ("sft_request", {"spk_id": "a" * 60, "tts_text": "Hi."}, "sft_request.spk_id"),
+    ("zero_shot_request", {"tts_text": "Hi.", "prompt_text": "p", "prompt_audio": b"\0" * 3},
+     "zero_shot_request.prompt_audio: 3 bytes is not a whole number of 16-bit samples"),
+    ("zero_shot_request", {"tts_text": "Hi.", "prompt_audio": b"\0\0"}, "zero_shot_request.prompt_text: empty"),
+    ("cross_lingual_request", {"tts_text": "Hi."}, "cross_lingual_request.prompt_audio: empty"),
+    ("cross_lingual_request", {"tts_text": "Hi.", "prompt_audio": b"\0" * (2 * 16000 * 31)}, "at most 30 s"),
+    ("instruct_request", {"tts_text": "Hi.", "spk_id": "alice"}, "instruct_request.instruct_text: empty"),
+    ("sft_request", {"spk_id": "alice", "tts_text": "x" * 5000}, "sft_request.tts_text: 5000 characters"),
+])
+def test_bad_requests_are_invalid_argument_naming_the_field(stubs, gateway, kind, fields, words):
+    pb2, _ = stubs
+    channel, backend, _ = gateway(max_body_bytes=2 << 20)
+    kinds = {"sft_request": pb2.sftRequest, "zero_shot_request": pb2.zeroshotRequest,
+             "cross_lingual_request": pb2.crosslingualRequest, "instruct_request": pb2.instructRequest}
+    request = pb2.Request() if kind is None else pb2.Request(**{kind: kinds[kind](**fields)})
+    _refused(stubs, channel, request, grpc.StatusCode.INVALID_ARGUMENT, words)
+    assert backend.jobs == []
+
+
+def test_bytes_that_are_not_a_request_are_invalid_argument(gateway):
+    channel, backend, _ = gateway()
+    call = channel.unary_stream(ROUTE)  # no serializer: the bytes as they are
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(b"\xff\xff\xff\xff", metadata=[("authorization", "Bearer sk-a")]))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid cosyvoice.Request message" in err.value.details()
+    assert backend.jobs == []
+
+
+def test_keys_and_the_backends_refusals(stubs, gateway):
+    pb2, _ = stubs
+    channel, backend, _ = gateway()
+    sft = pb2.Request(sft_request=pb2.sftRequest(spk_id="alice", tts_text="Hi."))
+    _refused(stubs, channel, sft, grpc.StatusCode.UNAUTHENTICATED, "missing API key", key=None)
+    _refused(stubs, channel, sft, grpc.StatusCode.UNAUTHENTICATED, "invalid API key", key="sk-nope")
+    assert backend.jobs == []
+    # Triton's refusal names the voice as the caller knows it, not its stored id
+    unknown = pb2.Request(sft_request=pb2.sftRequest(spk_id="unknown", tts_text="Hi."))
+    _refused(stubs, channel, unknown, grpc.StatusCode.INVALID_ARGUMENT, "fault unknown")
+    with pytest.raises(grpc.RpcError) as err:
+        _call(stubs, channel, unknown)
+    assert "t-" not in err.value.details()
+    busy = pb2.Request(sft_request=pb2.sftRequest(spk_id="busy", tts_text="Hi."))
+    _refused(stubs, channel, busy, grpc.StatusCode.UNAVAILABLE, "speech backend")
+
+
+def test_a_call_holds_its_keys_slot_until_its_audio_is_done(stubs, gateway):
+    pb2, _ = stubs
+    backend = FakeBackend()
+    backend.hold = threading.Event()
+    channel, _, http = gateway(backend, max_concurrency_per_key=1)
+    sft = pb2.Request(sft_request=pb2.sftRequest(spk_id="alice", tts_text="Hi."))
+    out = {}
+    threads = [threading.Thread(target=lambda: out.update(a=_call(stubs, channel, sft))),
+               threading.Thread(target=lambda: out.update(b=_call(stubs, channel, sft, key="sk-b")))]
+    threads[0].start()
+    try:
+        wait_until(lambda: backend.entered == 1, "the first call in the backend")
+        _refused(stubs, channel, sft, grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent requests")
+        r = http.post("/inference_sft", data={"tts_text": "Hi.", "spk_id": "alice"},
+                      headers={"authorization": "Bearer sk-a"})
+        assert r.status_code == 429, r.text  # the HTTP routes share the key's slots
+        threads[1].start()  # another key is not held up by a's call
+        wait_until(lambda: backend.entered == 2, "the other key's call in the backend")
+    finally:
+        backend.hold.set()
+        for t in threads:
+            t.join(60)
+    assert out["a"] == out["b"] and len(out["a"]) == FakeBackend.CHUNKS * 4800 * 2
+    assert _call(stubs, channel, sft) == out["a"]  # the slot came back

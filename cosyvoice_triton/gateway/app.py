@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import shown
-from . import audio, compat, kserve_grpc, kserve_http, live_ws, official_grpc, page, voices
+from . import audio, compat, kserve_grpc, kserve_http, live_ws, model_list, official_grpc, page, voices
 from .backend import SpeechJob, TritonBackend, instruction
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body, install_handlers
@@ -39,7 +39,7 @@ from .tenants import PUBLIC, Namespace, namespace
 from .upstream import Upstream
 
 SPEECH_PATH, VOICES_PATH = "/v1/audio/speech", voices.VOICES_PATH
-ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, "/health", "/metrics", *compat.PATHS})
+ROUTES = frozenset({SPEECH_PATH, VOICES_PATH, model_list.MODELS_PATH, "/health", "/metrics", *compat.PATHS})
 
 
 class VoiceRef(BaseModel):
@@ -249,6 +249,7 @@ def create_app(config: GatewayConfig | None = None, backend=None, live=None) -> 
 
     app.include_router(compat.router(config, _streamed))
     app.include_router(voices.router(config, backend_call))
+    app.include_router(model_list.router(config))  # GET /v1/models
     app.include_router(page.router)  # GET /listen (and / redirecting to it): the page to listen
     app.include_router(kserve_http.router(upstream, config.max_json_depth, sequences))
     app.include_router(sockets.router())  # live sessions over WebSocket (the middleware passes them by)

@@ -190,6 +190,13 @@ loadtest-live: $(VENV)/.installed ## live sessions: concurrent live VC streams h
 
 bench-live: loadtest-live ## the older name of `make loadtest-live`
 
+.PHONY: bench-server-overhead
+BENCH_OVERHEAD_ARGS ?=
+bench-server-overhead: $(VENV)/.installed ## what the server adds to the library for the same chunk: the VC and TTS streams and both live models, in process and served over gRPC, p50 first / later chunk, target <= 50 ms added (DEMO_SIZE=full: the real dims, TTS first chunk <= 4 s) -> build/bench-server-overhead/$(DEMO_SIZE).json
+	$(CLI) bench-server-overhead --model-dir $(MODEL_DIR) --onnx-dir $(if $(filter full,$(DEMO_SIZE)),build/onnx-full,build/onnx) \
+		--work-dir build/bench-server-overhead/$(DEMO_SIZE) --json build/bench-server-overhead/$(DEMO_SIZE).json \
+		--server-arg=--backend-config=python,stub-timeout-seconds=600 $(BENCH_OVERHEAD_ARGS)
+
 .PHONY: loadtest-rollout rollout-demo
 loadtest-rollout: $(VENV)/.installed ## a rollout under Locust load: stage v2, canary 10/50/100%, rollback, stage + promote (tiny, CPU) -> build/loadtest/rollout/report.md
 	$(CLI) loadtest-rollout $(ROLLOUT_ARGS)

@@ -62,6 +62,9 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "bench-prompt-cache": ("the prompt cache on and off, in process and served",
                            "cosyvoice_triton.bench.prompt_cache:main",
                            "bench-prompt-cache --model-dir models/cosyvoice2-demo-tiny"),
+    "bench-server-overhead": ("what the server adds to the library for the same chunk: the four streaming models "
+                              "in process and served", "cosyvoice_triton.bench.server_overhead:main",
+                              "bench-server-overhead --model-dir models/cosyvoice2-demo-tiny --rounds 5"),
     "bench-lm-kernels": ("the LM's Linear layers in INT8 through PyTorch, onnxruntime and OpenVINO: speed and quality",
                          "cosyvoice_triton.bench.lm_kernels:main",
                          "bench-lm-kernels --model-dir models/cosyvoice2-demo-full --threads 2"),

@@ -18,7 +18,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-peer gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -87,6 +87,10 @@ bench-tts: $(VENV)/.installed ## LM prefill / first token / decode tokens/s at b
 
 bench-lm-kernels: $(VENV)/.installed ## the LM's trunk Linears in INT8 through PyTorch, onnxruntime (and OpenVINO if installed: pip install -e ".[openvino]"): ms per step, tokens/s ceiling, distance from fp32
 	$(CLI) bench-lm-kernels --model-dir models/cosyvoice2-demo-full --threads 2
+
+BENCH_NEIGHBOUR_ARGS ?=
+bench-neighbour: $(VENV)/.installed ## the first streamed TTS chunk (tiny, in process) beside one busy process per CPU: torch's default threads and spinning against the library's choice, interleaved rounds -> build/bench-neighbour.json
+	$(CLI) bench-neighbour --model-dir models/cosyvoice2-demo-tiny --json build/bench-neighbour.json $(BENCH_NEIGHBOUR_ARGS)
 
 bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim / prompt denoise (5 s source + 3 s prompt)
 	$(CLI) bench-preprocess

@@ -3,7 +3,7 @@
 in process:   demo-model, vc, tts, speaker, bench, bench-preprocess
 served:       serve, demo, supervise, render, gateway, client, rollout
 measured:     loadtest, loadtest-live, loadtest-rollout, soak, bench-tts, bench-peer, bench-gpu, bench-incremental,
-              bench-schedule, bench-prompt-cache
+              bench-schedule, bench-prompt-cache, bench-neighbour
 exported:     export-onnx, quantize, quality, engines, convert-llm
 
 examples:
@@ -14,7 +14,8 @@ examples:
   cosyvoice-triton loadtest --config tiny --mode tts
   cosyvoice-triton export-onnx --model-dir models/cosyvoice2-demo-tiny --out build/onnx/fp32
 
-``cosyvoice-triton COMMAND --help`` shows each command's options.
+``cosyvoice-triton COMMAND --help`` shows each command's options. The commands that compute in this process choose
+their threads from the free cores unless told (--threads, COSYVOICE_THREADS; cosyvoice_triton.threads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from pathlib import Path
 from .commands import PASSTHROUGH, add_passthrough
 from .commands import run as run_passthrough
 from .errors import CosyVoiceError
+from .threads import prepare_environment
+
+#: commands that compute with torch in this process (or its workers): the OpenMP wait policy is set before torch loads
+IN_PROCESS = {"vc", "tts", "speaker", "bench", "bench-preprocess"}
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
@@ -40,14 +45,11 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 
 def _cmd_vc(args: argparse.Namespace) -> int:
     import soundfile as sf
-    import torch
 
     from .pipeline import CosyVoice2, StageTimer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = CosyVoice2.from_pretrained(args.model_dir, device=args.device)
+    model = CosyVoice2.from_pretrained(args.model_dir, device=args.device, threads=args.threads or None)
     load_s = time.perf_counter() - t0
     timer = StageTimer()
     t0 = time.perf_counter()
@@ -68,15 +70,13 @@ def _cmd_vc(args: argparse.Namespace) -> int:
 def _cmd_tts(args: argparse.Namespace) -> int:
     import numpy as np
     import soundfile as sf
-    import torch
 
     from .pipeline import CosyVoice2, StageTimer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
     t0 = time.perf_counter()
-    model = CosyVoice2.from_pretrained(args.model_dir, device=args.device, tts=True, speaker_dir=args.speaker_dir)
+    model = CosyVoice2.from_pretrained(args.model_dir, device=args.device, tts=True, speaker_dir=args.speaker_dir,
+                                       threads=args.threads or None)
     load_s = time.perf_counter() - t0
     timer = StageTimer()
     sr = model.config.sample_rate
@@ -162,7 +162,8 @@ def _cmd_bench_preprocess(args: argparse.Namespace) -> int:
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: COSYVOICE_THREADS, else chosen from the free cores)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model-dir", required=True)
     b.add_argument("--source", default=None, help="default: the bundled 5 s sample")
     b.add_argument("--prompt", default=None, help="default: the bundled 3 s sample")
-    b.add_argument("--threads", type=int, default=0)
+    b.add_argument("--threads", type=int, default=0, help="0: COSYVOICE_THREADS, else chosen from the free cores")
     b.add_argument("--repeats", type=int, default=2, help="timed runs after one warm-up")
     b.set_defaults(func=_cmd_bench)
 
@@ -241,10 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in PASSTHROUGH:  # its own parser reads the rest, --help included
+        if argv[0].startswith("bench-"):
+            prepare_environment()
         return run_passthrough(PASSTHROUGH[argv[0]][1], argv[1:], prog=argv[0])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in IN_PROCESS:
+        prepare_environment(getattr(args, "threads", 0) or None)
     try:
         return args.func(args)
     except CosyVoiceError as exc:

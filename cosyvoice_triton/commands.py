@@ -62,6 +62,9 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "bench-prompt-cache": ("the prompt cache on and off, in process and served",
                            "cosyvoice_triton.bench.prompt_cache:main",
                            "bench-prompt-cache --model-dir models/cosyvoice2-demo-tiny"),
+    "bench-neighbour": ("the first streamed TTS chunk beside busy processes: torch's default threads against the "
+                        "library's choice", "cosyvoice_triton.bench.neighbour:main",
+                        "bench-neighbour --neighbours 2 --rounds 5 --json build/bench-neighbour.json"),
     "bench-server-overhead": ("what the server adds to the library for the same chunk: the four streaming models "
                               "in process and served", "cosyvoice_triton.bench.server_overhead:main",
                               "bench-server-overhead --model-dir models/cosyvoice2-demo-tiny --rounds 5"),

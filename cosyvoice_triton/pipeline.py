@@ -34,6 +34,7 @@ from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speaker_state import SpeakerState
 from .speakers import SpeakerPrompt, SpeakerStore
 from .streaming import MEL_CACHE, StreamSchedule, stream_chunk_ends, stream_chunks
+from .threads import ThreadChoice, configure
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class CosyVoice2:
             self.speaker_state.follow(self.speakers)
         self._tts_dir: Path | None = None  # from_pretrained: where to load the LM from on first use
         self.lm_precision = "fp32"  # of the LM that from_pretrained loads (cosyvoice_triton.models.lm_quant)
+        #: the threads and spinning from_pretrained chose (:mod:`~.threads`); None for a model built directly
+        self.thread_choice: ThreadChoice | None = None
         #: the streaming hops of token2wav_stream / tokens2wav_stream / tts_stream (default: the official ones)
         self.stream_schedule = StreamSchedule(chunk=config.flow.encoder.static_chunk_size)
         self.prompt_cache = prompt_cache
@@ -123,7 +126,8 @@ class CosyVoice2:
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
                         tts: bool | None = None, speaker_dir: str | Path | None = None,
                         prompt_cache: PromptCache | bool = True, lm_precision: str = "fp32",
-                        stream_schedule: StreamSchedule | None = None) -> CosyVoice2:
+                        stream_schedule: StreamSchedule | None = None, threads: int | None = None,
+                        spinning: bool | None = None) -> CosyVoice2:
         """Load an official CosyVoice2 model folder (or a demo folder of the same layout).
 
         ``tts``: the LM and the text front end (``llm.pt``, ``CosyVoice-BlankEN/``): ``None`` loads them on the first
@@ -131,7 +135,10 @@ class CosyVoice2:
         loads them now, ``False`` never. ``speaker_dir``: where registered speakers persist. ``prompt_cache``: a
         :class:`~.prompt_cache.PromptCache`, ``True`` for a new one with its default bounds, ``False`` for none.
         ``lm_precision``: ``fp32``, ``int8`` or ``fp32-ort`` (:mod:`~.models.lm_quant`, CPU). ``stream_schedule``:
-        the streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: the official ones).
+        the streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: the official ones). ``threads`` /
+        ``spinning``: torch's intra-op threads and whether idle pool threads spin; ``None``: ``COSYVOICE_THREADS``,
+        ``OMP_NUM_THREADS`` or a count set with ``torch.set_num_threads``, else chosen from the free cores
+        (:mod:`~.threads`; the choice is :attr:`thread_choice`).
         """
         from .models.lm_quant import LM_PRECISIONS
 
@@ -145,6 +152,7 @@ class CosyVoice2:
             raise CheckpointError(f"{model_dir}: missing {', '.join(missing)} (a CosyVoice2 folder has "
                                   f"{', '.join(MODEL_FILES)})")
         config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
+        choice = configure(threads, spinning)
 
         flow = load_flow(model_dir / "flow.pt", config.flow)
 
@@ -153,8 +161,9 @@ class CosyVoice2:
         load_into(hift, normalize_keys(read_state_dict(path)), path)
         hift.fold_weight_norm()
 
-        tokenizer = SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", intra_op_threads=onnx_threads)
-        speaker = SpeakerEncoder(model_dir / "campplus.onnx", intra_op_threads=onnx_threads)
+        tokenizer = SpeechTokenizer(model_dir / "speech_tokenizer_v2.onnx", intra_op_threads=onnx_threads,
+                                    spinning=choice.spinning)
+        speaker = SpeakerEncoder(model_dir / "campplus.onnx", intra_op_threads=onnx_threads, spinning=choice.spinning)
         features.mel_basis(config.mel)  # build the filter banks (and librosa's lazy imports) now, not per call
         features.whisper_mel_filters(128)
         missing_tts = [name for name in TTS_FILES if not (model_dir / name).is_file()]
@@ -165,6 +174,7 @@ class CosyVoice2:
         model = cls(config, flow, hift, tokenizer, speaker, device=device, speakers=SpeakerStore(speaker_dir),
                     prompt_cache=prompt_cache)
         model.lm_precision = lm_precision
+        model.thread_choice = choice
         if stream_schedule is not None:
             model.stream_schedule = model._schedule(stream_schedule)
         if not missing_tts and tts is not False:

@@ -13,16 +13,15 @@ import statistics
 import time
 
 import numpy as np
-import torch
 
 from ..models.incremental import cache_bytes_per_frame
 from ..pipeline import CosyVoice2, StageTimer, VCInputs
+from ..threads import configure
 
 
 def run(model_dir: str, *, tokens: int = 125, prompt_tokens: int = 75, rounds: int = 3, threads: int | None = None
         ) -> dict:
-    if threads:
-        torch.set_num_threads(threads)
+    configure(threads or None)
     model = CosyVoice2.from_pretrained(model_dir, tts=False)
     rng = np.random.default_rng(0)
     inputs = VCInputs(source_tokens=rng.integers(0, 6561, tokens).astype(np.int32),

@@ -322,7 +322,8 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
     if side == "library":
         from ..pipeline import CosyVoice2, StageTimer
 
-        model = CosyVoice2.from_pretrained(ns.model_dir, onnx_threads=ns.threads, tts=False)
+        model = CosyVoice2.from_pretrained(ns.model_dir, onnx_threads=ns.threads, tts=False,
+                                           threads=ns.threads)
         inputs_path = out_dir / "inputs.npz"
         if not inputs_path.is_file():
             x = model.frontend_vc(ns.source, ns.prompt)

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..config import LLMConfig, ModelConfig
+from ..threads import configure
 from .first_chunk import bench_first_chunk, first_chunk_lines
 
 TOKEN_RATE = 25  # speech tokens per second of audio
@@ -398,8 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.decode_tokens < 2 or args.repeats < 1:
         ap.error("--decode-tokens must be >= 2 and --repeats >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure(args.threads or None)
     batches = tuple(int(b) for b in args.batches.split(","))
     precisions = [p for p in args.lm_precisions.split(",") if p]
     if not precisions or set(precisions) - {"fp32", "fp32-ort", "int8"} or precisions[0] != "fp32":

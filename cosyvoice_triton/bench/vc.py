@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..frontend import audio
 from ..pipeline import CosyVoice2, StageTimer
 from ..resources import path as resource_path
+from ..threads import configure
 
 FIXTURES = resource_path("tests/fixtures")
 STAGES = ("frontend", "tokenizer", "speaker_embedding", "flow.encoder", "flow.solver", "hift")
@@ -56,8 +57,7 @@ def run_core_bench(model_dir: str | Path, *, source: str | None = None, prompt: 
                    threads: int = 0, repeats: int = 2, out_json: str | Path = "build/bench-core.json") -> dict:
     if repeats < 1:
         raise ValueError(f"bench: repeats must be at least 1 (timed runs after the warm-up), got {repeats}")
-    if threads:
-        torch.set_num_threads(threads)
+    configure(threads or None)
     source = source or str(FIXTURES / "source_en_5s.wav")
     prompt = prompt or str(FIXTURES / "prompt_en_3s.wav")
     print(f"bench-core: model {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -146,8 +146,7 @@ def run_preprocess_bench(model_dir: str | Path | None = None, *, source: str | N
 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"bench-preprocess: need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    if threads:
-        torch.set_num_threads(threads)
+    configure(threads or None)
     config = ModelConfig.from_yaml(Path(model_dir) / "cosyvoice2.yaml") if model_dir else ModelConfig.full()
     source = source or str(FIXTURES / "source_en_5s.wav")
     prompt = prompt or str(FIXTURES / "prompt_en_3s.wav")

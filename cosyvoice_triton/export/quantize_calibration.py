@@ -25,6 +25,7 @@ from onnxruntime.quantization import CalibrationDataReader
 
 from ..hashing import file_sha256
 from ..shapes import GRAPHS
+from ..threads import ort_spinning
 from .quantize_rules import CALIBRATION_METHODS, N_TIMESTEPS, QDQ_OP_TYPES, QUANTIZED_GRAPHS
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def session(model: onnx.ModelProto | str | Path | bytes, threads: int = 1, *, pr
     opts.log_severity_level = 3
     opts.intra_op_num_threads = int(threads)
     opts.inter_op_num_threads = 1
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    ort_spinning(opts, spin)
     if profile:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile
@@ -209,14 +210,11 @@ def estimator_feed(x, mask, mu, t, spks, cond, streaming) -> dict[str, np.ndarra
 
 def load_pipeline(model_dir: str | Path, threads: int = 0):
     """``CosyVoice2.from_pretrained`` with quiet stand-in warnings and the given torch thread count."""
-    import torch
 
     from ..pipeline import CosyVoice2
 
-    if threads:
-        torch.set_num_threads(threads)
     logging.getLogger("cosyvoice_triton.frontend.speech_models").setLevel(logging.ERROR)
-    return CosyVoice2.from_pretrained(model_dir)
+    return CosyVoice2.from_pretrained(model_dir, threads=threads or None)
 
 
 def collect_feeds(model, n: int = 50, *, split: str = "calibration", seed: int = 0, steps_per_utterance: int = 3,

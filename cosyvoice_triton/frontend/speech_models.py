@@ -31,6 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import AudioError, CheckpointError
+from ..threads import ort_spinning
 from .features import pad_batch
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ def speech_token_count(mel_frames: int | np.ndarray) -> int | np.ndarray:
 # --------------------------------------------------------------------------------- session helpers
 
 
-def _open_session(path: str | Path, what: str, intra_op_threads: int, providers: Sequence[Any] | None):
+def _open_session(path: str | Path, what: str, intra_op_threads: int, providers: Sequence[Any] | None,
+                  spinning: bool = False):
     import onnxruntime as ort
 
     path = Path(path)
@@ -110,6 +112,7 @@ def _open_session(path: str | Path, what: str, intra_op_threads: int, providers:
     options.intra_op_num_threads = int(intra_op_threads)
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    ort_spinning(options, spinning)  # idle intra-op threads spin only when told (cosyvoice_triton.threads)
     try:
         return ort.InferenceSession(
             str(path), sess_options=options, providers=list(providers or ["CPUExecutionProvider"])
@@ -162,11 +165,12 @@ def _check_signature(
 
 
 def _open_checked(path: Path, filename: str, inputs: tuple[TensorSpec, ...], outputs: tuple[TensorSpec, ...],
-                  intra_op_threads: int, providers: Sequence[Any] | None, produces: str) -> tuple[Any, str | None]:
+                  intra_op_threads: int, providers: Sequence[Any] | None, produces: str,
+                  spinning: bool = False) -> tuple[Any, str | None]:
     """Open an official graph, check its signature and read its stand-in note (logged as a warning).
 
     Returns ``(session, note)``; ``note`` is None for a real model."""
-    session = _open_session(path, filename, intra_op_threads, providers)
+    session = _open_session(path, filename, intra_op_threads, providers, spinning)
     _check_signature(path, session, inputs, outputs, filename)
     note = _standin_note(session)
     if note:
@@ -233,6 +237,7 @@ class SpeechTokenizer:
         path: str | Path,
         *,
         intra_op_threads: int = 1,
+        spinning: bool = False,
         providers: Sequence[Any] | None = None,
         batching: Batching = "auto",
         max_batch_size: int = 16,
@@ -246,7 +251,8 @@ class SpeechTokenizer:
         self.max_batch_size = int(max_batch_size)
         self.max_frames = max_frames
         self.session, self.standin = _open_checked(self.path, TOKENIZER_FILENAME, TOKENIZER_INPUTS,
-                                                   TOKENIZER_OUTPUTS, intra_op_threads, providers, "tokens")
+                                                   TOKENIZER_OUTPUTS, intra_op_threads, providers, "tokens",
+                                                   spinning)
         feats_arg, length_arg = self.session.get_inputs()
         dynamic = _dynamic_batch(feats_arg) and _dynamic_batch(length_arg)
         if batching == "always" and not dynamic:
@@ -356,6 +362,7 @@ class SpeakerEncoder:
         path: str | Path,
         *,
         intra_op_threads: int = 1,
+        spinning: bool = False,
         providers: Sequence[Any] | None = None,
         batching: Literal["auto", "never"] = "auto",
         max_batch_size: int = 16,
@@ -369,7 +376,8 @@ class SpeakerEncoder:
         self.max_batch_size = int(max_batch_size)
         self.subtract_mean = bool(subtract_mean)
         self.session, self.standin = _open_checked(self.path, CAMPPLUS_FILENAME, CAMPPLUS_INPUTS,
-                                                   CAMPPLUS_OUTPUTS, intra_op_threads, providers, "embeddings")
+                                                   CAMPPLUS_OUTPUTS, intra_op_threads, providers, "embeddings",
+                                                   spinning)
         self.batched = batching == "auto" and _dynamic_batch(self.session.get_inputs()[0])
 
     def _run(self, feats: np.ndarray) -> np.ndarray:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..threads import ort_spinning
 
 __all__ = ["PRECISION", "OrtKernel", "OrtLinear", "linear_model", "ort_linears", "ort_lm"]
 
@@ -115,7 +116,7 @@ class OrtKernel:
         w = np.ascontiguousarray(weight.T)  # [in, out]: a copy this object owns
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = self.threads, 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        ort_spinning(options, spinning)
         value = ort.OrtValue.ortvalue_from_numpy(w)
         options.add_external_initializers(["w"], [value])
         model = linear_model(self.in_features, self.out_features, None if bias is None else np.asarray(bias))

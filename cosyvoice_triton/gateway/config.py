@@ -45,6 +45,7 @@ class GatewayConfig:
     live_idle_s: float = 30.0
     live_max_pending: int = 16
     live_max_piece_s: float = 5.0
+    live_min_piece_ms: float = 100.0  # shorter audio frames are gathered into one piece (one request to Triton)
     max_body_bytes: int = 10 * 1024 * 1024  # base64 reference audio included
     max_json_depth: int = 16
     max_input_chars: int = 4096  # OpenAI's limit; the server's own max_text_chars may be lower
@@ -139,7 +140,9 @@ def parser() -> argparse.ArgumentParser:
             ("live_max_pending", int, "pieces of a live WebSocket session waiting to go on to Triton; one more cuts "
                                       "the session (input_overrun)"),
             ("live_max_piece_s", float, "the longest audio piece (binary frame) of a live voice conversion session, "
-                                        "in seconds; keep it at most the live model's max_piece_seconds")):
+                                        "in seconds; keep it at most the live model's max_piece_seconds"),
+            ("live_min_piece_ms", float, "audio frames of a live voice conversion session shorter than this are "
+                                         "gathered into one piece before they go on to Triton; 0: each frame alone")):
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, getattr(d, name))), help=text)
     p.add_argument("--max-body-bytes", type=int, default=int(_env("max_body_bytes", d.max_body_bytes)))
     p.add_argument("--max-json-depth", type=int, default=int(_env("max_json_depth", d.max_json_depth)))
@@ -206,7 +209,7 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          max_sequences=args.max_sequences, max_sequences_per_tenant=args.max_sequences_per_tenant,
                          sequence_idle_s=args.sequence_idle_s, live_sessions_per_tenant=shares,
                          live_idle_s=args.live_idle_s, live_max_pending=args.live_max_pending,
-                         live_max_piece_s=args.live_max_piece_s,
+                         live_max_piece_s=args.live_max_piece_s, live_min_piece_ms=args.live_min_piece_ms,
                          max_json_depth=args.max_json_depth, max_input_chars=args.max_input_chars,
                          max_concurrency_per_key=args.max_concurrency_per_key, rate_limit=args.rate_limit or None,
                          max_in_flight=args.max_in_flight, max_queue_s=args.max_queue_s,

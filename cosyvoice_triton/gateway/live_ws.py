@@ -15,7 +15,8 @@ The key comes as ``Authorization: Bearer`` or, from a browser (which cannot set 
 subprotocol ``bearer.<key>`` offered beside :data:`SUBPROTOCOL`. A session is one request of its key for the
 concurrency and rate limits, for as long as it is open. Bounds: at most ``live_max_pending`` pieces wait to go on
 to Triton (one more cuts the session: ``input_overrun``), a piece of at most ``live_max_piece_s`` seconds of audio
-(VC) or ``max_input_chars`` characters (TTS), the start within ``header_timeout_s``, the input idle at most
+(VC: shorter frames than ``live_min_piece_ms`` are gathered into one piece) or ``max_input_chars`` characters
+(TTS), the start within ``header_timeout_s``, the input idle at most
 ``live_idle_s`` until ``input.end``. When the socket goes away (closed, cut, or cut here), the session's end goes
 to Triton and what is left is cancelled (:meth:`AsyncLiveClient._run`'s close), then its id and slot are freed."""
 
@@ -232,7 +233,10 @@ class LiveSockets:
 
     async def serve(self, ws: WebSocket, kind: str) -> None:
         model = VC_LIVE_MODEL if kind == "vc" else TTS_LIVE_MODEL
-        await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in ws.scope.get("subprotocols", ()) else None)
+        try:
+            await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in ws.scope.get("subprotocols", ()) else None)
+        except (WebSocketDisconnect, RuntimeError, OSError):  # gone before the handshake's answer
+            return
         sender = _Sender(ws)
         reason = "done"
         try:
@@ -250,6 +254,9 @@ class LiveSockets:
             await sender.fail(exc)
         except _ClientGone:
             reason = "client_gone"
+        except asyncio.CancelledError:  # the server stops (its session was ended upstream on the way out)
+            reason = "cancelled"
+            raise
         except Exception:  # a fault of the gateway's: this session ends, others go on
             log.exception("live session failed")
             reason = "internal_error"
@@ -318,7 +325,7 @@ class LiveSockets:
                 "max_pending": config.live_max_pending, "idle_timeout_s": config.live_idle_s}
         if kind == "vc":
             info.update(input={"sample_rate": start.sample_rate, "sample_format": start.sample_format},
-                        max_piece_seconds=config.live_max_piece_s)
+                        max_piece_seconds=config.live_max_piece_s, min_piece_ms=config.live_min_piece_ms)
         else:
             info.update(max_piece_chars=config.max_input_chars)
         await sender.event({"type": "session.started", "session": info})
@@ -380,6 +387,8 @@ class LiveSockets:
         the socket (a piece after the end is refused)."""
         config, ended = self.config, False
         dtype = SAMPLE_FORMATS[getattr(start, "sample_format", "f32le")]
+        rate = getattr(start, "sample_rate", 0)
+        gather = _Gather(round(config.live_min_piece_ms / 1000.0 * rate), int(config.live_max_piece_s * rate))
         while True:
             message = await self._receive(ws, None if ended else config.live_idle_s,
                                           "input (a piece or input.end)")
@@ -390,20 +399,21 @@ class LiveSockets:
                 if kind != "vc":
                     raise LiveError("text_expected", "this session takes JSON text messages (input.text, "
                                     "input.end), not binary frames")
-                piece = self._samples(data, dtype, start.sample_rate)
+                ready = gather.add(self._samples(data, dtype, rate))
             else:
                 body = self._control(kind, text or "")
                 if body["type"] == "input.end":
-                    piece, ended = _END, True
+                    ready, ended = [*gather.flush(), _END], True
                 else:
-                    piece = body["text"]
-            if isinstance(piece, str | np.ndarray) and not len(piece):
-                continue  # an empty piece: nothing to send
-            try:
-                pending.put_nowait(piece)
-            except asyncio.QueueFull:
-                raise LiveError("input_overrun", f"{config.live_max_pending} pieces are waiting to be converted, "
-                                "the most kept: send the input at real time (or slower)") from None
+                    ready = [body["text"]]
+            for piece in ready:
+                if piece is not _END and not len(piece):
+                    continue  # an empty piece: nothing to send
+                try:
+                    pending.put_nowait(piece)
+                except asyncio.QueueFull:
+                    raise LiveError("input_overrun", f"{config.live_max_pending} pieces are waiting to be "
+                                    "converted, the most kept: send the input at real time (or slower)") from None
 
     def _samples(self, data: bytes, dtype: np.dtype, rate: int) -> np.ndarray:
         if len(data) % dtype.itemsize:
@@ -447,6 +457,32 @@ class LiveSockets:
         elif set(body) != {"type"}:
             raise LiveError("invalid_message", "input.end carries nothing but its type")
         return body
+
+
+class _Gather:
+    """Audio frames gathered into pieces of at least ``least`` samples (a browser's audio callbacks give a few ms
+    each; one piece is one request to Triton), never over ``most``; a frame of ``least`` or more goes on alone
+    when nothing waits. What goes on depends on the frames only, never on their timing."""
+
+    def __init__(self, least: int, most: int):
+        self.least, self.most, self.parts, self.size = max(0, least), most, [], 0
+
+    def _take(self) -> np.ndarray:
+        piece = self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
+        self.parts, self.size = [], 0
+        return piece
+
+    def add(self, frame: np.ndarray) -> list[np.ndarray]:
+        """The pieces ready once ``frame`` has come."""
+        out = [self._take()] if self.size and self.size + len(frame) > self.most else []
+        self.parts.append(frame)
+        self.size += len(frame)
+        if self.size >= self.least:
+            out.append(self._take())
+        return out
+
+    def flush(self) -> list[np.ndarray]:
+        return [self._take()] if self.size else []
 
 
 def _live_error(exc: VCError) -> LiveError:

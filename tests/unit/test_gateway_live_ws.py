@@ -153,6 +153,36 @@ def test_vc_session_converts_binary_pieces_and_ends_cleanly():
     assert _metric(app, "cosyvoice_gateway_sequences") == 0
 
 
+def test_short_frames_are_gathered_into_pieces_by_their_samples_alone():
+    live = FakeLive()
+    client, _ = _app(live)
+    frames = [_pcm(320, k) for k in range(10)] + [_pcm(100, 10)]  # 20 ms frames (a browser's), then a short tail
+    with client, client.websocket_connect(VC_LIVE_PATH, **_auth()) as ws:
+        ws.send_json(VC_START)
+        assert _started(ws)["min_piece_ms"] == 100
+        for f in frames:
+            ws.send_bytes(f.tobytes())
+        ws.send_json({"type": "input.end"})
+        _, out, close = _events_until_close(ws)
+    assert close == 1000
+    assert [len(p) for p in live.sessions[0]["pieces"]] == [1600, 1600, 100]  # 100 ms at 16 kHz, the rest at the end
+    np.testing.assert_array_equal(np.concatenate([np.frombuffer(f, "<f4") for f in out]),
+                                  np.concatenate(frames).astype(np.float32) / 32768.0)
+
+
+def test_a_gathered_piece_never_passes_the_longest():
+    from cosyvoice_triton.gateway.live_ws import _Gather
+
+    g = _Gather(least=2400, most=3200)
+    a, b, c = np.zeros(1000), np.ones(3000), np.full(2500, 2.0)
+    assert g.add(a) == []
+    first, second = g.add(b)  # 1000 + 3000 would pass 3200: the 1000 go on first, then the 3000 alone
+    assert len(first) == 1000 and len(second) == 3000 and g.flush() == []
+    (alone,) = g.add(c)
+    assert alone is c
+    assert [len(x) for x in _Gather(0, 10).add(np.zeros(3))] == [3]  # no gathering
+
+
 def test_tts_session_speaks_text_deltas_as_audio_delta_events():
     live = FakeLive()
     client, _ = _app(live)
@@ -365,15 +395,12 @@ def test_a_client_that_leaves_frees_its_session_upstream_and_here():
             ws.receive_bytes()
             assert _metric(app, "cosyvoice_gateway_live_sessions", model="cosyvoice_vc_live") == 1
             assert _metric(app, "cosyvoice_gateway_sequences") == 1
-        # the socket closed without input.end
-        deadline = time.monotonic() + 5
-        while live.sessions[0]["state"] == "open" and time.monotonic() < deadline:
-            time.sleep(0.02)
+            ws.close(1001)  # the socket closes without input.end (the test client then cancels the handler)
+            deadline = time.monotonic() + 30
+            while not _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model="cosyvoice_vc_live",
+                              reason="client_gone") and time.monotonic() < deadline:
+                time.sleep(0.02)
         assert live.sessions[0]["state"] == "closed"
-        deadline = time.monotonic() + 5
-        while not _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model="cosyvoice_vc_live",
-                          reason="client_gone") and time.monotonic() < deadline:
-            time.sleep(0.02)
         assert _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model="cosyvoice_vc_live",
                        reason="client_gone") == 1
         assert _metric(app, "cosyvoice_gateway_live_sessions", model="cosyvoice_vc_live") == 0

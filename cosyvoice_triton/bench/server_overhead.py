@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ class Run:
         """A stream's latencies: the first chunk from ``t0``, each later one from the chunk before."""
         if not arrivals:
             raise CosyVoiceError("the stream answered no chunk")
-        return cls(arrivals[0] - t0, list(np.diff(arrivals)), chunks, **kw)
+        return cls(arrivals[0] - t0, [float(x) for x in np.diff(arrivals)], chunks, **kw)
 
     @classmethod
     def from_latencies(cls, latencies: list[float], chunks: list[np.ndarray]) -> Run:
@@ -306,7 +306,7 @@ def compare(served: Run, local: Run) -> tuple[bool, float]:
     if [len(c) for c in served.chunks] != [len(c) for c in local.chunks]:
         return False, math.inf
     err = max((_rel_err(a, b) for a, b in zip(served.chunks, local.chunks, strict=True)), default=0.0)
-    return err <= CHUNK_BAR, err
+    return bool(err <= CHUNK_BAR), err
 
 
 def _finite(x: float) -> float | None:
@@ -333,7 +333,7 @@ def summarize(model: str, local: list[Run], served: list[Run], errors: list[floa
     added_later = _diff(sides["served"]["later_chunk_p50_s"], sides["in_process"]["later_chunk_p50_s"])
     added = max((x for x in (added_first, added_later) if x is not None), default=None)
     out = {**sides, "added_first_chunk_s": added_first, "added_later_chunk_s": added_later, "added_s": added,
-           "target_s": TARGET_ADDED_S, "target_met": added is not None and added <= TARGET_ADDED_S,
+           "target_s": TARGET_ADDED_S, "target_met": bool(added is not None and added <= TARGET_ADDED_S),
            "equal": equal, "max_rel_err": _finite(max(errors, default=math.inf)), "bar": CHUNK_BAR}
     breakdowns = [r.breakdown for r in local if r.breakdown]
     if breakdowns:
@@ -427,7 +427,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     tts = report["models"][TTS_STREAM]
     first = tts["served"]["first_chunk_p50_s"]
     report["tts_first_chunk"] = {"served_p50_s": first, "target_s": TARGET_TTS_FIRST_CHUNK_S,
-                                 "target_met": first is not None and first <= TARGET_TTS_FIRST_CHUNK_S,
+                                 "target_met": bool(first is not None and first <= TARGET_TTS_FIRST_CHUNK_S),
                                  "breakdown_p50": tts.get("breakdown_p50")}
     return report
 
@@ -473,8 +473,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _jsonable(report: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(report, default=lambda x: asdict(x) if hasattr(x, "__dataclass_fields__")
-                                 else float(x)))
+    """numpy scalars as Python numbers and bools."""
+    return json.loads(json.dumps(report, default=lambda x: x.item() if hasattr(x, "item") else str(x)))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,7 @@
 in process:   demo-model, vc, tts, speaker, bench, bench-preprocess
 served:       serve, demo, supervise, render, gateway, client, rollout
 measured:     loadtest, loadtest-live, loadtest-rollout, soak, bench-tts, bench-peer, bench-gpu, bench-incremental,
-              bench-schedule, bench-prompt-cache, bench-neighbour
+              bench-schedule, bench-prompt-cache, bench-neighbour, bench-server-overhead
 exported:     export-onnx, quantize, quality, engines, convert-llm
 
 examples:

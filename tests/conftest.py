@@ -249,6 +249,20 @@ def served(repo: Path, **server_kw):
         server.stop()
 
 
+@contextlib.contextmanager
+def live_models_served(serving_assets, folder: Path, **render_kw):
+    """The local flavor rendered into ``folder`` with both live models (``cosyvoice_vc_live``,
+    ``cosyvoice_tts_live``; ``render_kw``: more of the render's settings), served until the end."""
+    from cosyvoice_triton.serving.repository import render_repository
+
+    repo = folder / "model_repository"
+    report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
+                               onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=5000, **render_kw)
+    assert {"cosyvoice_vc_live", "cosyvoice_tts_live"} <= set(report.models), report.models
+    with served(repo) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def triton_server(serving_assets):
     """The local-flavor repository served by the nvidia-pytriton wheel's tritonserver, once per session."""
@@ -345,11 +359,16 @@ def gateway_running(argv: list[str], log: Path, http: str):
 
 
 @contextlib.contextmanager
-def gateway_process(triton_server, log: Path, *args: str):
+def gateway_process(triton_server, log: Path, *args: str, tenants: dict[str, str] | None = None):
     """``python -m cosyvoice_triton.gateway`` in front of ``triton_server`` (both its ports), on free ports, until
-    its ``/health`` answers 200; stopped at the end."""
+    its ``/health`` answers 200; stopped at the end. ``tenants``: tenant -> key, written to a keys file beside
+    ``log`` (``--api-key-file``)."""
     from cosyvoice_triton.serving.launch.server import free_ports
 
+    if tenants:
+        keys = log.parent / "keys"
+        keys.write_text("".join(f"{tenant}:{key}\n" for tenant, key in tenants.items()))
+        args = ("--api-key-file", str(keys), *args)
     port, grpc_port = free_ports(2)
     urls = GatewayUrls(f"127.0.0.1:{port}", f"127.0.0.1:{grpc_port}")
     with gateway_running(["-m", "cosyvoice_triton.gateway", "--triton-grpc", triton_server.grpc_url, "--triton-http",

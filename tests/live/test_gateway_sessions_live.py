@@ -22,7 +22,16 @@ import urllib.request
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, http_post, rel_err, served, wait_until
+from conftest import (
+    FIXTURES,
+    PATIENCE_S,
+    PATIENT_TEST_S,
+    gateway_process,
+    http_post,
+    live_models_served,
+    rel_err,
+    wait_until,
+)
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
@@ -39,23 +48,15 @@ NEVER = {4242: 4243, "shared-session": "never-opened"}
 @pytest.fixture(scope="module")
 def server(serving_assets, tmp_path_factory):
     """Both live models; the text of a live TTS session may pause 30 s (B waits while A tries its id)."""
-    from cosyvoice_triton.serving.repository import render_repository
-
-    repo = tmp_path_factory.mktemp("sessions") / "model_repository"
-    report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
-                               onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=5000,
-                               live_text_timeout_s=30.0)
-    assert VC in report.models and TTS in report.models
-    with served(repo) as s:
+    with live_models_served(serving_assets, tmp_path_factory.mktemp("sessions"), live_text_timeout_s=30.0) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def gateway(server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("sessions_gateway")
-    (folder / "keys").write_text(f"tenant_a:{KEY_A}\ntenant_b:{KEY_B}\n")
-    with gateway_process(server, folder / "gateway.log", "--api-key-file", str(folder / "keys"),
-                         "--open-metrics") as urls:
+    with gateway_process(server, folder / "gateway.log", "--open-metrics",
+                         tenants={"tenant_a": KEY_A, "tenant_b": KEY_B}) as urls:
         yield urls
 
 

@@ -268,6 +268,19 @@ def test_a_session_holds_one_of_its_keys_concurrent_requests():
         assert r.status_code == 429 and r.json()["error"]["code"] == "concurrency_limit_exceeded"
 
 
+def test_a_session_start_counts_against_its_keys_rate():
+    client, _ = _app(rate_limit="1/minute")
+    with client:
+        with client.websocket_connect(TTS_LIVE_PATH, **_auth()) as first:
+            first.send_json(TTS_START)
+            _started(first)
+        with client.websocket_connect(TTS_LIVE_PATH, **_auth()) as second:
+            assert "1 per 1 minute" in _refused(second, "rate_limit_exceeded")["message"]
+        with client.websocket_connect(TTS_LIVE_PATH, **_auth(KEY_B)) as other:  # another key: its own window
+            other.send_json(TTS_START)
+            _started(other)
+
+
 # ---------------------------------------------------------------------------------------------- errors
 
 

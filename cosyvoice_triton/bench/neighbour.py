@@ -185,7 +185,8 @@ def run(model_dir: Path, *, neighbours: int, rounds: int, settings=DEFAULT_SETTI
                     "model_dir": str(model_dir), "load_before": _loadavg(), "settings": {}}
     procs: list[subprocess.Popen] = []
     workers: dict[str, _Worker] = {}
-    previous = signal.signal(signal.SIGTERM, _on_term)
+    main = threading.current_thread() is threading.main_thread()  # only there can a signal handler go
+    previous = signal.signal(signal.SIGTERM, _on_term) if main else None
     try:
         for _ in range(neighbours):
             procs.append(subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(os.getpid())], stdin=subprocess.DEVNULL,
@@ -211,7 +212,8 @@ def run(model_dir: Path, *, neighbours: int, rounds: int, settings=DEFAULT_SETTI
                 print(f"  round {r + 1}/{rounds} {name}: {got['first_chunk_s']:.2f} s", flush=True)
     finally:
         _stop(procs)
-        signal.signal(signal.SIGTERM, previous)
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     report["load_end"] = _loadavg()
     for s in report["settings"].values():
         if s["rounds_s"]:

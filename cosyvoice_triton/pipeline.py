@@ -23,13 +23,14 @@ import torch
 
 from . import longform
 from .config import ModelConfig
-from .errors import CheckpointError, ConfigError, LLMError, TextError
+from .errors import CheckpointError, ConfigError, CosyVoiceError, LLMError, TextError
 from .frontend import audio, features
 from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import load_flow, load_into, normalize_keys, read_state_dict
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
+from .models.speed import change_speed, check_speed
 from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speaker_state import SpeakerState
 from .speakers import SpeakerPrompt, SpeakerStore
@@ -256,14 +257,17 @@ class CosyVoice2:
             return self.hift.inference(mel, cache_source=cache_source, noise_sine=noise, generator=generator)
 
     def token2wav(self, inputs: VCInputs, *, seed: int | None = 0, hift_noise: np.ndarray | None = None,
-                  timer: StageTimer = _NO_TIMER) -> np.ndarray:
+                  timer: StageTimer = _NO_TIMER, speed: float = 1.0) -> np.ndarray:
         """Non-streaming token-to-waveform (official ``token2wav(finalize=True)``): float32 [N] at 24 kHz.
 
         HiFT's NSF noise comes from ``hift_noise`` [1, 480 T, 9] when given, else from a generator seeded
         with ``seed`` (which replays what ``torch.manual_seed(seed)`` gives the official code on CPU), else
-        from torch's global RNG (``seed=None``).
+        from torch's global RNG (``seed=None``). ``speed``: the mel stretched to ``int(T / speed)`` frames
+        before HiFT (:func:`~.models.speed.change_speed`, the official ``speed``).
         """
         mel = self._flow(inputs, inputs.source_tokens, streaming=False, finalize=True, timer=timer)
+        if speed != 1.0:
+            mel = torch.from_numpy(change_speed(mel.float().cpu().numpy(), speed)).to(mel.device)
         speech, _ = self._hift(mel, None, hift_noise, _generator(seed), timer)
         return speech[0].float().cpu().numpy()
 
@@ -512,7 +516,7 @@ class CosyVoice2:
                                  np.array(request.lm_prompt_speech_tokens), draws=draws, prefix=prefix)
 
     def tts_stream(self, text: str | bytes, *, stream: bool = True, seed: int | None = 0, draws=None,
-                   timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None,
+                   timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, speed: float = 1.0,
                    **prompt) -> Iterator[np.ndarray]:
         """Text to speech, yielded as float32 chunks at 24 kHz: with ``stream=True`` the official streaming
         schedule (the first audio after 25 + 3 speech tokens), else one array per text segment.
@@ -520,7 +524,12 @@ class CosyVoice2:
         ``prompt``: the keywords of :meth:`tts_requests`. ``seed`` seeds the LM's sampling and HiFT's noise
         (``None``: PyTorch's global generator); ``draws`` overrides the LM's (parity with injected draws).
         ``schedule``: other streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: :attr:`stream_schedule`).
+        ``speed`` (0.25-4, non-streaming only, as the official ``speed``): faster speech above 1, slower below, by
+        the final mel's length (:func:`~.models.speed.change_speed`).
         """
+        if check_speed(speed) != 1.0 and stream:
+            raise CosyVoiceError("speed: only non-streaming answers (stream=False) change speed, as the official "
+                                 "code's; a stream's chunks are vocoded before the whole mel exists")
         requests = self.tts_requests(text, timer=timer, **prompt)
         if draws is None and seed is not None:
             draws = torch.Generator().manual_seed(int(seed))
@@ -535,7 +544,7 @@ class CosyVoice2:
                 inputs.source_tokens = np.asarray(list(timed), dtype=np.int32)
                 if not len(inputs.source_tokens):
                     raise LLMError(f"the LM produced no speech token for {request.text!r}")
-                yield self.token2wav(inputs, seed=seed, timer=timer)
+                yield self.token2wav(inputs, seed=seed, timer=timer, speed=speed)
             if tokens.hit_max_len:
                 log.warning("the LM reached its maximum of %d speech tokens without end-of-speech for %r",
                             tokens.max_len, request.text)
@@ -578,10 +587,12 @@ class CosyVoice2:
         return LiveAudio(chunks, decode)
 
     def tts(self, text: str | bytes, *, stream: bool = False, seed: int | None = 0, draws=None,
-            timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, **prompt) -> np.ndarray:
-        """Text to speech: float32 [N] at 24 kHz, the segments' audio concatenated (see :meth:`tts_stream`)."""
+            timer: StageTimer = _NO_TIMER, schedule: StreamSchedule | None = None, speed: float = 1.0,
+            **prompt) -> np.ndarray:
+        """Text to speech: float32 [N] at 24 kHz, the segments' audio concatenated (see :meth:`tts_stream`;
+        ``speed``: not with ``stream=True``)."""
         return np.concatenate(list(self.tts_stream(text, stream=stream, seed=seed, draws=draws, timer=timer,
-                                                   schedule=schedule, **prompt)))
+                                                   schedule=schedule, speed=speed, **prompt)))
 
 
 def lm_prompt(front, speaker: SpeakerPrompt, *, mode: str | None, instruct: str | bytes | None

@@ -248,6 +248,9 @@ TTS_OPTIONAL_INPUTS: tuple[TensorSpec, ...] = (
     _t("prompt_audio_bytes", "bytes", _B, 1),
     _t("seed", "int64", _B, 1),
 )
+#: ``cosyvoice_tts`` and ``cosyvoice_tts_stream`` (refused there unless ``stream`` is false), not the live model:
+#: ``speed``, the final mel's stretch of a whole answer (models/speed.py).
+TTS_WHOLE_INPUTS: tuple[TensorSpec, ...] = (_t("speed", "float32", _B, 1),)
 TTS_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS
 #: Each streamed response: one chunk (``chunk_index`` 0, 1, ...); the stream ends with an empty final response.
 TTS_STREAM_OUTPUTS: tuple[TensorSpec, ...] = (*VC_OUTPUTS, _t("chunk_index", "int32", _B, 1))

@@ -211,8 +211,10 @@ def build_inputs(module, source: np.ndarray | bytes, source_sr: int | None, prom
 
 def build_tts_inputs(module, text: str | bytes, *, prompt: np.ndarray | bytes | None = None,
                      prompt_sr: int | None = None, prompt_text: str | None = None, instruct: str | None = None,
-                     speaker_id: str | None = None, mode: str | None = None, seed: int | None = None) -> list:
-    """The ``cosyvoice_tts`` / ``cosyvoice_tts_stream`` input tensors (:data:`~cosyvoice_triton.shapes.TTS_INPUTS`)."""
+                     speaker_id: str | None = None, mode: str | None = None, seed: int | None = None,
+                     speed: float | None = None) -> list:
+    """The ``cosyvoice_tts`` / ``cosyvoice_tts_stream`` input tensors (:data:`~cosyvoice_triton.shapes.TTS_INPUTS`;
+    ``speed``: non-streaming answers only)."""
     inputs = [_text(module, "text", text)]
     if prompt is not None:
         inputs += _audio_inputs(module, "prompt", prompt, prompt_sr)
@@ -222,6 +224,8 @@ def build_tts_inputs(module, text: str | bytes, *, prompt: np.ndarray | bytes | 
             inputs.append(_text(module, name, value))
     if seed is not None:
         inputs.append(_tensor(module, "seed", np.array([[int(seed)]], np.int64), "INT64"))
+    if speed is not None and speed != 1.0:
+        inputs.append(_tensor(module, "speed", np.array([[speed]], np.float32), "FP32"))
     return inputs
 
 

@@ -86,9 +86,9 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
     if len(req.input) > config.max_input_chars:
         raise GatewayError(400, f"input: {len(req.input)} characters; at most {config.max_input_chars}",
                            param="input", code="invalid_value")
-    if req.speed != 1.0:
-        raise GatewayError(400, "speed: only 1.0 is supported by this server", param="speed",
-                           code="unsupported_value")
+    if req.speed != 1.0 and req.stream_format is not None:  # as the official code: the whole mel is stretched
+        raise GatewayError(400, "speed: only whole answers change speed; leave stream_format out, or speed at 1.0",
+                           param="speed", code="unsupported_value")
     if req.stream_format is not None and req.response_format not in audio.STREAM_FORMATS:
         raise GatewayError(400, f"response_format {req.response_format} cannot be streamed; stream one of "
                            f"{', '.join(audio.STREAM_FORMATS)} or leave stream_format out", param="response_format",
@@ -104,7 +104,7 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
         voice = ns.scoped(voice)
     reference = None if req.reference_audio is None else audio.reference_bytes(req.reference_audio)
     return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
-                     reference_audio=reference, reference_text=req.reference_text)
+                     reference_audio=reference, reference_text=req.reference_text, speed=req.speed)
 
 
 def speech_request(raw: bytes, config: GatewayConfig, ns: Namespace = PUBLIC) -> tuple[SpeechRequest, SpeechJob]:

@@ -50,7 +50,7 @@ class SpeechJob:
     """One text to speak: in a registered voice (``voice``), or in the voice of ``reference_audio`` (an encoded
     file, or float32 samples at ``reference_rate``; ``reference_text`` its transcript for zero-shot, else
     cross-lingual); ``instruct`` for instruct mode; ``mode`` (zero_shot, cross_lingual, instruct) to name the mode
-    instead of letting the server infer it."""
+    instead of letting the server infer it; ``speed`` (0.25-4) for a whole answer."""
 
     text: str
     voice: str | None = None
@@ -60,6 +60,7 @@ class SpeechJob:
     seed: int | None = None
     reference_rate: int | None = None
     mode: str | None = None
+    speed: float = 1.0  # whole answers only (synthesize): the served model refuses it on a stream
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class TritonBackend:
         return build_tts_inputs(self._module, job.text, prompt=job.reference_audio, prompt_sr=job.reference_rate,
                                 prompt_text=job.reference_text, instruct=job.instruct,
                                 speaker_id=None if job.reference_audio is not None else job.voice, mode=job.mode,
-                                seed=job.seed)
+                                seed=job.seed, speed=job.speed)
 
     async def ready(self) -> bool:
         try:

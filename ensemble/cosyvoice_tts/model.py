@@ -14,9 +14,9 @@ from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters, set_niceness
 from cosyvoice_triton.serving.stages.postprocess import Postprocessor
 from cosyvoice_triton.serving.stages.tts import error_code
-from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS
+from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_WHOLE_INPUTS
 
-INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]
+INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS)]
 
 
 class TritonPythonModel:

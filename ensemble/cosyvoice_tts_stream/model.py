@@ -16,9 +16,9 @@ from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.stream_state import StateGauge
 from cosyvoice_triton.serving.stages.tts import build_service, error_response
-from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS
+from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS, TTS_WHOLE_INPUTS
 
-INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
+INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 

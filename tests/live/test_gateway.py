@@ -188,6 +188,18 @@ def test_extras_reach_the_backend():
     assert r.status_code == 200 and backend.jobs[-1].reference_audio == ref and backend.jobs[-1].voice == "bob"
 
 
+def test_speed_reaches_the_backend_for_whole_answers():
+    client, backend = _client()
+    for speed in (0.25, 1.5, 4.0):
+        assert client.post("/v1/audio/speech", json={**GOOD, "speed": speed}).status_code == 200
+        assert backend.jobs[-1].speed == speed
+    assert client.post("/v1/audio/speech", json=GOOD).status_code == 200 and backend.jobs[-1].speed == 1.0
+    r = client.post("/v1/audio/speech", json={**GOOD, "speed": 1.5, "stream_format": "audio"})
+    assert "only whole answers" in _openai_error(r, 400, param="speed")["message"]
+    stream = client.post("/v1/audio/speech", json={**GOOD, "speed": 1.0, "stream_format": "audio"})
+    assert stream.status_code == 200 and backend.jobs[-1].speed == 1.0
+
+
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "mp3", "opus"])
 def test_stream_audio_is_sent_as_produced(fmt):
     backend = FakeBackend()
@@ -256,8 +268,10 @@ def test_voices_health_and_metrics():
     ({**GOOD, "input": "  "}, "input"),
     ({**GOOD, "input": "x" * 5000}, "input"),
     ({**GOOD, "model": "whisper-1"}, "model"),
-    ({**GOOD, "speed": 1.5}, "speed"),
+    ({**GOOD, "speed": 1.5, "stream_format": "audio"}, "speed"),
+    ({**GOOD, "speed": 0.5, "stream_format": "sse"}, "speed"),
     ({**GOOD, "speed": 9}, "speed"),
+    ({**GOOD, "speed": 0.2}, "speed"),
     ({**GOOD, "response_format": "aac"}, "response_format"),
     ({**GOOD, "response_format": "flac", "stream_format": "audio"}, "response_format"),
     ({**GOOD, "stream_format": "chunks"}, "stream_format"),

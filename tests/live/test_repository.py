@@ -162,13 +162,13 @@ def test_a_new_model_is_one_table_row_and_a_folder(model_dir, tmp_path, monkeypa
 
 
 def test_tts_models_follow_the_public_api(rendered, model_dir, tmp_path):
-    from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS
+    from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS, TTS_WHOLE_INPUTS
 
     _, out, _ = rendered
     stream = _parse(out / "cosyvoice_tts_stream" / "config.pbtxt")
     whole = _parse(out / "cosyvoice_tts" / "config.pbtxt")
     assert stream.model_transaction_policy.decoupled and not whole.model_transaction_policy.decoupled
-    names = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS)]
+    names = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS)]
     assert [i.name for i in whole.input] == names and [i.name for i in stream.input] == [*names, "stream"]
     assert [i.name for i in whole.input if not i.optional] == ["text"]
     assert [o.name for o in stream.output] == [t.name for t in TTS_STREAM_OUTPUTS]

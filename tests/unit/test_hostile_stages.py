@@ -531,7 +531,7 @@ def test_the_lm_of_a_long_segment_is_asked_for_no_more_than_the_flows_room():
 
     service = TTSService.__new__(TTSService)
     service.engine, service.prefixes = Engine(), None
-    service.token2wav = lambda prompt, tokens, seed: np.zeros(480, np.float32)
+    service.token2wav = lambda prompt, tokens, seed, speed=1.0: np.zeros(480, np.float32)
     prompt = SpeakerPrompt(np.ones(42, np.int32), np.zeros((84, 80), np.float32), np.zeros(192, np.float32))
     plan = TTSPlan([("tags", np.ones(135, np.int32)), ("short", np.ones(10, np.int32))], np.zeros(0, np.int32),
                    np.zeros(0, np.int32), prompt, 0, "zero_shot")

@@ -29,6 +29,7 @@ from ...shapes import (
     TTS_STREAM_EXTRA_INPUTS,
     TTS_STREAM_MODEL,
     TTS_STREAM_OUTPUTS,
+    TTS_WHOLE_INPUTS,
     VC_INPUTS,
     VC_MODEL,
     VC_OPTIONAL_INPUTS,
@@ -311,8 +312,9 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 doc="live voice conversion (decoupled BLS orchestrator, sequence batcher): one request per piece of "
                     "source audio as it is recorded, converted chunks as soon as they can be computed"),
     ServedModel(TTS_STREAM_MODEL, f"ensemble/{TTS_STREAM_MODEL}",
-                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
-                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_STREAM_EXTRA_INPUTS)), max_batch_size=8,
+                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
+                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
+                max_batch_size=8,
                 decoupled=True, parameters=_tts_params, when=_tts,
                 doc="streaming TTS (BLS orchestrator, decoupled): text front end, prompt features "
                     "(speech_tokenizer, speaker_encoder or the speakers model), ONE in-flight batched LM loop per "
@@ -324,8 +326,9 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                                                 ctx.tunables.live_text_timeout_s),
                 doc="live TTS (decoupled BLS orchestrator, sequence batcher): one request per piece of text as it is "
                     "written, audio as soon as the LM has its speech tokens (its own LM decode per session)"),
-    ServedModel(TTS_MODEL, f"ensemble/{TTS_MODEL}", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS), TTS_OUTPUTS,
-                frozenset(t.name for t in TTS_OPTIONAL_INPUTS), max_batch_size=8, parameters=_tts_front_params,
+    ServedModel(TTS_MODEL, f"ensemble/{TTS_MODEL}", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS),
+                TTS_OUTPUTS, frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS)), max_batch_size=8,
+                parameters=_tts_front_params,
                 when=_tts, doc=f"non-streaming TTS: each request of a batch sent on to {TTS_STREAM_MODEL} "
                                "(stream=false: one answer per text segment) by BLS, the segments concatenated"),
     ServedModel("tensorrt_llm", "model_repository/tensorrt_llm", TRTLLM_INPUTS, TRTLLM_OUTPUTS,

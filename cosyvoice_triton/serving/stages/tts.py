@@ -43,6 +43,7 @@ from ...config import ModelConfig
 from ...errors import CosyVoiceError, LLMError, TextError, shown
 from ...frontend.text.frontend import MAX_DIGIT_RUN, MAX_DIGITS
 from ...models.llm import MAX_TOKEN_TEXT_RATIO, MIN_TOKEN_TEXT_RATIO, QWEN_DIR, LMRequest, Qwen2LM, load_llm
+from ...models.speed import change_speed, check_speed
 from ...pipeline import lm_prompt
 from ...prompt_cache import PromptCache
 from ...shapes import GRAPHS, flow_token_room
@@ -105,10 +106,21 @@ class TTSPlan:
     mode: str
     speaker_id: str | None = None
     max_speech_tokens: int | None = None  # the flow's room beside the prompt: the LM stops there
+    speed: float = 1.0  # the final mel's stretch (non-streaming answers only: models/speed.py)
 
     def stream_prompt(self) -> StreamPrompt:
         """The flow's prompt of the streamed chunks (a registered speaker's shares its settled frames)."""
         return StreamPrompt.from_speaker(self.prompt, registered=self.speaker_id is not None)
+
+
+def speed_input(value: np.ndarray | None) -> float:
+    """The ``speed`` input (one float; absent: 1.0), checked (:func:`~...models.speed.check_speed`)."""
+    if value is None:
+        return 1.0
+    value = np.asarray(value)
+    if value.size != 1 or value.dtype.kind != "f":
+        raise RequestError(f"speed: expected one float, got {value.dtype} of shape {list(value.shape)}")
+    return check_speed(value.reshape(()).item())
 
 
 class TTSService:
@@ -187,6 +199,7 @@ class TTSService:
         text = self.text.check(bytes_input(t["text"], "text"))
         plan = self.prepare_live(t)
         plan.segments = [(s, np.asarray(ids, np.int32)) for s, ids in self.text.tts_segments(text)]
+        plan.speed = speed_input(t.get("speed"))
         plan.max_speech_tokens = speech_token_room(plan)
         return plan
 
@@ -254,7 +267,7 @@ class TTSService:
                     got = np.asarray(list(tokens), np.int32)
                     if not got.size:
                         raise LLMError(f"the LM produced no speech token for {text!r}")
-                    yield self.token2wav(plan.prompt, got, seed=plan.seed), last_segment
+                    yield self.token2wav(plan.prompt, got, seed=plan.seed, speed=plan.speed), last_segment
             finally:
                 job.cancel()  # a no-op once it has finished; frees its row if the consumer stopped early
             if job.hit_max_len:
@@ -268,6 +281,9 @@ class TTSService:
         true."""
         plan = self.prepare(t)
         stream = t.get("stream") is None or bool(np.asarray(t["stream"]).reshape(-1)[0])
+        if stream and plan.speed != 1.0:
+            raise RequestError("speed: only non-streaming answers change speed (cosyvoice_tts, or stream=false), "
+                               "as the official code's; a stream's chunks are vocoded before the whole mel exists")
         rate = np.array([[self.sample_rate]], np.int32)
         self._count("streams_started")
         try:
@@ -354,9 +370,10 @@ class TTSService:
 
         return HiftRunner().run([mel], [seed], self.graphs["hift_source"], self.graphs["hift_decoder"])[0].unwrap()
 
-    def token2wav(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, seed: int) -> np.ndarray:
-        """Non-streaming (``CosyVoice2.token2wav``): the ``flow`` then the ``hift`` stage."""
-        mel = self.flow(self._item(prompt, tokens, streaming=False, lookahead=0))
+    def token2wav(self, prompt: SpeakerPrompt, tokens: np.ndarray, *, seed: int, speed: float = 1.0) -> np.ndarray:
+        """Non-streaming (``CosyVoice2.token2wav``): the ``flow`` then the ``hift`` stage, the mel stretched by
+        ``speed`` between them (:func:`~...models.speed.change_speed`)."""
+        mel = change_speed(self.flow(self._item(prompt, tokens, streaming=False, lookahead=0)), speed)
         return np.asarray(self.hift(mel, seed), np.float32).reshape(-1)
 
 

@@ -147,6 +147,17 @@ def test_runtime_files_resolve_into_the_package(installed):
     assert set(RUNTIME_FILES) <= set(found["files"])
 
 
+def test_the_gateways_grpc_messages_compile_from_the_wheel(installed):
+    # CosyVoice's own gRPC service: its .proto is package data, compiled by protoc when the gateway starts
+    proc = installed.python("""
+        from cosyvoice_triton.gateway import official_grpc
+        request, _ = official_grpc.messages()
+        print(official_grpc.PROTO, request.DESCRIPTOR.full_name)
+    """)
+    proto, name = proc.stdout.split()[-2:]
+    assert Path(proto).is_relative_to(installed.venv) and name == "cosyvoice.Request"
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_commands_reach_their_parsers(installed, command):
     out = installed.cli(command, "--help").stdout

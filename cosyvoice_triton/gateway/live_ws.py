@@ -15,10 +15,10 @@ The key comes as ``Authorization: Bearer`` or, from a browser (which cannot set 
 subprotocol ``bearer.<key>`` offered beside :data:`SUBPROTOCOL`. A session is one request of its key for the
 concurrency and rate limits, for as long as it is open. Bounds: at most ``live_max_pending`` pieces wait to go on
 to Triton (one more cuts the session: ``input_overrun``), a piece of at most ``live_max_piece_s`` seconds of audio
-(VC: shorter frames than ``live_min_piece_ms`` are gathered into one piece) or ``max_input_chars`` characters
-(TTS), the start within ``header_timeout_s``, the input idle at most
-``live_idle_s`` until ``input.end``. When the socket goes away (closed, cut, or cut here), the session's end goes
-to Triton and what is left is cancelled (:meth:`AsyncLiveClient._run`'s close), then its id and slot are freed."""
+(VC; frames shorter than ``live_min_piece_ms`` are gathered into one piece) or ``max_input_chars`` characters
+(TTS), the start within ``header_timeout_s``, the input idle at most ``live_idle_s`` until ``input.end``. When the
+socket goes away (closed, cut, or cut here), the session's end goes to Triton and what is left is cancelled
+(:meth:`AsyncLiveClient._run`'s close), then its id and slot are freed."""
 
 from __future__ import annotations
 
@@ -51,7 +51,6 @@ from .tenants import PUBLIC, Namespace
 log = logging.getLogger(__name__)
 
 VC_LIVE_PATH, TTS_LIVE_PATH = "/v1/audio/voice-conversion/live", "/v1/audio/speech/live"
-PATHS = (VC_LIVE_PATH, TTS_LIVE_PATH)
 #: The subprotocol a browser offers (with ``bearer.<key>`` beside it); the gateway answers with it.
 SUBPROTOCOL, KEY_PREFIX = "cosyvoice.live", "bearer."
 #: Raw sample formats, in and out: signed 16-bit (OpenAI's ``pcm``) or 32-bit float, little-endian, mono.

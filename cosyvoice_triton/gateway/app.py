@@ -9,7 +9,9 @@ a registered one, and ``seed``. ``instructions`` are CosyVoice's instruct text. 
 is one whole file; ``audio`` streams the encoded audio as Triton produces it, ``sse`` sends it as server-sent
 events (``speech.audio.delta`` with base64 audio, then ``speech.audio.done``).
 
-CosyVoice's own HTTP API (the official server's ``/inference_*`` form routes) and ``/inference_vc``: :mod:`.compat`."""
+CosyVoice's own HTTP API (the official server's ``/inference_*`` form routes) and ``/inference_vc``: :mod:`.compat`;
+its gRPC service, on the gRPC port beside KServe's: :mod:`.official_grpc`; OpenAI's ``GET /v1/models``:
+:mod:`.model_list`."""
 
 from __future__ import annotations
 

@@ -175,16 +175,16 @@ def _timed(fn: Callable, timer: StageTimer, name: str) -> Callable:
 
 
 class Local:
-    """The in-process side: the four stages of :class:`~.stages_in_process.InProcessStages`."""
+    """The in-process side: the stages of ``models`` from :class:`~.stages_in_process.InProcessStages`."""
 
-    def __init__(self, stages, inputs: Inputs):
+    def __init__(self, stages, inputs: Inputs, models=MODELS):
         import torch
 
         self.torch, self.stages, self.inputs = torch, stages, inputs
-        self.vc_stream = stages.vc_stream()
-        self.vc_live = stages.vc_live()
-        self.tts = {m: stages.tts(m) for m in (TTS_STREAM, TTS_LIVE)}
-        self.max_ratio = stages.configs.params(TTS_LIVE)["max_token_text_ratio"]
+        self.vc_stream = stages.vc_stream() if VC_STREAM in models else None
+        self.vc_live = stages.vc_live() if VC_LIVE in models else None
+        self.tts = {m: stages.tts(m) for m in (TTS_STREAM, TTS_LIVE) if m in models}
+        self.max_ratio = stages.configs.params(TTS_LIVE)["max_token_text_ratio"] if TTS_LIVE in models else None
         self.timer = StageTimer()
         for service in self.tts.values():  # HiFT's graph calls timed; the tokens' arrival noted
             for g in ("hift_source", "hift_decoder"):
@@ -417,13 +417,15 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         stages = InProcessStages(configs, stack.enter_context(tempfile.TemporaryDirectory(prefix="speakers-")))
         stack.callback(stages.close)
         print("== building the in-process stages from the served configs", flush=True)
-        local = Local(stages, inputs)
+        local = Local(stages, inputs, args.models)
         served = Served(grpc_url, inputs, args.timeout)
         stack.callback(served.close)
         report["torch_threads"] = dict(stages.threads)
-        report["models"] = run_rounds(local, served, args.rounds)
+        report["models"] = run_rounds(local, served, args.rounds, args.models)
     report["load_end"] = _load()
     report["equal"] = all(m["equal"] for m in report["models"].values())
+    if TTS_STREAM not in report["models"]:
+        return report
     tts = report["models"][TTS_STREAM]
     first = tts["served"]["first_chunk_p50_s"]
     report["tts_first_chunk"] = {"served_p50_s": first, "target_s": TARGET_TTS_FIRST_CHUNK_S,
@@ -456,16 +458,17 @@ def report_lines(report: dict[str, Any]) -> list[str]:
                   f"{_ms(m['served']['later_chunk_p50_s'])}, added {_signed_ms(m['added_later_chunk_s'])}",
                   f"  target: the server adds at most {TARGET_ADDED_S * 1e3:.0f} ms to the library for the same "
                   f"chunk: {verdict} ({_signed_ms(m['added_s'])})"]
-    t = report["tts_first_chunk"]
-    b = t["breakdown_p50"]
+    t = report.get("tts_first_chunk")
+    b = t and t["breakdown_p50"]
     if b:
         lines.append(f"TTS stream first chunk, in process: to the first speech token (front end, speaker lookup, "
                      f"prefill) {_ms(b['to_first_token_s'])}, the first hop's {b['first_hop_tokens']:.0f} tokens "
                      f"{_ms(b['first_hop_decode_s'])}, flow {_ms(b['flow_s'])}, HiFT {_ms(b['hift_s'])}; transport "
                      f"(served less in process) {_signed_ms(b.get('transport_s'))}")
-    lines.append(f"target: a registered speaker's first streamed TTS chunk served within "
-                 f"{TARGET_TTS_FIRST_CHUNK_S:g} s: {'met' if t['target_met'] else 'missed'} "
-                 f"({_ms(t['served_p50_s'])}; meant for the real dims)")
+    if t:
+        lines.append(f"target: a registered speaker's first streamed TTS chunk served within "
+                     f"{TARGET_TTS_FIRST_CHUNK_S:g} s: {'met' if t['target_met'] else 'missed'} "
+                     f"({_ms(t['served_p50_s'])}; meant for the real dims)")
     lines.append("served and in-process outputs: " + ("equal within the bar for every model" if report["equal"] else
                                                       "NOT equal for " + ", ".join(
                                                           m for m, v in report["models"].items() if not v["equal"])))
@@ -477,6 +480,14 @@ def _jsonable(report: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(report, default=lambda x: x.item() if hasattr(x, "item") else str(x)))
 
 
+def _models(text: str) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"not one of {', '.join(MODELS)}: {', '.join(unknown) or text!r}")
+    return tuple(m for m in MODELS if m in names)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cosyvoice-triton bench-server-overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -486,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="build/bench-server-overhead",
                    help="the rendered repository, the server's folder and its speakers")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up round")
+    p.add_argument("--models", type=_models, default=MODELS,
+                   help=f"some of the models, comma-separated (default: all: {','.join(MODELS)}); at the real dims "
+                        "cosyvoice_tts_stream alone keeps one LM in process beside the server's")
     p.add_argument("--source-seconds", type=float, default=0.0, help="cut the 5 s source to this (0: whole)")
     p.add_argument("--text", default="", help="the TTS text (default: two clauses)")
     p.add_argument("--http-url", default="", help="a running server's HTTP address (its configs); with --grpc-url")

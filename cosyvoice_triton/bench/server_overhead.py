@@ -529,6 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     except CosyVoiceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM, after the server it started has stopped
+        print(f"interrupted ({exc or 'Ctrl-C'}); no report", file=sys.stderr)
+        return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
     for line in report_lines(report):

@@ -10,8 +10,8 @@ of its inputs and seed):
 * three server faults that say the server is mending itself (measured with a stage killed under load,
   tests/live/test_hardening_live.py): a stage's Python process died under the request ("Stub process ... is not
   healthy", HTTP 500 / ``INTERNAL``; the supervisor reloads it in seconds); a pipeline whose stage is being
-  reloaded ("... has no available versions", HTTP 400 / ``NOT_FOUND``: Triton unloads the ensemble with its
-  member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is
+  reloaded ("... has no available versions", HTTP 400 or 404 / ``NOT_FOUND``: Triton unloads the ensemble
+  with its member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is
   not ready.", ``INTERNAL``: Triton does not know that a BLS stage depends on it).
 
 Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way, whatever the
@@ -45,8 +45,9 @@ RETRY_CLIENT_STATUSES = frozenset({"timeout", "connection"})
 #: server fault's (500 / INTERNAL) or an unloaded model's (NOT_FOUND); never a refusal of the client's input.
 RETRY_MESSAGES = ("is not healthy", "has no available versions", "Failed for execute the inference request. Model")
 _FAULT_STATUSES = frozenset({"500", "StatusCode.INTERNAL", "StatusCode.NOT_FOUND"})
-#: HTTP answers an unloaded model 400, the status of bad input: only Triton's own whole message is retried there
-#: (a model's refusal, which may quote the client's text, never is).
+#: HTTP answers an unloaded model 400, the status of bad input, or 404 (both seen from tritonserver 2.51 while a
+#: stage's reload took its ensemble down): only Triton's own whole message is retried there (a model's refusal,
+#: which may quote the client's text, never is).
 _UNLOADED_400 = re.compile(r"Request for unknown model: '[^']*' has no available versions")
 
 
@@ -67,7 +68,7 @@ def is_retryable(exc: BaseException) -> bool:
         message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
         if status in _FAULT_STATUSES and any(m in str(message) for m in RETRY_MESSAGES):
             return True
-        if status == "400" and _UNLOADED_400.fullmatch(str(message).strip()):
+        if status in ("400", "404") and _UNLOADED_400.fullmatch(str(message).strip()):
             return True
         if status is None and isinstance(exc, (ConnectionError, TimeoutError)):
             return True

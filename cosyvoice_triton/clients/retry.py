@@ -11,8 +11,8 @@ of its inputs and seed):
   tests/live/test_hardening_live.py): a stage's Python process died under the request ("Stub process ... is not
   healthy", HTTP 500 / ``INTERNAL``; the supervisor reloads it in seconds); a pipeline whose stage is being
   reloaded ("... has no available versions", HTTP 400 or 404 / ``NOT_FOUND``: Triton unloads the ensemble
-  with its member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model '...' is
-  not ready.", ``INTERNAL``: Triton does not know that a BLS stage depends on it).
+  with its member); a BLS stage whose callee is being reloaded ("Failed for execute the inference request. Model
+  '...' is not ready.", ``INTERNAL``: Triton does not know that a BLS stage depends on it).
 
 Never sent again: bad input (HTTP 400 / ``INVALID_ARGUMENT``: the next try would fail the same way, whatever the
 message says: it may quote the client's text) and any other

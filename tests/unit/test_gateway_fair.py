@@ -76,7 +76,8 @@ def test_too_many_waiting_is_refused_at_once_and_a_long_wait_is_a_503():
         await _settle()
         with pytest.raises(GatewayError) as refused:
             await gate.acquire("c")
-        assert refused.value.status == 503 and refused.value.code == "at_capacity" and "waiting" in refused.value.message
+        assert refused.value.status == 503 and refused.value.code == "at_capacity"
+        assert "waiting" in refused.value.message
         with pytest.raises(GatewayError) as late:
             await waiter
         assert late.value.status == 503 and "within 0.2 s" in late.value.message
@@ -202,7 +203,7 @@ def test_through_the_proxy_the_light_key_is_answered_in_its_turn():
         assert set(upstream.started) == {"heavy0", "heavy1"} and limiter.gate.waiting == 5
         for n in range(3, 8):  # each answer lets the next request in; it reaches Triton after its check (a thread)
             upstream.answer_next()
-            await _until(lambda: len(upstream.started) == n)
+            await _until(lambda n=n: len(upstream.started) == n)
         assert upstream.started.index("light") == 3, upstream.started  # first come first served: 6
         while upstream.waiting:
             upstream.answer_next()

@@ -199,8 +199,8 @@ def test_through_the_proxy_the_light_key_is_answered_in_its_turn():
         light = _request(0)
         light.id = "light"
         calls.append(asyncio.ensure_future(proxy.ModelInfer(light, Context("light"))))
-        await _until(lambda: len(upstream.started) == 2)
-        assert set(upstream.started) == {"heavy0", "heavy1"} and limiter.gate.waiting == 5
+        await _until(lambda: len(upstream.started) == 2 and limiter.gate.waiting == 5)
+        assert set(upstream.started) == {"heavy0", "heavy1"}
         for n in range(3, 8):  # each answer lets the next request in; it reaches Triton after its check (a thread)
             upstream.answer_next()
             await _until(lambda n=n: len(upstream.started) == n)

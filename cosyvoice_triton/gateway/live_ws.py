@@ -264,10 +264,18 @@ class LiveSockets:
             self.metrics.live_ended.labels(model, reason).inc()
 
     async def _receive(self, ws: WebSocket, timeout: float | None, what: str) -> dict:
+        # Not asyncio.wait_for: on Python 3.11 it returns a message that arrives as it is cancelled and drops the
+        # cancellation, so a session cut while the client still sends would wait on for its idle time.
+        receiving = asyncio.ensure_future(ws.receive())
         try:
-            message = await asyncio.wait_for(ws.receive(), timeout)
-        except asyncio.TimeoutError:
-            raise LiveError("session_idle", f"no {what} within {timeout:g} s: the session is closed") from None
+            done, _ = await asyncio.wait({receiving}, timeout=timeout)
+        finally:
+            if not receiving.done():
+                receiving.cancel()
+        if not done:
+            raise LiveError("session_idle", f"no {what} within {timeout:g} s: the session is closed")
+        try:
+            message = receiving.result()
         except (WebSocketDisconnect, RuntimeError):
             raise _ClientGone() from None
         if message["type"] == "websocket.disconnect":

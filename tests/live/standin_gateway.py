@@ -16,6 +16,7 @@ silence, an in-memory voice table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -182,6 +183,24 @@ class Backend:
 
     async def close(self):
         pass
+
+
+@contextlib.contextmanager
+def served_in_thread(app, **config):
+    """``app`` on uvicorn (h11) on a free loopback port, in a thread of this process: yields the port; the server
+    stops on the way out. ``config``: more of ``uvicorn.Config`` (``lifespan``, ...)."""
+    import uvicorn
+    from conftest import wait_until
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http="h11", log_level="warning", **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "the uvicorn server to start")
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def main(argv: list[str]) -> None:

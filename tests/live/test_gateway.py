@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from conftest import FIXTURES, wait_until
+from standin_gateway import served_in_thread
 from starlette.testclient import TestClient
 
 from cosyvoice_triton.gateway import GatewayConfig, create_app
@@ -633,19 +634,9 @@ def test_metrics_append_tritons_when_configured():
 
 @pytest.fixture(scope="module")
 def live_gateway():
-    import uvicorn
-
     backend = FakeBackend()
-    app = create_app(GatewayConfig(max_body_bytes=4000), backend)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, http="h11", log_level="warning",
-                                           lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_until(lambda: server.started, "the uvicorn server to start")
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield port, backend
-    server.should_exit = True
-    thread.join(30)
+    with served_in_thread(create_app(GatewayConfig(max_body_bytes=4000), backend), lifespan="off") as port:
+        yield port, backend
 
 
 def _raw(port: int, request: bytes) -> bytes:

@@ -4,7 +4,7 @@ the upstream live client (:class:`FakeLive`, ``convert_live`` / ``tts_live`` as 
 chunk per piece) that records what each session got and how it ended. The protocol, the keys (header and
 subprotocol), the tenant's share and the key's limits, every error event with its code and close code, the bounded
 queue of pieces, idle sessions cut, and a client that leaves freeing its session. Against a real tritonserver (the
-audio equal to a direct gRPC live session): ``tests/live/test_gateway_live_ws.py``."""
+audio equal to a direct gRPC live session): ``tests/live/test_gateway_live_ws_served.py``."""
 
 from __future__ import annotations
 

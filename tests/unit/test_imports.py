@@ -105,3 +105,14 @@ def test_subpackages_are_the_nodes():
     assert [_subpackage(m, mods) for m in mods] == ["cosyvoice_triton", "cosyvoice_triton.errors",
                                                     "cosyvoice_triton.serving", "cosyvoice_triton.serving",
                                                     "cosyvoice_triton.serving.launch"]
+
+
+def test_test_modules_have_one_name_across_the_suite():
+    """The suite's folders are no packages: pytest imports each test module by its file name, so two files of one
+    name (say in tests/unit and tests/live) stop ``make test`` at collection ("import file mismatch")."""
+    tests = PACKAGE.parent / "tests"
+    seen: dict[str, list[str]] = {}
+    for f in sorted(tests.rglob("*.py")):
+        seen.setdefault(f.name, []).append(str(f.relative_to(tests)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, twice

@@ -28,9 +28,11 @@ def check_speed(speed, name: str = "speed") -> float:
 
 
 def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
-    """``mel`` [..., T] stretched to ``int(T / speed)`` frames by linear interpolation along its last axis, as
-    ``F.interpolate(mel, size=int(T / speed), mode="linear")`` computes it (each output frame ``i`` reads the input
-    at ``(i + 0.5) * T / T' - 0.5``, clamped at 0, between its two neighbours); ``speed`` 1.0 returns ``mel``."""
+    """``mel`` [..., T] stretched to ``int(T / speed)`` frames along its last axis by PyTorch's
+    ``F.interpolate(..., mode="linear")``, the official call; ``speed`` 1.0 returns ``mel``."""
+    import torch
+    import torch.nn.functional as F
+
     speed = check_speed(speed)
     if speed == 1.0:
         return mel
@@ -39,12 +41,7 @@ def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
     out = int(frames / speed)
     if frames == 0 or out == 0:
         return mel[..., :0]
-    # PyTorch's arithmetic: the scale in float32, each source position rounded once (its CPU kernel's fused
-    # multiply-add), the weights in float32
-    scale = float(np.float32(frames / out))
-    src = np.maximum(((np.arange(out) + 0.5) * scale - 0.5).astype(np.float32), np.float32(0))
-    left = src.astype(np.int64)
-    right = np.minimum(left + 1, frames - 1)
-    weight = src - left.astype(np.float32)
-    x = mel.astype(np.float32, copy=False)
-    return (x[..., left] * (np.float32(1) - weight) + x[..., right] * weight).astype(mel.dtype, copy=False)
+    x = torch.from_numpy(np.ascontiguousarray(mel, dtype=np.float32)).reshape(1, -1, frames)
+    with torch.inference_mode():
+        y = F.interpolate(x, size=out, mode="linear")
+    return y.reshape(*mel.shape[:-1], out).numpy().astype(mel.dtype, copy=False)

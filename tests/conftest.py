@@ -26,10 +26,19 @@ for _folder in ("unit", "live"):
     if str(FIXTURES.parent / _folder) not in sys.path:
         sys.path.append(str(FIXTURES.parent / _folder))
 FLOW_ORACLE = FIXTURES / "flow_oracle"
-#: An optional external reference folder (``cosyvoice2-tiny/`` with official-format weights and official outputs
-#: made on another machine), used only for cross-checks. ``$COSYVOICE_REFERENCE_DIR``; unset: ../shared/reference.
-REFERENCE_DIR = Path(os.environ.get("COSYVOICE_REFERENCE_DIR") or ROOT.parent / "shared" / "reference")
-EXTERNAL_TINY_DIR = REFERENCE_DIR / "cosyvoice2-tiny"
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name, "").strip()
+    return Path(value) if value else None
+
+
+#: Optional folders outside the repository, only ever from the environment (no default reaches beside the clone):
+#: an external reference folder (``cosyvoice2-tiny/`` with official-format weights and official outputs made on
+#: another machine), used only for cross-checks, ``$COSYVOICE_REFERENCE_DIR``; a git folder of FunAudioLLM/CosyVoice
+#: for the tests that run the official clients unchanged, ``$COSYVOICE_OFFICIAL_GIT``. Their tests skip without.
+REFERENCE_DIR = _env_path("COSYVOICE_REFERENCE_DIR")
+OFFICIAL_GIT = _env_path("COSYVOICE_OFFICIAL_GIT")
 
 
 def require_speech() -> None:
@@ -132,9 +141,12 @@ def ref_npz():
 @pytest.fixture(scope="session")
 def external_tiny_dir() -> Path:
     """The external reference folder's ``cosyvoice2-tiny`` (optional cross-check)."""
-    if not (EXTERNAL_TINY_DIR / "flow.pt").is_file():
-        pytest.skip(f"no external reference folder at {REFERENCE_DIR} (set COSYVOICE_REFERENCE_DIR to cross-check)")
-    return EXTERNAL_TINY_DIR
+    if REFERENCE_DIR is None:
+        pytest.skip("no external reference folder: set COSYVOICE_REFERENCE_DIR to cross-check")
+    tiny = REFERENCE_DIR / "cosyvoice2-tiny"
+    if not (tiny / "flow.pt").is_file():
+        pytest.skip(f"no cosyvoice2-tiny/flow.pt in COSYVOICE_REFERENCE_DIR={REFERENCE_DIR}")
+    return tiny
 
 
 @pytest.fixture(scope="session")
@@ -375,3 +387,10 @@ def gateway_process(triton_server, log: Path, *args: str, tenants: dict[str, str
                           triton_server.http_url, "--port", str(port), "--grpc-port", str(grpc_port), *args],
                          log, urls.http):
         yield urls
+
+
+def official_git() -> Path:
+    """``$COSYVOICE_OFFICIAL_GIT`` (a git folder of FunAudioLLM/CosyVoice), or skip the calling test."""
+    if OFFICIAL_GIT is None or (not (OFFICIAL_GIT / "HEAD").exists() and not (OFFICIAL_GIT / ".git").exists()):
+        pytest.skip("no git folder of the official CosyVoice: set COSYVOICE_OFFICIAL_GIT to run its clients")
+    return OFFICIAL_GIT

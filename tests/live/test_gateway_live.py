@@ -5,7 +5,7 @@ audio and server-sent events) equal to Triton's own stream, Triton's refusals by
 and the limits (oversize, deep JSON, gzip body, bad key, too many requests) with innocent requests around them.
 CosyVoice's own API (the official FastAPI server's form routes, and ``/inference_vc``) with real clients: ``curl``
 and the official ``runtime/python/fastapi/client.py`` itself, unchanged (from ``$COSYVOICE_OFFICIAL_GIT``, a git
-folder of FunAudioLLM/CosyVoice; default ../.mirror/FunAudioLLM+CosyVoice/repo; skipped without it), on a second
+folder of FunAudioLLM/CosyVoice; skipped without it), on a second
 gateway without keys: each answer equal to Triton's own stream for the same request."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, ROOT, gateway_process, wait_until
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, official_git, wait_until
 
 openai = pytest.importorskip("openai")
 
@@ -40,8 +40,6 @@ SEED = 5
 MAX_BODY = 300_000
 OPEN_MAX_BODY = 1_000_000
 INSTRUCT = "Speak slowly."
-OFFICIAL_GIT = Path(os.environ.get("COSYVOICE_OFFICIAL_GIT") or ROOT.parent / ".mirror" / "FunAudioLLM+CosyVoice"
-                    / "repo")
 OFFICIAL_COMMIT = "ace7c47"
 
 pytestmark = pytest.mark.timeout(PATIENT_TEST_S)
@@ -345,11 +343,10 @@ def test_voice_conversion_with_curl(open_gateway, expected, tmp_path):
 
 
 def _official_client(tmp_path: Path) -> Path:
-    if not (OFFICIAL_GIT / "HEAD").exists():
-        pytest.skip(f"no git folder of the official CosyVoice at {OFFICIAL_GIT} (set COSYVOICE_OFFICIAL_GIT)")
+    official = official_git()
     client = tmp_path / "official" / "client.py"
     client.parent.mkdir()
-    client.write_bytes(subprocess.run(["git", "-C", str(OFFICIAL_GIT), "show",
+    client.write_bytes(subprocess.run(["git", "-C", str(official), "show",
                                        f"{OFFICIAL_COMMIT}:runtime/python/fastapi/client.py"],
                                       capture_output=True, check=True).stdout)
     # PyPI's torchaudio does not load with the CPU torch here; the client uses it only to write its wav

@@ -1,6 +1,6 @@
 """CosyVoice's own gRPC service at the gateway process, in front of a real tritonserver (the session's
 ``triton_server``: local flavor, tiny demo model): the official ``runtime/python/grpc/client.py`` itself, unchanged
-(from ``$COSYVOICE_OFFICIAL_GIT``, a git folder of FunAudioLLM/CosyVoice, default ../.mirror/FunAudioLLM+CosyVoice/repo;
+(from ``$COSYVOICE_OFFICIAL_GIT``, a git folder of FunAudioLLM/CosyVoice;
 skipped without it), with stubs protoc generates from the official ``cosyvoice.proto``, against a gateway without
 keys (the client sends none): each of its four modes answers the same samples as the gateway's form route for the
 same request. Then ``speed`` of ``/v1/audio/speech`` through ``cosyvoice_tts``: a whole answer's mel stretched
@@ -17,7 +17,7 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, ROOT, gateway_process
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, official_git
 
 from cosyvoice_triton.shapes import SAMPLES_PER_MEL_FRAME
 
@@ -25,8 +25,6 @@ VOICE = "official_grpc_voice"
 TEXT = "Hello there, this is the gateway speaking."
 PROMPT_TEXT = "the prompt says hello"
 INSTRUCT = "Speak slowly."
-OFFICIAL_GIT = Path(os.environ.get("COSYVOICE_OFFICIAL_GIT") or ROOT.parent / ".mirror" / "FunAudioLLM+CosyVoice"
-                    / "repo")
 OFFICIAL_COMMIT = "ace7c47"
 GRPC = "runtime/python/grpc"
 
@@ -67,11 +65,10 @@ def official_client(tmp_path_factory) -> tuple[Path, Path]:
     torchaudio that loads with this CPU torch are not installed), reading and writing with soundfile."""
     from grpc_tools import protoc
 
-    if not (OFFICIAL_GIT / "HEAD").exists():
-        pytest.skip(f"no git folder of the official CosyVoice at {OFFICIAL_GIT} (set COSYVOICE_OFFICIAL_GIT)")
+    official = official_git()
     root = tmp_path_factory.mktemp("official")
     for name in ("client.py", "cosyvoice.proto"):
-        (root / name).write_bytes(subprocess.run(["git", f"--git-dir={OFFICIAL_GIT}", "show",
+        (root / name).write_bytes(subprocess.run(["git", f"--git-dir={official}", "show",
                                                   f"{OFFICIAL_COMMIT}:{GRPC}/{name}"],
                                                  capture_output=True, check=True).stdout)
     assert protoc.main(["protoc", f"-I{root}", f"--python_out={root}", f"--grpc_python_out={root}",

@@ -11,13 +11,12 @@ pipeline's own answer for the same prompt and text (``cosyvoice_tts_stream`` chu
 whole), same server, sequential requests.
 
 The official clients run from ``$COSYVOICE_OFFICIAL_GIT`` (a git folder of FunAudioLLM/CosyVoice holding commit
-ace7c47; default ../.mirror/FunAudioLLM+CosyVoice/repo); their tests skip without it.
+ace7c47); their tests skip without it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import re
 import subprocess
@@ -28,13 +27,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, ROOT, served
+from conftest import FIXTURES, PATIENCE_S, official_git, served
 
 REFERENCE_TEXT = "the prompt says hello"
 TARGET_TEXT = "Hello there, this is a test of the official interface."
 RATE_IN, RATE_OUT = 16000, 24000
-OFFICIAL_GIT = Path(os.environ.get("COSYVOICE_OFFICIAL_GIT") or ROOT.parent / ".mirror" / "FunAudioLLM+CosyVoice"
-                    / "repo")
 OFFICIAL_COMMIT = "ace7c47"
 RUNTIME = "runtime/triton_trtllm"
 
@@ -142,14 +139,13 @@ def _config_json(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def official_runtime(tmp_path_factory) -> Path:
     """The official runtime folder (client_grpc.py, client_http.py, the cosyvoice2 config) at commit ace7c47."""
-    if not OFFICIAL_GIT.exists():
-        pytest.skip(f"no git folder of FunAudioLLM/CosyVoice at {OFFICIAL_GIT} (set COSYVOICE_OFFICIAL_GIT)")
+    official = official_git()
     out = tmp_path_factory.mktemp("official")
     files = [f"{RUNTIME}/client_grpc.py", f"{RUNTIME}/client_http.py", f"{RUNTIME}/model_repo/cosyvoice2/config.pbtxt"]
-    archive = subprocess.run(["git", "-C", str(OFFICIAL_GIT), "archive", OFFICIAL_COMMIT, *files],
+    archive = subprocess.run(["git", "-C", str(official), "archive", OFFICIAL_COMMIT, *files],
                              capture_output=True, check=False)
     if archive.returncode != 0:
-        pytest.skip(f"{OFFICIAL_GIT} has no commit {OFFICIAL_COMMIT} with the runtime: {archive.stderr.decode()[:200]}")
+        pytest.skip(f"{official} has no commit {OFFICIAL_COMMIT} with the runtime: {archive.stderr.decode()[:200]}")
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
     return out / RUNTIME
 

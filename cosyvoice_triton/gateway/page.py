@@ -1,7 +1,8 @@
-"""The listening page: ``GET /listen`` (one static HTML page, its script and style from ``static/``, no build step,
-nothing from another origin), ``GET /`` redirects to it. The page calls the gateway's own routes (same origin), so
-it is served with a Content-Security-Policy that allows nothing else: scripts, styles and requests from 'self' only,
-audio from 'self' and the page's own blob: URLs. The page is public; the API routes it calls keep their key check."""
+"""The listening page: ``GET /listen`` (one static HTML page, its scripts and style from ``static/``, no build step,
+nothing from another origin), ``GET /`` redirects to it. The page calls the gateway's own routes (same origin, the
+live sessions' WebSockets included), so it is served with a Content-Security-Policy that allows nothing else:
+scripts, styles and requests from 'self' only, audio from 'self' and the page's own blob: URLs. The page is public;
+the API routes it calls keep their key check."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PAGE_PATH = "/listen"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; media-src 'self' blob:; "
        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 _FILES = {"listen.html": "text/html; charset=utf-8", "listen.js": "text/javascript; charset=utf-8",
-          "listen.css": "text/css; charset=utf-8"}
+          "live.js": "text/javascript; charset=utf-8", "listen.css": "text/css; charset=utf-8"}
 _HEADERS = {"content-security-policy": CSP, "x-content-type-options": "nosniff", "referrer-policy": "no-referrer",
             "cache-control": "no-cache"}
 

@@ -6,6 +6,7 @@ of an uploaded source into an uploaded prompt's voice. A screenshot goes to buil
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def test_page_routes_and_headers():
         page = c.get("/listen")  # public: the key is the page's to send with the API calls
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert page.headers["content-security-policy"] == CSP and "'unsafe-inline'" not in CSP
-        for name in ("listen.js", "listen.css"):
+        for name in ("listen.js", "live.js", "listen.css"):
             assert f'"/listen/{name}"' in page.text
             assert c.get(f"/listen/{name}").status_code == 200
         for name in ("nothing.js", "..%2Fpage.py", "static"):
@@ -42,19 +43,26 @@ def test_page_routes_and_headers():
             assert r.status_code == 404 and r.json()["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
+@contextlib.contextmanager
+def chromium(profile: Path, *args: str):
+    """A headless chromium (its browser context) on ``profile``, with ``ARGS`` and ``args``; closed at the end.
+    Skips without chromium or playwright."""
     if not CHROMIUM.exists():
         pytest.skip(f"{CHROMIUM} is absent: apt-get install -y chromium (the page's browser test drives it)")
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e .[dev]")
     with sync_api.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path_factory.mktemp("chromium-profile")), executable_path=str(CHROMIUM), headless=True,
-            args=ARGS, accept_downloads=True)
+        context = pw.chromium.launch_persistent_context(str(profile), executable_path=str(CHROMIUM), headless=True,
+                                                        args=[*ARGS, *args], accept_downloads=True)
         try:
             yield context
         finally:
             context.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as context:
+        yield context
 
 
 def _run(page, button: str, what: str) -> dict:

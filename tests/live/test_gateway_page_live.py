@@ -21,9 +21,9 @@ import time
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, live_models_served, rel_err
-from test_gateway_live_ws_served import BAR, Socket
-from test_gateway_page import WAIT_MS, chromium
+from conftest import FIXTURES, PATIENCE_S, PATIENT_TEST_S, gateway_process, rel_err
+from test_gateway_live_ws_served import BAR, Socket, server  # noqa: F401  (both live models served)
+from test_gateway_page import ARTIFACTS, WAIT_MS, chromium
 
 from cosyvoice_triton.gateway.live_ws import TTS_LIVE_PATH, VC_LIVE_PATH
 
@@ -48,13 +48,7 @@ DUMP = """() => {
 
 
 @pytest.fixture(scope="module")
-def server(serving_assets, tmp_path_factory):
-    with live_models_served(serving_assets, tmp_path_factory.mktemp("page_live")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory):
+def gateway(server, tmp_path_factory):  # noqa: F811
     """The gateway with KEY, VOICE registered in KEY's tenant (on Triton, as the gateway's registration stores it)."""
     from cosyvoice_triton.clients.client import VCClient
     from cosyvoice_triton.gateway.tenants import Namespace, key_tenant
@@ -138,6 +132,12 @@ def test_talk_and_hear_equals_a_direct_session_for_the_frames_the_page_sent(page
     want = _replay(gateway, VC_LIVE_PATH, {"sample_rate": record["rate"], "sample_format": "f32le"}, frames,
                    pace_s=len(source) / record["rate"] / len(frames))
     np.testing.assert_array_equal(np.frombuffer(got, "<f4"), np.frombuffer(want, "<f4"))
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "gateway_page_live.png"), full_page=True)
+    print(f"talk and hear: {len(frames)} frames at {record['rate']} Hz ({len(source) / record['rate']:.2f} s), "
+          f"{len(record['received'])} chunks ({len(got) / 4 / 24000:.2f} s), first audio "
+          f"{record['firstAudioMs']:.0f} ms, median latency {np.median(record['latencies']):.0f} ms; screenshot "
+          f"{ARTIFACTS / 'gateway_page_live.png'}")
 
 
 def test_type_and_hear_equals_a_direct_session_for_the_words_typed(page, gateway):

@@ -9,7 +9,8 @@ const CAPTURE_FRAMES = 2048; // samples per microphone callback: ~43 ms at 48 kH
 
 const live = window.__live = { mode: "", running: false, done: false, error: "", rate: 0, sent: [], sentAt: [],
                                received: [], receivedAt: [], latencies: [], firstAudioMs: null, endedAt: null };
-let session = null; // {ws, mode, next (play-out time), capture: {stream, ctx}, sentS, sentEnds: [[seconds, ms]]}
+// {ws, mode, next (play-out time), capture: {ctx, stream}, sentS, sentEnds: [[seconds, ms]], started, ended}
+let session = null;
 
 function liveStatus(text, kind) {
   const el = $("live-status");
@@ -40,7 +41,7 @@ function openLive(mode, start) {
   ws.binaryType = "arraybuffer";
   const play = audioContext();
   if (play.state !== "running") play.resume(); // inside the click: browsers start audio on a user gesture
-  session = { ws, mode, next: 0, capture: null, sentS: 0, sentEnds: [], started: false };
+  session = { ws, mode, next: 0, capture: null, sentS: 0, sentEnds: [], started: false, ended: false };
   const body = { type: "session.start", voice, output_format: "f32le", ...start };
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   ws.onopen = () => ws.send(JSON.stringify(body));
@@ -104,7 +105,7 @@ function liveProgress() {
 }
 
 function liveSend(piece) {
-  if (!session || session.ws.readyState !== WebSocket.OPEN) return;
+  if (!session || session.ended || session.ws.readyState !== WebSocket.OPEN) return; // nothing after input.end
   const now = performance.now();
   if (typeof piece === "string") {
     if (!piece) return;
@@ -119,10 +120,11 @@ function liveSend(piece) {
 }
 
 function liveEnd() {
-  if (!session) return;
+  if (!session || session.ended) return;
   stopCapture();
   if (session.mode === "type") sendTyped(true);
   if (session.ws.readyState === WebSocket.OPEN) session.ws.send(JSON.stringify({ type: "input.end" }));
+  session.ended = true; // a microphone callback already queued sends nothing more
   live.endedAt = performance.now();
   $("talk-stop").disabled = $("type-end").disabled = true;
   liveStatus("ended: the rest of the audio is on its way…");

@@ -1,5 +1,5 @@
-"""The listening page's live sessions in a real headless chromium against a real gateway (a key, a voice registered
-through it) in front of a real tritonserver with both live models (tiny demo model):
+"""The listening page's live sessions in a real headless chromium against a real gateway (a key, a voice of its
+tenant) in front of a real tritonserver with both live models (tiny demo model):
 
 * "talk and hear": chromium's fake microphone plays a fixture WAV; the page sends it as float32 frames at its
   capture rate over ``/v1/audio/voice-conversion/live`` and plays the converted chunks as they arrive. The first

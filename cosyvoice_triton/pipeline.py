@@ -30,7 +30,7 @@ from .models.checkpoint import load_flow, load_into, normalize_keys, read_state_
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
-from .models.speed import change_speed, check_speed
+from .models.speed import check_speed, stretch_mel
 from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
 from .speaker_state import SpeakerState
 from .speakers import SpeakerPrompt, SpeakerStore
@@ -263,11 +263,10 @@ class CosyVoice2:
         HiFT's NSF noise comes from ``hift_noise`` [1, 480 T, 9] when given, else from a generator seeded
         with ``seed`` (which replays what ``torch.manual_seed(seed)`` gives the official code on CPU), else
         from torch's global RNG (``seed=None``). ``speed``: the mel stretched to ``int(T / speed)`` frames
-        before HiFT (:func:`~.models.speed.change_speed`, the official ``speed``).
+        before HiFT (:func:`~.models.speed.stretch_mel`, the official ``speed``).
         """
         mel = self._flow(inputs, inputs.source_tokens, streaming=False, finalize=True, timer=timer)
-        if speed != 1.0:
-            mel = torch.from_numpy(change_speed(mel.float().cpu().numpy(), speed)).to(mel.device)
+        mel = stretch_mel(mel, speed)
         speech, _ = self._hift(mel, None, hift_noise, _generator(seed), timer)
         return speech[0].float().cpu().numpy()
 
@@ -525,7 +524,7 @@ class CosyVoice2:
         (``None``: PyTorch's global generator); ``draws`` overrides the LM's (parity with injected draws).
         ``schedule``: other streaming hops (:class:`~.streaming.StreamSchedule`; ``None``: :attr:`stream_schedule`).
         ``speed`` (0.25-4, non-streaming only, as the official ``speed``): faster speech above 1, slower below, by
-        the final mel's length (:func:`~.models.speed.change_speed`).
+        the final mel's length (:func:`~.models.speed.stretch_mel`).
         """
         if check_speed(speed) != 1.0 and stream:
             raise CosyVoiceError("speed: only non-streaming answers (stream=False) change speed, as the official "

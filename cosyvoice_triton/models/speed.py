@@ -27,21 +27,30 @@ def check_speed(speed, name: str = "speed") -> float:
     return value
 
 
-def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
-    """``mel`` [..., T] stretched to ``int(T / speed)`` frames along its last axis by PyTorch's
-    ``F.interpolate(..., mode="linear")``, the official call; ``speed`` 1.0 returns ``mel``."""
+def stretch_mel(mel, speed: float):
+    """``mel``, a torch tensor [..., T], stretched to ``int(T / speed)`` frames along its last axis by PyTorch's
+    ``F.interpolate(..., mode="linear")``, the official call, in its own dtype and device; ``speed`` 1.0 returns
+    ``mel``."""
     import torch
     import torch.nn.functional as F
 
     speed = check_speed(speed)
     if speed == 1.0:
         return mel
-    mel = np.asarray(mel)
     frames = mel.shape[-1]
     out = int(frames / speed)
     if frames == 0 or out == 0:
         return mel[..., :0]
-    x = torch.from_numpy(np.ascontiguousarray(mel, dtype=np.float32)).reshape(1, -1, frames)
     with torch.inference_mode():
-        y = F.interpolate(x, size=out, mode="linear")
-    return y.reshape(*mel.shape[:-1], out).numpy().astype(mel.dtype, copy=False)
+        y = F.interpolate(mel.float().reshape(1, -1, frames), size=out, mode="linear")
+    return y.reshape(*mel.shape[:-1], out).to(mel.dtype)
+
+
+def change_speed(mel: np.ndarray, speed: float) -> np.ndarray:
+    """:func:`stretch_mel` of a numpy mel [..., T] (the served stage's), as numpy."""
+    import torch
+
+    if check_speed(speed) == 1.0:
+        return mel
+    mel = np.asarray(mel)
+    return stretch_mel(torch.from_numpy(np.ascontiguousarray(mel)), speed).numpy().astype(mel.dtype, copy=False)

@@ -138,14 +138,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         """One call on to Triton: admitted, the model public, an inference request checked first."""
         try:
             who, ns = self._identify(context)
+            scope = Scope(self.sequences, ns.tenant)
             if infer:  # work for Triton: its turn at the fair gate when the service is full
-                await self.limiter.admit(who)
+                await self.limiter.admit(who, continuation=scope.continues(request))
             else:
                 self.limiter.acquire(who)
         except GatewayError as exc:
             return await self._fail(context, exc)
         done = self.limiter.leave if infer else self.limiter.release
-        scope = Scope(self.sequences, ns.tenant)
         held = False
         try:
             kw = {}
@@ -246,8 +246,8 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if isinstance(req, Undecodable):  # no model, no id to answer in the stream: the stream ends
                         await out.put(GatewayError(400, req.message))
                         return
-                    try:  # a live piece after its session's start does not wait behind new work (fair.py)
-                        await self.limiter.admit(who, wait=not _continues_session(req))
+                    try:  # a piece of an open session is neither refused nor kept waiting (limits.py, fair.py)
+                        await self.limiter.admit(who, continuation=scope.continues(req))
                     except GatewayError as exc:
                         if await refuse(req, exc):
                             continue
@@ -307,16 +307,6 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             call.cancel()
             while state["held"]:
                 release_one()
-
-
-def _continues_session(request: service_pb2.ModelInferRequest) -> bool:
-    """A request of an open sequence: a sequence id, without the start flag."""
-    params = request.parameters
-    seq = params.get("sequence_id")
-    if seq is None or not (seq.int64_param or seq.uint64_param or seq.string_param):
-        return False
-    start = params.get("sequence_start")
-    return not (start is not None and start.bool_param)
 
 
 def _empty(answer: service_pb2.ModelStreamInferResponse) -> bool:

@@ -142,15 +142,19 @@ class KeyLimiter:
                                code="concurrency_limit_exceeded", headers={"retry-after": "1"})
         self._active[key] += 1
 
-    async def admit(self, key: str, *, wait: bool = True) -> None:
-        """:meth:`acquire`, then a slot of the fair gate (``wait=False``: at once, for a continuation of an admitted
-        session); :meth:`leave` both when Triton has answered."""
+    async def admit(self, key: str, *, continuation: bool = False) -> None:
+        """:meth:`acquire`, then a slot of the fair gate; :meth:`leave` both when Triton has answered. A
+        ``continuation`` (a piece of a session already admitted: an open sequence of the key's tenant) is counted
+        but never refused by the key's limits, and takes its gate slot at once: a session admitted once is not cut
+        halfway by its own later pieces. Its pieces in flight are bounded by the live model (its pending pieces
+        per session) and its sessions by the tenant's share."""
+        if continuation:
+            self._active[key] += 1
+            self.gate.take(key)
+            return
         self.acquire(key)
         try:
-            if wait:
-                await self.gate.acquire(key)
-            else:
-                self.gate.take(key)
+            await self.gate.acquire(key)
         except BaseException:
             self.release(key)
             raise

@@ -159,6 +159,12 @@ class SequenceIds:
                 return drawn
 
     # ------------------------------------------------------------------------------------------------ state
+    def is_open(self, tenant: str, model: str, client: ClientId) -> bool:
+        """Whether the tenant holds an open sequence ``client`` on ``model`` (idle ones forgotten first)."""
+        with self._lock:
+            self._expire(self._clock())
+            return (tenant, model, isinstance(client, str), client) in self._open
+
     def open_count(self, tenant: str | None = None) -> int:
         """Open entries (of ``tenant``; None: all), idle ones forgotten first."""
         with self._lock:
@@ -253,6 +259,19 @@ class Scope:
         return new + body[split:], (None if header_length is None else str(len(new)))
 
     # ----------------------------------------------------------------------------------------------- gRPC
+    def continues(self, request) -> bool:
+        """Whether a ``ModelInferRequest`` goes on a sequence this tenant holds open (an id without the start
+        flag): a piece of an admitted session, which the key's limits do not refuse (:meth:`KeyLimiter.admit`)."""
+        params = request.parameters
+        if not self.active or SEQUENCE_ID not in params:
+            return False
+        start = params.get(SEQUENCE_START)
+        if start is not None and start.WhichOneof("parameter_choice") == "bool_param" and start.bool_param:
+            return False
+        which = params[SEQUENCE_ID].WhichOneof("parameter_choice")
+        client = getattr(params[SEQUENCE_ID], which) if which else None
+        return is_sequence(client) and self.table.is_open(self.tenant, request.model_name, client)
+
     def grpc_request(self, request) -> None:
         """A checked ``ModelInferRequest`` (the gateway's own copy), its ``sequence_id`` made Triton's."""
         params = request.parameters

@@ -10,7 +10,7 @@ import numpy as np
 
 from .report import RunSummary
 
-__all__ = ["plot_first_chunk", "plot_latency_cdf", "plot_sweep"]
+__all__ = ["plot_first_chunk", "plot_latency_cdf", "plot_memory", "plot_sweep"]
 
 
 def _pyplot():
@@ -103,4 +103,24 @@ def plot_first_chunk(summaries: Sequence[RunSummary], path: str | Path, *, perf:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "First-chunk latency against concurrency")
+    return _save(plt, fig, path)
+
+
+def plot_memory(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, *, title: str = "",
+                windows: Sequence[tuple[float, float]] = ()) -> Path:
+    """Resident memory over a run, one panel per process (``series``: name -> (seconds, MB) points); ``windows``:
+    the spans the start and end figures are taken over, shaded."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, max(1, len(series)), figsize=(5.5 * max(1, len(series)), 4), squeeze=False)
+    for ax, (name, points) in zip(axes[0], sorted(series.items()), strict=False):
+        if points:
+            t, mb = zip(*points, strict=True)
+            ax.plot(t, mb, lw=1)
+        for a, b in windows:
+            ax.axvspan(a, b, alpha=0.12, color="gray")
+        ax.set_title(name)
+        ax.set_xlabel("seconds into the run")
+        ax.set_ylabel("resident set (MB)")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title or "Memory over the run")
     return _save(plt, fig, path)

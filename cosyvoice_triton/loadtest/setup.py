@@ -3,13 +3,15 @@ one Locust run in a subprocess, the warm-up and call profile of a column, and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+import urllib.request
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,8 @@ from .recording import ENV_VAR, RunConfig, RunResult
 from .sampler import ServerSampler
 from .workload import Workload
 
-__all__ = ["CONFIGS", "FIXTURES", "Options", "ensure_assets", "locust_command", "locust_env", "machine", "render",
-           "run_locust",
-           "server_figures", "warm_up"]
+__all__ = ["CONFIGS", "FIXTURES", "Options", "ensure_assets", "gateway", "locust_command", "locust_env", "machine",
+           "render", "run_locust", "server_figures", "warm_up"]
 
 LOCUSTFILE = resources.path("loadtest/locustfile.py")
 #: the test recordings: the workload's speech where espeak-ng is missing
@@ -265,3 +266,43 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[pkg] = "absent"
     return out
+
+
+@contextlib.contextmanager
+def gateway(server, work: Path, keys: dict[str, str], *args: str,
+            patience_s: float = 300.0) -> Iterator[tuple[subprocess.Popen, str, str]]:
+    """The gateway (``python -m cosyvoice_triton.gateway``) in front of ``server``, with ``keys`` (tenant -> key)
+    and the extra flags ``args``, its log in ``work/gateway.log``: ``(process, "host:http_port",
+    "host:grpc_port")`` once it answers ``/health``; stopped on the way out."""
+    from ..serving.launch.server import free_ports
+
+    port, grpc_port = free_ports(2)
+    work.mkdir(parents=True, exist_ok=True)
+    key_file = work / "keys"
+    key_file.write_text("".join(f"{tenant}:{key}\n" for tenant, key in keys.items()))
+    log_path = work / "gateway.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc", server.grpc_url,
+                                 "--triton-http", server.http_url, "--port", str(port), "--grpc-port",
+                                 str(grpc_port), "--api-key-file", str(key_file), *args],
+                                stdout=out, stderr=subprocess.STDOUT)
+    http = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + patience_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"http://{http}/health", timeout=30).status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not answer /health")
+            time.sleep(0.2)
+        yield proc, http, f"127.0.0.1:{grpc_port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

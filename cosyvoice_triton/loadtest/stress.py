@@ -37,8 +37,6 @@ import math
 import queue
 import random
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -49,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .setup import FIXTURES, Options, ensure_assets, machine, render
+from .setup import FIXTURES, Options, ensure_assets, gateway, machine, render
 
 log = logging.getLogger(__name__)
 
@@ -338,6 +336,19 @@ def memory_figures(samples: list[tuple[float, float, float]], window_s: float) -
     return out
 
 
+def memory_series(samples: list[tuple[float, float, float]], points: int = 400) -> list[tuple[float, float, float]]:
+    """The samples as (seconds from the first, triton MB, gateway MB), at most about ``points`` of them: each the
+    peak of its stretch, so that the trajectory keeps what the windows' figures are taken from."""
+    if not samples:
+        return []
+    t0, step = samples[0][0], max(1, -(-len(samples) // points))
+    out = []
+    for i in range(0, len(samples), step):
+        part = samples[i: i + step]
+        out.append((round(part[0][0] - t0, 1), round(max(s[1] for s in part), 1), round(max(s[2] for s in part), 1)))
+    return out
+
+
 class _Memory:
     def __init__(self, triton_pid: int, gateway_pid: int, every_s: float = 1.0):
         self.pids, self.every_s = (triton_pid, gateway_pid), every_s
@@ -370,38 +381,10 @@ class _Memory:
 
 @contextlib.contextmanager
 def _gateway(server, work: Path):
-    from ..serving.launch.server import free_ports
-
-    port, grpc_port = free_ports(2)
-    keys = work / "keys"
-    keys.write_text(f"innocent:{INNOCENT_KEY}\nhostile:{HOSTILE_KEY}\n")
-    log_path = work / "gateway.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.gateway", "--triton-grpc", server.grpc_url,
-                                 "--triton-http", server.http_url, "--port", str(port), "--grpc-port",
-                                 str(grpc_port), "--api-key-file", str(keys), "--open-metrics",
-                                 "--sequence-idle-s", str(LIVE_IDLE_S + 5), "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT)
-    http = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + PATIENCE_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"http://{http}/health", timeout=30).status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not answer /health")
-            time.sleep(0.2)
-        yield proc, Door(http, f"127.0.0.1:{grpc_port}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with gateway(server, work, {"innocent": INNOCENT_KEY, "hostile": HOSTILE_KEY}, "--open-metrics",
+                 "--sequence-idle-s", str(LIVE_IDLE_S + 5), "--log-level", "warning",
+                 patience_s=PATIENCE_S) as (proc, http, grpc_door):
+        yield proc, Door(http, grpc_door)
 
 
 def _slots_come_back(door: Door, audio) -> bool:
@@ -519,9 +502,17 @@ def run_stress(opts: Options) -> dict[str, Any]:
         "innocent": dict(result.innocent), "innocent_failures": result.innocent_failures[:50],
         "innocent_p50_s": {k: float(np.median(v)) for k, v in result.latencies.items()},
         "hostile": dict(sorted(result.hostile.items())), "memory": mem, "memory_samples": len(result.memory),
-        "verdict": verdict,
+        "memory_series": memory_series(result.memory), "verdict": verdict,
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    if result.memory:
+        from .plots import plot_memory
+
+        span = result.memory[-1][0] - result.memory[0][0]
+        plot_memory({name: [(p[0], p[i]) for p in report["memory_series"]] for i, name in
+                     ((1, "triton"), (2, "gateway"))}, out_dir / "memory.png", windows=((0, window),
+                                                                                       (span - window, span)),
+                    title=f"Resident memory, {report['users']} innocent and {report['hostile_users']} hostile users")
     md = stress_markdown(report)
     (out_dir / "report.md").write_text(md)
     print(md, flush=True)
@@ -545,6 +536,8 @@ def stress_markdown(report: dict[str, Any]) -> str:
               "|---|---:|---:|---:|---:|"]
     lines += [f"| {name} | {m['start_mb']:.0f} | {m['end_mb']:.0f} | {m['peak_mb']:.0f} | {m['growth']:+.1%} |"
               for name, m in report["memory"].items()]
+    if report.get("memory_series"):
+        lines += ["", "Memory over the run: `memory.png` (the windows of the start and end figures shaded)."]
     if report["innocent_failures"]:
         lines += ["", "Failed innocent requests (first ones):", ""] + [f"- {f}" for f in report["innocent_failures"]]
     return "\n".join(lines) + "\n"

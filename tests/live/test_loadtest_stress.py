@@ -12,7 +12,7 @@ import json
 import pytest
 from conftest import PATIENT_TEST_S, require_live_loadtest
 
-from cosyvoice_triton.loadtest.stress import HOSTILE_ACTS, memory_figures, stress_markdown
+from cosyvoice_triton.loadtest.stress import HOSTILE_ACTS, memory_figures, memory_series, stress_markdown
 
 
 def test_memory_figures_take_the_peaks_of_the_first_and_last_windows():
@@ -21,6 +21,14 @@ def test_memory_figures_take_the_peaks_of_the_first_and_last_windows():
     assert m["triton"] == {"start_mb": 120.0, "end_mb": 130.0, "peak_mb": 130.0, "growth": pytest.approx(130 / 120 - 1)}
     assert m["gateway"]["start_mb"] == 50.0 and m["gateway"]["growth"] == pytest.approx(0.2)
     assert memory_figures([], 4.0) == {}
+
+
+def test_the_memory_series_keeps_each_stretchs_peak():
+    samples = [(100.0 + t, 1000.0 + (50 if t == 7 else 0), 10.0 + t) for t in range(20)]
+    series = memory_series(samples, points=5)
+    assert [p[0] for p in series] == [0.0, 4.0, 8.0, 12.0, 16.0]
+    assert series[0][1] == 1000.0 and series[1][1] == 1050.0  # the spike at t=7 is kept in its stretch (4-7)
+    assert series[-1][2] == 29.0 and memory_series([]) == []
 
 
 def test_the_runner_takes_the_stress_flags():
@@ -60,3 +68,4 @@ def test_short_stress_run_fails_no_innocent_request(serving_assets, tmp_path):
     assert json.loads((out / "report.json").read_text())["verdict"] == report["verdict"]
     md = (out / "report.md").read_text()
     assert md == stress_markdown(report) and "| gateway |" in md and "PASSED" in md
+    assert (out / "memory.png").stat().st_size > 0 and len(report["memory_series"]) > 10

@@ -14,8 +14,9 @@ from tritonclient.grpc import service_pb2
 
 from cosyvoice_triton.gateway.errors import GatewayError
 from cosyvoice_triton.gateway.fair import FairGate
-from cosyvoice_triton.gateway.kserve_grpc import KServeProxy, _continues_session
+from cosyvoice_triton.gateway.kserve_grpc import KServeProxy
 from cosyvoice_triton.gateway.limits import KeyLimiter, KeyRing
+from cosyvoice_triton.gateway.sessions import Scope, SequenceIds
 
 
 async def _settle():
@@ -133,8 +134,8 @@ def test_no_capacity_is_no_gate_and_a_continuation_takes_its_slot_at_once():
 
 
 def test_which_requests_continue_a_session():
-    def req(**params):
-        r = service_pb2.ModelInferRequest(model_name="cosyvoice_vc_live")
+    def req(model="cosyvoice_vc_live", **params):
+        r = service_pb2.ModelInferRequest(model_name=model)
         for name, value in params.items():
             if isinstance(value, bool):
                 r.parameters[name].bool_param = value
@@ -144,11 +145,53 @@ def test_which_requests_continue_a_session():
                 r.parameters[name].string_param = value
         return r
 
-    assert not _continues_session(req())
-    assert not _continues_session(req(sequence_id=7, sequence_start=True))
-    assert _continues_session(req(sequence_id=7))
-    assert _continues_session(req(sequence_id="s-1", sequence_end=True))
-    assert not _continues_session(req(sequence_id=0))
+    table = SequenceIds()
+    mine, other = Scope(table, "t1"), Scope(table, "t2")
+    assert not mine.continues(req(sequence_id=7))  # not open yet: a continuation only of what was admitted
+    table.upstream("t1", "cosyvoice_vc_live", 7, start=True)
+    table.upstream("t1", "cosyvoice_vc_live", "s-1", start=True)
+    assert not mine.continues(req())
+    assert not mine.continues(req(sequence_id=7, sequence_start=True))
+    assert mine.continues(req(sequence_id=7))
+    assert mine.continues(req(sequence_id="s-1", sequence_end=True))
+    assert not mine.continues(req(sequence_id="7")) and not mine.continues(req(sequence_id=0))
+    assert not other.continues(req(sequence_id=7))  # another tenant's id is not its session
+    assert not mine.continues(req("cosyvoice_tts_live", sequence_id=7))
+    assert not Scope(None, None).continues(req(sequence_id=7))  # no tenants: every request is limited
+
+
+def test_a_piece_of_an_admitted_session_is_not_refused_by_its_keys_limit():
+    """The long stress run's finding: a key's live session (its pieces in flight at once) beside the key's other
+    requests passed the key's concurrency, and the session's later pieces were refused, cutting it halfway."""
+    async def scene():
+        keys = KeyRing(["ka"], {"ka": "tenant_a"})
+        limiter = KeyLimiter(1, rate="2/minute", gate=FairGate(capacity=8))
+        upstream = _OneAtATime()
+        proxy = KServeProxy(upstream, keys, limiter, SequenceIds())
+
+        def piece(i: int, **flags):
+            r = _request(i)
+            r.parameters["sequence_id"].int64_param = 41
+            for name, value in flags.items():
+                r.parameters[name].bool_param = value
+            return r
+
+        start = asyncio.ensure_future(proxy.ModelInfer(piece(0, sequence_start=True), Context("ka")))
+        await _until(lambda: len(upstream.started) == 1)
+        more = [asyncio.ensure_future(proxy.ModelInfer(piece(i), Context("ka"))) for i in (1, 2)]
+        await _until(lambda: len(upstream.started) == 3)  # beyond the key's 1 and its rate of 2: still admitted
+        who = keys.identify("Bearer ka")
+        assert limiter.active(who) == 3
+        context = Context("ka")  # new work of the key is still refused at its limit
+        with pytest.raises(RuntimeError, match="aborted"):
+            await proxy.ModelInfer(_request(9), context)
+        assert "too many concurrent requests" in context.aborted[1]
+        while upstream.waiting:
+            upstream.answer_next()
+        await asyncio.wait_for(asyncio.gather(start, *more), 30)
+        assert limiter.active(who) == 0 and limiter.gate.in_flight == 0
+
+    asyncio.run(scene())
 
 
 async def _until(condition, ceiling_s: float = 60.0):

@@ -194,6 +194,12 @@ loadtest-live: $(VENV)/.installed ## live sessions: concurrent live VC streams h
 
 bench-live: loadtest-live ## the older name of `make loadtest-live`
 
+.PHONY: loadtest-live-gateway
+loadtest-live-gateway: $(VENV)/.installed ## live VC at 1/2/4 sessions and live TTS over Triton's gRPC and over the gateway's WebSocket, level by level: what the door adds (latency p50/p95, first audio, underruns) -> build/loadtest/$(DEMO_SIZE)-live-gateway/report.md
+	$(CLI) loadtest-live --config $(DEMO_SIZE) --via grpc,ws --streams 1,2,4 --whole-sweep \
+		--out-dir build/loadtest/$(DEMO_SIZE)-live-gateway \
+		--server-arg=--backend-config=python,stub-timeout-seconds=300 $(BENCH_LIVE_ARGS)
+
 .PHONY: bench-server-overhead
 BENCH_OVERHEAD_ARGS ?=
 bench-server-overhead: $(VENV)/.installed ## what the server adds to the library for the same chunk: the VC and TTS streams and both live models, in process and served over gRPC, p50 first / later chunk, target <= 50 ms added (DEMO_SIZE=full: the real dims, TTS first chunk <= 4 s) -> build/bench-server-overhead/$(DEMO_SIZE).json
@@ -228,7 +234,8 @@ loadtest-stress: $(VENV)/.installed ## innocent users beside hostile ones (vanis
 
 FUZZ_EXAMPLES ?= 5000
 fuzz: $(VENV)/.installed ## the gateway's fuzz tests long: FUZZ_EXAMPLES fresh examples per property (headers, chunked framing, JSON, multipart, live gRPC frames; no model runs)
-	COSYVOICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/live/test_gateway_fuzz.py -p no:cacheprovider
+	COSYVOICE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/live/test_gateway_fuzz.py -p no:cacheprovider \
+		--timeout=0 --durations=0
 
 clean: ## remove build outputs (keeps .venv and models/)
 	rm -rf build .pytest_cache .ruff_cache

@@ -26,31 +26,21 @@ Over Triton's gRPC directly, the live clients take the text as it is::
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import inspect
 import json
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
-from typing import Any
 
-from .wire import VCError
+from .live_ws import SAMPLE_RATE, LiveSpeechError
+from .live_ws import SessionReader as _Reader
+from .live_ws import auth_headers as _headers
+from .live_ws import session_start as _start
 
 __all__ = ["SAMPLE_RATE", "LiveSpeechError", "aspeak", "atext_deltas", "delta_text", "speak", "text_deltas"]
 
-#: The rate of the audio a live speech session yields (the models' 24 kHz).
-SAMPLE_RATE = 24000
 _END = json.dumps({"type": "input.end"})
 
-
-class LiveSpeechError(VCError):
-    """The gateway ended the session with an ``error`` event: ``code`` is its code (``invalid_api_key``,
-    ``capacity``, ``invalid_input``, ...: docs/live.md, "Errors"), ``param`` the field it names; ``closed``: the
-    socket closed (``close_code``) before ``speech.audio.done``."""
-
-    def __init__(self, code: str, message: str, param: str | None = None, close_code: int | None = None):
-        super().__init__(message, code)
-        self.code, self.param, self.close_code = code, param, close_code
 
 
 # ---------------------------------------------------------------------------------------------- the text
@@ -115,60 +105,10 @@ async def _aclose(stream) -> None:
 # ---------------------------------------------------------------------------------------------- the session
 
 
-def _start(voice, reference_audio, reference_text, seed, output_format, stream_format) -> str:
-    body: dict[str, Any] = {"type": "session.start", "output_format": output_format, "stream_format": stream_format}
-    for name, value in (("voice", voice), ("reference_audio", reference_audio), ("reference_text", reference_text),
-                        ("seed", seed)):
-        if value is not None:
-            body[name] = base64.b64encode(value).decode() if isinstance(value, (bytes, bytearray)) else value
-    return json.dumps(body)
-
-
-def _headers(key: str | None) -> dict[str, str] | None:
-    return {"Authorization": f"Bearer {key}"} if key else None
-
-
 def _pieces(text: str, most: int) -> Iterator[str]:
     """A delta as ``input.text`` messages of at most ``most`` characters (the gateway's bound)."""
     for start in range(0, len(text), most):
         yield json.dumps({"type": "input.text", "text": text[start : start + most]})
-
-
-class _Reader:
-    """The session's messages from the gateway: :meth:`take` one; the audio it carries (None: none); the sender
-    starts once ``started`` is set."""
-
-    def __init__(self):
-        self.started: dict | None = None  # session.started's "session"
-        self.done: dict | None = None  # speech.audio.done
-
-    def take(self, message: str | bytes) -> bytes | None:
-        if isinstance(message, (bytes, bytearray)):
-            return bytes(message)
-        event = json.loads(message)
-        kind = event.get("type")
-        if kind == "error":
-            err = event.get("error") or {}
-            raise LiveSpeechError(str(err.get("code")), str(err.get("message")), err.get("param"))
-        if kind == "session.started":
-            self.started = event.get("session") or {}
-        elif kind == "speech.audio.delta":
-            return base64.b64decode(event["audio"])
-        elif kind == "speech.audio.done":
-            self.done = event
-        return None
-
-    @property
-    def most(self) -> int:
-        return int((self.started or {}).get("max_piece_chars") or 4096)
-
-    def finish(self, close_code: int | None, failed: BaseException | None) -> None:
-        """The socket closed: raise what ended the sender (the LLM's stream), or a close before the end."""
-        if failed is not None:
-            raise failed
-        if self.done is None:
-            raise LiveSpeechError("closed", f"the gateway closed the session ({close_code}) before speech.audio.done",
-                                  close_code=close_code)
 
 
 def speak(stream: Iterable, url: str, *, key: str | None = None, voice: str | None = None,

@@ -315,6 +315,7 @@ class LiveSockets:
         config, start, model = self.config, session.start, session.model
         pending: asyncio.Queue = asyncio.Queue(maxsize=config.live_max_pending)
         stats = LiveStats()
+        origins: list[int] = []  # per upstream request: the index of the input message that completed it
 
         async def pieces() -> AsyncIterator:
             while (piece := await pending.get()) is not _END:
@@ -336,8 +337,8 @@ class LiveSockets:
         else:
             info.update(max_piece_chars=config.max_input_chars)
         await sender.event({"type": "session.started", "session": info})
-        pump = asyncio.ensure_future(self._pump(sender, chunks, start, model, ns, client_id))
-        reader = asyncio.ensure_future(self._read(ws, kind, start, pending))
+        pump = asyncio.ensure_future(self._pump(sender, chunks, start, model, ns, client_id, origins))
+        reader = asyncio.ensure_future(self._read(ws, kind, start, pending, origins))
         try:
             await asyncio.wait({pump, reader}, return_when=asyncio.FIRST_COMPLETED)
             if not pump.done():  # the reader ended first: the client left or broke the protocol
@@ -363,8 +364,9 @@ class LiveSockets:
                     await task
 
     async def _pump(self, sender: _Sender, chunks, start: _Start, model: str, ns: Namespace,
-                    client_id: int) -> None:
-        """Each chunk to the client as it comes, in the session's format; the metrics per chunk."""
+                    client_id: int, origins: list[int]) -> None:
+        """Each chunk to the client as it comes, in the session's format (an event's ``piece``: the index of the
+        input message whose arrival let the chunk be computed); the metrics per chunk."""
         dtype, first = SAMPLE_FORMATS[start.output_format], True
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -376,7 +378,10 @@ class LiveSockets:
                 if not data:
                     continue
                 if start.stream_format == "events":
-                    await sender.event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                    event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}
+                    if 0 <= chunk.piece < len(origins):
+                        event["piece"] = origins[chunk.piece]
+                    await sender.event(event)
                 else:
                     await sender.binary(data)
 
@@ -389,10 +394,12 @@ class LiveSockets:
         if chunk.margin_s is not None and chunk.margin_s < 0:
             m.live_underruns.labels(model).inc()
 
-    async def _read(self, ws: WebSocket, kind: str, start: _Start, pending: asyncio.Queue) -> None:
-        """The client's messages after the start: pieces onto ``pending`` until ``input.end``; then only watch
-        the socket (a piece after the end is refused)."""
-        config, ended = self.config, False
+    async def _read(self, ws: WebSocket, kind: str, start: _Start, pending: asyncio.Queue,
+                    origins: list[int]) -> None:
+        """The client's messages after the start: pieces onto ``pending`` until ``input.end``, and onto ``origins``
+        the index of the message that completed each (counted from 0 after the start: frames, ``input.text``,
+        ``input.end``); then only watch the socket (a piece after the end is refused)."""
+        config, ended, index = self.config, False, -1
         dtype = SAMPLE_FORMATS[getattr(start, "sample_format", "f32le")]
         rate = getattr(start, "sample_rate", 0)
         gather = _Gather(round(config.live_min_piece_ms / 1000.0 * rate), int(config.live_max_piece_s * rate))
@@ -400,20 +407,21 @@ class LiveSockets:
             message = await self._receive(ws, None if ended else config.live_idle_s,
                                           "input (a piece or input.end)")
             data, text = message.get("bytes"), message.get("text")
+            index += 1
             if ended and (data is not None or text is not None):
                 raise LiveError("input_ended", "input.end was sent: no more input is taken")
             if data is not None:
                 if kind != "vc":
                     raise LiveError("text_expected", "this session takes JSON text messages (input.text, "
                                     "input.end), not binary frames")
-                ready = gather.add(self._samples(data, dtype, rate))
+                ready = gather.add(self._samples(data, dtype, rate), index)
             else:
                 body = self._control(kind, text or "")
                 if body["type"] == "input.end":
-                    ready, ended = [*gather.flush(), _END], True
+                    ready, ended = [*gather.flush(index), (_END, index)], True
                 else:
-                    ready = [body["text"]]
-            for piece in ready:
+                    ready = [(body["text"], index)]
+            for piece, origin in ready:
                 if piece is not _END and not len(piece):
                     continue  # an empty piece: nothing to send
                 try:
@@ -421,6 +429,7 @@ class LiveSockets:
                 except asyncio.QueueFull:
                     raise LiveError("input_overrun", f"{config.live_max_pending} pieces are waiting to be "
                                     "converted, the most kept: send the input at real time (or slower)") from None
+                origins.append(origin)
 
     def _samples(self, data: bytes, dtype: np.dtype, rate: int) -> np.ndarray:
         if len(data) % dtype.itemsize:
@@ -472,24 +481,27 @@ class _Gather:
     when nothing waits. What goes on depends on the frames only, never on their timing."""
 
     def __init__(self, least: int, most: int):
-        self.least, self.most, self.parts, self.size = max(0, least), most, [], 0
+        self.least, self.most, self.parts, self.size, self.last = max(0, least), most, [], 0, -1
 
-    def _take(self) -> np.ndarray:
+    def _take(self) -> tuple[np.ndarray, int]:
         piece = self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
         self.parts, self.size = [], 0
-        return piece
+        return piece, self.last
 
-    def add(self, frame: np.ndarray) -> list[np.ndarray]:
-        """The pieces ready once ``frame`` has come."""
+    def add(self, frame: np.ndarray, index: int = -1) -> list[tuple[np.ndarray, int]]:
+        """The pieces ready once ``frame`` (the session's input message ``index``) has come, each with the index
+        of its last frame."""
         out = [self._take()] if self.size and self.size + len(frame) > self.most else []
         self.parts.append(frame)
         self.size += len(frame)
+        self.last = index
         if self.size >= self.least:
             out.append(self._take())
         return out
 
-    def flush(self) -> list[np.ndarray]:
-        return [self._take()] if self.size else []
+    def flush(self, index: int = -1) -> list[tuple[np.ndarray, int]]:
+        """What is left, charged to the message ``index`` that ended the input."""
+        return [(self._take()[0], index)] if self.size else []
 
 
 def _live_error(exc: VCError) -> LiveError:

@@ -15,6 +15,12 @@ One integrated server (the load tests' render and launcher: :func:`.setup.render
 * **TTS**: each ``--tts-text`` sent word by word at ``--tts-words-per-s`` to ``cosyvoice_tts_live`` (skipped,
   with the reason, while the server has none): first text piece to first audio, and the whole session.
 
+``--via grpc,ws`` (``make loadtest-live-gateway``): each level and each TTS text also through the gateway's
+WebSocket routes (:class:`~..clients.live_ws.LiveSocket`, one tenant whose live share is the largest level), right
+after the same sessions over Triton's gRPC, so the two columns differ by what the door adds (the gateway's
+process, its own gRPC session upstream, the socket's framing): the same pieces, the same pacing, latency measured
+alike (a chunk's arrival after the input message that let it be computed was sent).
+
 ``--config full`` (``make bench-live DEMO_SIZE=full``): CosyVoice2-0.5B dims, one stream paced and one as fast as
 possible. The setup lines carry the commit and the load average before and after: figures from a loaded machine say
 little about the server.
@@ -23,13 +29,14 @@ little about the server.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ import numpy as np
 
 from .. import resources
 from ..clients.live import TTS_LIVE_MODEL, VC_LIVE_MODEL, LiveClient, LiveStats, PacedPieces
+from ..clients.live_ws import LiveSocket
 from .callers import _no_retry
 from .report import _jsonable, latency_summary
 
@@ -44,6 +52,19 @@ __all__ = ["commit", "main", "run_live", "summarize_level"]
 
 DEFAULTS = {"tiny": {"streams": (1, 2, 4, 8), "stream_seconds": 20.0},
             "full": {"streams": (1,), "stream_seconds": 10.0}}
+#: How a session reaches the live models: Triton's gRPC directly, or the gateway's WebSocket.
+VIAS = {"grpc": "Triton gRPC directly", "ws": "gateway WebSocket"}
+BENCH_KEY = "live-bench-key"
+
+
+@dataclass
+class Door:
+    """Where the sessions go: ``via`` (:data:`VIAS`), Triton's gRPC ``url`` or the gateway's ``http`` address and
+    the reference recording it takes encoded (``wav``)."""
+
+    via: str
+    url: str
+    wav: bytes = b""
 
 
 def commit() -> str:
@@ -70,16 +91,23 @@ def _source(workload, i: int, seconds: float) -> tuple[np.ndarray, int]:
     return np.tile(wave, max(1, int(np.ceil(seconds * sr / len(wave))))), sr
 
 
-def _stream(url: str, wave, sr: int, prompt, prompt_sr: int, *, piece_ms: float, realtime: bool,
+def _stream(door: Door | str, wave, sr: int, prompt, prompt_sr: int, *, piece_ms: float, realtime: bool,
             buffer_s: float, timeout: float, seed: int) -> dict[str, Any]:
     """One live VC session; its figures (``error`` instead when it failed)."""
+    door = door if isinstance(door, Door) else Door("grpc", door)
     stats = LiveStats(buffer_s=buffer_s)
     t0 = time.perf_counter()
     try:
-        with LiveClient(url, timeout=timeout, **_no_retry()) as client:
-            pieces = PacedPieces(wave, sample_rate=sr, piece_ms=piece_ms, realtime=realtime)
-            for _ in client.convert_live(pieces, prompt=prompt, prompt_sr=prompt_sr, seed=seed, stats=stats):
+        pieces = PacedPieces(wave, sample_rate=sr, piece_ms=piece_ms, realtime=realtime)
+        if door.via == "ws":
+            socket = LiveSocket(door.url, key=BENCH_KEY, timeout=timeout, proxy=None)
+            for _ in socket.convert_live(pieces, sample_rate=pieces.sample_rate, reference_audio=door.wav, seed=seed,
+                                         stats=stats):
                 pass
+        else:
+            with LiveClient(door.url, timeout=timeout, **_no_retry()) as client:
+                for _ in client.convert_live(pieces, prompt=prompt, prompt_sr=prompt_sr, seed=seed, stats=stats):
+                    pass
     except Exception as exc:  # counted: a load test reports failures
         return {"error": f"{type(exc).__name__}: {exc}"[:300], "wall_s": time.perf_counter() - t0}
     return {"source_s": stats.source_seconds, "audio_s": stats.audio_seconds, "chunks": stats.chunks,
@@ -88,14 +116,14 @@ def _stream(url: str, wave, sr: int, prompt, prompt_sr: int, *, piece_ms: float,
             "rtf": stats.rtf, "total_s": stats.total_s, "wall_s": time.perf_counter() - t0}
 
 
-def summarize_level(streams: int, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize_level(streams: int, results: Sequence[dict[str, Any]], via: str = "grpc") -> dict[str, Any]:
     """One concurrency level's figures from its streams' results."""
     ok = [r for r in results if "error" not in r]
     lat = latency_summary([x for r in ok for x in r["latencies_s"]])
     margins = [r["margin_s"] for r in ok if r["margin_s"] is not None]
     underruns = sum(r["underruns"] for r in ok)
-    return {"streams": streams, "failed": len(results) - len(ok), "errors": sorted({r["error"] for r in results
-                                                                                    if "error" in r})[:3],
+    errors = sorted({r["error"] for r in results if "error" in r})[:3]
+    return {"via": via, "streams": streams, "failed": len(results) - len(ok), "errors": errors,
             "chunks": sum(r["chunks"] for r in ok), "latency_p50_ms": lat["p50_ms"], "latency_p95_ms": lat["p95_ms"],
             "first_audio_p50_ms": latency_summary([r["first_audio_s"] for r in ok if r["first_audio_s"]])["p50_ms"],
             "min_margin_ms": min(margins) * 1000 if margins else float("nan"), "underruns": underruns,
@@ -104,12 +132,12 @@ def summarize_level(streams: int, results: Sequence[dict[str, Any]]) -> dict[str
             "audio_s": sum(r["audio_s"] for r in ok), "held": not underruns and len(ok) == len(results) > 0}
 
 
-def _level(url: str, workload, n: int, args) -> dict[str, Any]:
+def _level(door: Door, workload, n: int, args) -> dict[str, Any]:
     results: list[dict[str, Any]] = [{}] * n
 
     def one(i: int) -> None:
         wave, sr = _source(workload, i, args.stream_seconds)
-        results[i] = _stream(url, wave, sr, workload.prompt, workload.prompt_sr, piece_ms=args.piece_ms,
+        results[i] = _stream(door, wave, sr, workload.prompt, workload.prompt_sr, piece_ms=args.piece_ms,
                              realtime=True, buffer_s=args.buffer_ms / 1000.0, timeout=args.timeout_s,
                              seed=args.seed + i)
 
@@ -118,34 +146,57 @@ def _level(url: str, workload, n: int, args) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
-    return summarize_level(n, results)
+    return summarize_level(n, results, door.via)
 
 
-def _tts(url: str, workload, args) -> list[dict[str, Any]]:
+def _tts(doors: Sequence[Door], workload, args) -> list[dict[str, Any]]:
     out = []
-    with LiveClient(url, model=TTS_LIVE_MODEL, timeout=args.timeout_s, **_no_retry()) as client:
+    with contextlib.ExitStack() as stack:
+        speakers = {}
+        for door in doors:
+            if door.via == "ws":
+                socket = LiveSocket(door.url, key=BENCH_KEY, timeout=args.timeout_s, proxy=None)
+                speakers["ws"] = lambda texts, stats, socket=socket, wav=door.wav: socket.tts_live(
+                    texts, reference_audio=wav, reference_text=workload.prompt_text or None, seed=args.seed,
+                    stats=stats)
+            else:
+                client = stack.enter_context(LiveClient(door.url, model=TTS_LIVE_MODEL, timeout=args.timeout_s,
+                                                        **_no_retry()))
+                speakers["grpc"] = lambda texts, stats, client=client: client.tts_live(
+                    texts, prompt=workload.prompt, prompt_sr=workload.prompt_sr,
+                    prompt_text=workload.prompt_text or None, seed=args.seed, stats=stats)
         for text in args.tts_texts or workload.texts[:3]:
             words = [w + " " for w in text.split()]
-            stats = LiveStats()
+            for via, speak in speakers.items():
+                stats = LiveStats()
 
-            def paced(words=words):
-                for k, word in enumerate(words):
-                    if k:
-                        time.sleep(1.0 / args.tts_words_per_s)
-                    yield word
+                def paced(words=words):
+                    for k, word in enumerate(words):
+                        if k:
+                            time.sleep(1.0 / args.tts_words_per_s)
+                        yield word
 
-            t0 = time.perf_counter()
-            try:
-                for _ in client.tts_live(paced(), prompt=workload.prompt, prompt_sr=workload.prompt_sr,
-                                         prompt_text=workload.prompt_text or None, seed=args.seed, stats=stats):
-                    pass
-                row = {"first_audio_ms": (stats.first_audio_s or float("nan")) * 1000, "audio_s": stats.audio_seconds,
-                       "total_s": stats.total_s, "chunks": stats.chunks}
-            except Exception as exc:
-                row = {"error": f"{type(exc).__name__}: {exc}"[:300], "total_s": time.perf_counter() - t0}
-            out.append({"text": text, "pieces": len(words), **row})
-            print(f"   tts: {out[-1]}", flush=True)
+                t0 = time.perf_counter()
+                try:
+                    for _ in speak(paced(), stats):
+                        pass
+                    row = {"first_audio_ms": (stats.first_audio_s or float("nan")) * 1000,
+                           "audio_s": stats.audio_seconds, "total_s": stats.total_s, "chunks": stats.chunks}
+                except Exception as exc:
+                    row = {"error": f"{type(exc).__name__}: {exc}"[:300], "total_s": time.perf_counter() - t0}
+                out.append({"via": via, "text": text, "pieces": len(words), **row})
+                print(f"   tts: {out[-1]}", flush=True)
     return out
+
+
+def _wav(wave, sr: int) -> bytes:
+    import io
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.asarray(wave, np.float32).reshape(-1), int(sr), format="WAV", subtype="FLOAT")
+    return buf.getvalue()
 
 
 def _ready(url: str, model: str) -> bool:
@@ -178,20 +229,40 @@ def run_live(opts, args) -> dict[str, Any]:
     print("== live: starting tritonserver", flush=True)
     server.start(timeout=opts.startup_timeout_s)
     levels: list[dict[str, Any]] = []
-    with server:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(server)
         url = server.grpc_url
         if not _ready(url, VC_LIVE_MODEL):
             raise RuntimeError(f"the server has no ready {VC_LIVE_MODEL} model")
+        doors = []
+        for via in args.via:
+            if via == "ws":
+                from .setup import gateway
+
+                most = str(max(max(args.streams), 1))
+                _, http, _ = stack.enter_context(gateway(
+                    server, out_dir / "gateway", {"bench": BENCH_KEY}, "--live-sessions-per-tenant",
+                    f"{VC_LIVE_MODEL}={most}", "--live-sessions-per-tenant", f"{TTS_LIVE_MODEL}=1",
+                    "--max-concurrency-per-key", str(int(most) + 2), "--log-level", "warning"))
+                doors.append(Door("ws", http, _wav(workload.prompt, workload.prompt_sr)))
+            else:
+                doors.append(Door("grpc", url))
         wave, sr = _source(workload, 0, 2.0)
-        warm = _stream(url, wave, sr, workload.prompt, workload.prompt_sr, piece_ms=args.piece_ms, realtime=False,
-                       buffer_s=0.0, timeout=args.timeout_s, seed=args.seed)  # loads and warms every stage
-        if "error" in warm:
-            raise RuntimeError(f"the warm-up session failed: {warm['error']}")
+        for door in doors:  # loads and warms every stage (and the gateway's way to them)
+            warm = _stream(door, wave, sr, workload.prompt, workload.prompt_sr, piece_ms=args.piece_ms,
+                           realtime=False, buffer_s=0.0, timeout=args.timeout_s, seed=args.seed)
+            if "error" in warm:
+                raise RuntimeError(f"the warm-up session ({VIAS[door.via]}) failed: {warm['error']}")
         for n in args.streams:
-            print(f"== {n} live VC stream(s) at real time, {args.stream_seconds:.0f} s each", flush=True)
-            levels.append(_level(url, workload, n, args))
-            print(f"   {json.dumps(_jsonable({k: v for k, v in levels[-1].items() if k != 'errors'}))}", flush=True)
-            if not levels[-1]["held"] and not args.whole_sweep:
+            held = False
+            for door in doors:
+                print(f"== {n} live VC stream(s) at real time over {VIAS[door.via]}, {args.stream_seconds:.0f} s "
+                      "each", flush=True)
+                levels.append(_level(door, workload, n, args))
+                print(f"   {json.dumps(_jsonable({k: v for k, v in levels[-1].items() if k != 'errors'}))}",
+                      flush=True)
+                held = held or levels[-1]["held"]
+            if not held and not args.whole_sweep:
                 break
         print("== one live VC stream as fast as possible", flush=True)
         wave, sr = _source(workload, 0, args.stream_seconds)
@@ -205,16 +276,18 @@ def run_live(opts, args) -> dict[str, Any]:
             tts_rows = f"skipped: the server has no ready {TTS_LIVE_MODEL} model"
         else:
             print("== live TTS, text word by word", flush=True)
-            tts_rows = _tts(url, workload, args)
+            tts_rows = _tts(doors, workload, args)
     setup.update({"load average at end": _load(), "config": opts.name,
                   "model": f"{opts.model_dir} ({opts.demo_size} dims; random weights, real shapes)",
                   "sources": workload.describe(), "pieces": f"{args.piece_ms:.0f} ms at real-time pace, "
                   f"{args.stream_seconds:.0f} s per stream", "play-out buffer": f"{args.buffer_ms:.0f} ms",
                   "repository": f"local flavor, graph precision {rendered.get('graph_precision')}, tunables "
                   f"{tunables}", "versions": ", ".join(f"{k} {v}" for k, v in _versions().items())})
-    held = [lv["streams"] for lv in levels if lv["held"]]
+    held_by_via = {door.via: max([lv["streams"] for lv in levels if lv["held"] and lv["via"] == door.via],
+                                 default=0) for door in doors}
     report = {"mode": "live", "setup": setup, "levels": levels, "fast": fast, "tts": tts_rows,
-              "held_streams": max(held) if held else 0, "tried": [lv["streams"] for lv in levels]}
+              "held_streams": held_by_via[doors[0].via], "held_by_via": held_by_via,
+              "tried": sorted({lv["streams"] for lv in levels})}
     md = render_markdown(report)
     (out_dir / "report.md").write_text(md)
     (out_dir / "report.json").write_text(json.dumps(_jsonable(report), indent=2) + "\n")
@@ -230,17 +303,25 @@ def _f(v, digits: int = 0) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     lines = ["# Live sessions: voice conversion at real time, live TTS", ""]
     lines += [f"- {k}: {v}" for k, v in report["setup"].items()]
-    lines += ["", f"Held at real time (no underrun, no failed stream): {report['held_streams']} concurrent live VC "
-              f"stream(s); levels tried: {', '.join(str(n) for n in report['tried'])}.", "",
-              "| streams | chunks | latency p50 (ms) | latency p95 (ms) | first audio p50 (ms) | smallest margin (ms) "
-              "| underruns | stalled (s) | buffer needed (ms) | failed |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    held = report.get("held_by_via") or {"grpc": report["held_streams"]}
+    tried = ", ".join(str(n) for n in report["tried"])
+    if len(held) == 1:
+        lines += ["", f"Held at real time (no underrun, no failed stream): {report['held_streams']} concurrent live VC "
+                  f"stream(s); levels tried: {tried}."]
+    else:
+        lines += ["", "Held at real time (no underrun, no failed stream): " + "; ".join(
+            f"{VIAS.get(via, via)} {n} concurrent live VC stream(s)" for via, n in held.items())
+            + f"; levels tried: {tried}."]
+    lines += ["", "| via | streams | chunks | latency p50 (ms) | latency p95 (ms) | first audio p50 (ms) | smallest "
+              "margin (ms) | underruns | stalled (s) | buffer needed (ms) | failed |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for lv in report["levels"]:
-        lines.append(f"| {lv['streams']} | {lv['chunks']} | {_f(lv['latency_p50_ms'])} | {_f(lv['latency_p95_ms'])} "
-                     f"| {_f(lv['first_audio_p50_ms'])} | {_f(lv['min_margin_ms'])} | {lv['underruns']} | "
-                     f"{lv['stall_s']:.2f} | {_f(lv['needed_buffer_max_ms'])} | {lv['failed']} |")
+        lines.append(f"| {lv.get('via', 'grpc')} | {lv['streams']} | {lv['chunks']} | {_f(lv['latency_p50_ms'])} | "
+                     f"{_f(lv['latency_p95_ms'])} | {_f(lv['first_audio_p50_ms'])} | {_f(lv['min_margin_ms'])} | "
+                     f"{lv['underruns']} | {lv['stall_s']:.2f} | {_f(lv['needed_buffer_max_ms'])} | {lv['failed']} |")
         if lv["errors"]:
-            lines.append(f"|  | errors: {'; '.join(lv['errors'])} |||||||||")
+            lines.append(f"|  | errors: {'; '.join(lv['errors'])} ||||||||||")
+    lines += _door_adds(report["levels"])
     fast = report["fast"]
     lines.append("")
     if "error" in fast:
@@ -253,19 +334,36 @@ def render_markdown(report: dict[str, Any]) -> str:
     if isinstance(report["tts"], str):
         lines.append(f"Live TTS: {report['tts']}.")
     else:
-        lines += ["| live TTS text | pieces | first piece -> first audio (ms) | audio (s) | session (s) |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+        lines += ["| via | live TTS text | pieces | first piece -> first audio (ms) | audio (s) | session (s) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
         for row in report["tts"]:
+            via = row.get("via", "grpc")
             if "error" in row:
-                lines.append(f"| {row['text']} | {row['pieces']} | failed: {row['error']} | | |")
+                lines.append(f"| {via} | {row['text']} | {row['pieces']} | failed: {row['error']} | | |")
             else:
-                lines.append(f"| {row['text']} | {row['pieces']} | {_f(row['first_audio_ms'])} | "
+                lines.append(f"| {via} | {row['text']} | {row['pieces']} | {_f(row['first_audio_ms'])} | "
                              f"{row['audio_s']:.2f} | {row['total_s']:.2f} |")
     lines += ["", "Latency: a chunk's arrival after the piece whose arrival let the server compute it was sent (the "
               "algorithmic latency of the live model's chunk schedule included). Margin: how early a chunk came for "
               "gap-free playback starting at the first chunk plus the play-out buffer; buffer needed: the smallest "
               "play-out buffer that would have had no underrun. The client threads run on the same machine."]
     return "\n".join(lines) + "\n"
+
+
+def _door_adds(levels: Sequence[dict[str, Any]]) -> list[str]:
+    """What the gateway's WebSocket adds to the same level over Triton's gRPC (ms; empty without both)."""
+    by = {(lv.get("via", "grpc"), lv["streams"]): lv for lv in levels}
+    pairs = [(by[("grpc", n)], by[("ws", n)]) for (via, n) in by if via == "ws" and ("grpc", n) in by]
+    if not pairs:
+        return []
+    out = ["", "What the gateway's WebSocket adds to the same sessions over Triton's gRPC (ws minus grpc, ms):", "",
+           "| streams | latency p50 | latency p95 | first audio p50 | underruns (grpc / ws) |",
+           "| ---: | ---: | ---: | ---: | ---: |"]
+    for g, w in pairs:
+        out.append(f"| {g['streams']} | {_f(w['latency_p50_ms'] - g['latency_p50_ms'])} | "
+                   f"{_f(w['latency_p95_ms'] - g['latency_p95_ms'])} | "
+                   f"{_f(w['first_audio_p50_ms'] - g['first_audio_p50_ms'])} | {g['underruns']} / {w['underruns']} |")
+    return out
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:
@@ -292,7 +390,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--startup-timeout-s", type=float)
     p.add_argument("--server-arg", dest="server_args", action="append", help="a tritonserver flag (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--via", type=_vias, default=("grpc",), help="how the sessions reach the live models, one or "
+                   "both, each level in turn: grpc (Triton directly), ws (the gateway's WebSocket); default grpc")
     return p
+
+
+def _vias(text: str) -> tuple[str, ...]:
+    vias = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    if not vias or set(vias) - set(VIAS):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(VIAS)}")
+    return vias
 
 
 def main(argv: Sequence[str] | None = None) -> int:

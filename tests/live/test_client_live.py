@@ -688,3 +688,25 @@ def test_live_figures_summary_and_report():
     assert "| 2 | 20 | 500 |" in md and "VCError: at capacity" in md and "real-time factor 0.400" in md
     assert "| Hi there. | 2 | 640 |" in md and report["setup"]["commit"] in md
     assert "Live TTS: skipped: x." in render_markdown({**report, "tts": "skipped: x"})
+
+
+def test_live_figures_side_by_side_over_the_gateway():
+    from cosyvoice_triton.loadtest.live import _vias, parser, render_markdown, summarize_level
+
+    row = {"source_s": 10.0, "audio_s": 10.0, "chunks": 10, "latencies_s": [0.5] * 10, "first_audio_s": 1.0,
+           "margin_s": 0.05, "underruns": 0, "stall_s": 0.0, "needed_buffer_s": 0.1}
+    slower = {**row, "latencies_s": [0.56] * 10, "first_audio_s": 1.2, "underruns": 1, "margin_s": -0.01}
+    levels = [summarize_level(1, [row]), summarize_level(1, [slower], "ws")]
+    assert levels[1]["via"] == "ws" and not levels[1]["held"]
+    report = {"setup": {"commit": "abc"}, "levels": levels, "held_streams": 1, "held_by_via": {"grpc": 1, "ws": 0},
+              "tried": [1], "fast": {"error": "x"},
+              "tts": [{"via": "ws", "text": "Hi.", "pieces": 1, "first_audio_ms": 700.0, "audio_s": 1.0,
+                       "total_s": 1.5}]}
+    md = render_markdown(report)
+    assert "Triton gRPC directly 1 concurrent live VC stream(s); gateway WebSocket 0 concurrent" in md
+    assert "| grpc | 1 | 10 | 500 |" in md and "| ws | 1 | 10 | 560 |" in md
+    assert "| 1 | 60 | 60 | 200 | 0 / 1 |" in md  # what the door adds: ws minus grpc
+    assert "| ws | Hi. | 1 | 700 |" in md
+    assert parser().parse_args(["--via", "ws,grpc,ws"]).via == ("ws", "grpc")
+    with pytest.raises(Exception, match="comma-separated"):
+        _vias("grpc,http")

@@ -228,6 +228,33 @@ def test_tts_over_a_websocket_equals_a_direct_live_session(server, gateway):
     _all_freed(server, gateway)
 
 
+def test_the_socket_client_measures_what_the_grpc_client_measures(server, gateway, source):
+    """:class:`LiveSocket` (the load tests' WebSocket side): the same audio as a direct session, each chunk charged
+    to the input message it answers (the gateway's ``piece``), so its latency is measured as over gRPC."""
+    from cosyvoice_triton.clients.live import LiveStats
+    from cosyvoice_triton.clients.live_ws import LiveSocket
+
+    rate, _, floats = source
+    socket, stats = LiveSocket(f"http://{gateway.http}", key=KEY_A, timeout=PATIENCE_S, proxy=None), LiveStats()
+    chunks = list(socket.convert_live(floats, sample_rate=rate, reference_audio=PROMPT.read_bytes(), seed=SEED,
+                                      stats=stats))
+    np.testing.assert_array_equal(np.concatenate([c.waveform for c in chunks]), _direct_vc(server, rate, floats))
+    pieces = [c.piece for c in chunks]
+    assert pieces == sorted(pieces) and pieces[0] >= 0 and pieces[-1] <= len(floats)  # len(floats): input.end
+    assert all(c.latency_s >= 0 for c in chunks) and stats.chunks == len(chunks) and stats.pieces == len(floats)
+    assert abs(stats.source_seconds - sum(len(f) for f in floats) / rate) < 1e-6 and stats.first_audio_s > 0
+    spoken = list(socket.tts_live(TEXTS, reference_audio=PROMPT.read_bytes(), reference_text="A prompt.", seed=SEED))
+    assert rel_err(np.concatenate([c.waveform for c in spoken]), _direct_tts(server, TEXTS)) < BAR
+    assert all(0 <= c.piece <= len(TEXTS) for c in spoken)
+    from cosyvoice_triton.clients.live_ws import LiveSpeechError
+
+    with pytest.raises(LiveSpeechError) as refused:
+        stranger = LiveSocket(f"http://{gateway.http}", key="sk-not-a-key", proxy=None)
+        list(stranger.convert_live(floats[:1], sample_rate=rate, reference_audio=b"RIFF"))
+    assert refused.value.code == "invalid_api_key"
+    _all_freed(server, gateway)
+
+
 # ---------------------------------------------------------------------------------------------- hostile
 
 

@@ -175,12 +175,14 @@ def test_a_gathered_piece_never_passes_the_longest():
 
     g = _Gather(least=2400, most=3200)
     a, b, c = np.zeros(1000), np.ones(3000), np.full(2500, 2.0)
-    assert g.add(a) == []
-    first, second = g.add(b)  # 1000 + 3000 would pass 3200: the 1000 go on first, then the 3000 alone
-    assert len(first) == 1000 and len(second) == 3000 and g.flush() == []
-    (alone,) = g.add(c)
-    assert alone is c
-    assert [len(x) for x in _Gather(0, 10).add(np.zeros(3))] == [3]  # no gathering
+    assert g.add(a, 0) == []
+    (first, i), (second, j) = g.add(b, 1)  # 1000 + 3000 would pass 3200: the 1000 go on first, then the 3000 alone
+    assert len(first) == 1000 and len(second) == 3000 and g.flush(2) == []
+    assert (i, j) == (0, 1)  # each charged to the message of its last frame
+    ((alone, k),) = g.add(c, 2)
+    assert alone is c and k == 2
+    assert g.add(a, 3) == [] and [(len(p), k) for p, k in g.flush(4)] == [(1000, 4)]  # the rest: to the end
+    assert [len(x) for x, _ in _Gather(0, 10).add(np.zeros(3))] == [3]  # no gathering
 
 
 def test_tts_session_speaks_text_deltas_as_audio_delta_events():
@@ -200,6 +202,7 @@ def test_tts_session_speaks_text_deltas_as_audio_delta_events():
     assert [e["type"] for e in events] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
     got = [np.frombuffer(base64.b64decode(e["audio"]), "<i2") for e in deltas]
     assert [len(g) for g in got] == [10 * len(t) for t in texts if t]  # s16le by default; the empty piece not sent
+    assert [e["piece"] for e in deltas] == [0, 2, 3]  # the input message each answers (the empty one skipped)
     (rec,) = live.sessions
     assert rec["pieces"] == [t for t in texts if t] and rec["kw"]["prompt"] == b"RIFF"
     assert rec["kw"]["encoded"] is True and rec["kw"]["prompt_text"] == "A prompt."

@@ -12,9 +12,11 @@ behind its admin key)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -139,13 +141,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             who, ns = self._identify(context)
             scope = Scope(self.sequences, ns.tenant)
+            piece = infer and scope.continues(request)
             if infer:  # work for Triton: its turn at the fair gate when the service is full
-                await self.limiter.admit(who, continuation=scope.continues(request))
+                await self.limiter.admit(who, continuation=piece)
             else:
                 self.limiter.acquire(who)
         except GatewayError as exc:
             return await self._fail(context, exc)
-        done = self.limiter.leave if infer else self.limiter.release
+        done = partial(self.limiter.leave, continuation=piece) if infer else self.limiter.release
         held = False
         try:
             kw = {}
@@ -216,12 +219,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         out: asyncio.Queue = asyncio.Queue()
         onward: asyncio.Queue = asyncio.Queue()
         end = object()
-        state = {"held": 0, "client_empty_final": False}  # slots taken for requests Triton has not finished
+        # slots taken for requests Triton has not finished (each: whether it went on an open session), answered
+        # in the order they were sent
+        held: collections.deque[bool] = collections.deque()
+        state = {"client_empty_final": False}
 
         def release_one() -> None:
-            if state["held"] > 0:
-                state["held"] -= 1
-                self.limiter.leave(who)
+            if held:
+                self.limiter.leave(who, continuation=held.popleft())
 
         async def requests():
             while True:
@@ -246,8 +251,9 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if isinstance(req, Undecodable):  # no model, no id to answer in the stream: the stream ends
                         await out.put(GatewayError(400, req.message))
                         return
+                    piece = scope.continues(req)
                     try:  # a piece of an open session is neither refused nor kept waiting (limits.py, fair.py)
-                        await self.limiter.admit(who, continuation=scope.continues(req))
+                        await self.limiter.admit(who, continuation=piece)
                     except GatewayError as exc:
                         if await refuse(req, exc):
                             continue
@@ -255,19 +261,19 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     try:
                         checked = await self._checked(req, ns, scope)
                     except GatewayError as exc:
-                        self.limiter.leave(who)
+                        self.limiter.leave(who, continuation=piece)
                         if await refuse(req, exc):
                             continue
                         return
                     except BaseException:  # the stream ended (cancelled) during the check: not held yet, give it back
-                        self.limiter.leave(who)
+                        self.limiter.leave(who, continuation=piece)
                         raise
                     empty = checked.parameters.get(EMPTY_FINAL)
                     if empty is not None and empty.bool_param:
                         state["client_empty_final"] = True
                     else:
                         checked.parameters[EMPTY_FINAL].bool_param = True
-                    state["held"] += 1
+                    held.append(piece)
                     await onward.put(checked)
             finally:
                 await onward.put(end)
@@ -305,7 +311,7 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             for t in tasks:
                 t.cancel()
             call.cancel()
-            while state["held"]:
+            while held:
                 release_one()
 
 

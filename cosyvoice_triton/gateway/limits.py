@@ -144,12 +144,11 @@ class KeyLimiter:
 
     async def admit(self, key: str, *, continuation: bool = False) -> None:
         """:meth:`acquire`, then a slot of the fair gate; :meth:`leave` both when Triton has answered. A
-        ``continuation`` (a piece of a session already admitted: an open sequence of the key's tenant) is counted
-        but never refused by the key's limits, and takes its gate slot at once: a session admitted once is not cut
-        halfway by its own later pieces. Its pieces in flight are bounded by the live model (its pending pieces
-        per session) and its sessions by the tenant's share."""
+        ``continuation`` (a piece of a session already admitted: an open sequence of the key's tenant) takes only
+        its gate slot, at once: a session is one request of its key, counted at its start, so that it is neither
+        cut halfway by its own later pieces nor crowds out the key's other requests. Its pieces in flight are
+        bounded by the live model (its pending pieces per session), its sessions by the tenant's share."""
         if continuation:
-            self._active[key] += 1
             self.gate.take(key)
             return
         self.acquire(key)
@@ -159,9 +158,11 @@ class KeyLimiter:
             self.release(key)
             raise
 
-    def leave(self, key: str) -> None:
+    def leave(self, key: str, *, continuation: bool = False) -> None:
+        """What :meth:`admit` took (the same ``continuation``)."""
         self.gate.release()
-        self.release(key)
+        if not continuation:
+            self.release(key)
 
     def release(self, key: str) -> None:
         self._active[key] -= 1

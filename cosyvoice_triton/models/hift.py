@@ -122,12 +122,15 @@ class ResBlock(nn.Module):
 
     def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
         super().__init__()
-        conv = lambda d: weight_norm(
-            nn.Conv1d(channels, channels, kernel_size, dilation=d, padding=d * (kernel_size - 1) // 2))
+        conv = lambda d: weight_norm(self._conv(channels, kernel_size, d))
         self.convs1 = nn.ModuleList(conv(d) for d in dilations)
         self.convs2 = nn.ModuleList(conv(1) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def _conv(self, channels: int, kernel_size: int, dilation: int) -> nn.Conv1d:
+        """One convolution of the block, before weight norm: centred, length-preserving."""
+        return nn.Conv1d(channels, channels, kernel_size, dilation=dilation, padding=dilation * (kernel_size - 1) // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
@@ -185,13 +188,17 @@ class SourceModuleHnNSF(nn.Module):
         """Nearest upsampling along time, ``[B, T, C] -> [B, T * upsample_scale, C]``."""
         return x.unsqueeze(2).expand(-1, -1, self.upsample_scale, -1).flatten(1, 2)
 
+    def _upsample_phase(self, phase: torch.Tensor) -> torch.Tensor:
+        """Phase ``[B, T, H]`` to sample rate ``[B, T * upsample_scale, H]``: linear, as ``F.interpolate`` does."""
+        return upsample_linear(phase, self.upsample_scale)
+
     def forward(self, f0: torch.Tensor, noise_sine: torch.Tensor) -> torch.Tensor:
         f0 = f0.unsqueeze(-1)  # [B, T, 1]
         k = torch.arange(1, self.harmonics + 1, dtype=f0.dtype, device=f0.device)
         rad = f0 * k / self.sampling_rate  # [B, T, H]
         rad = rad - torch.floor(rad)  # == rad % 1 (rad >= 0)
         phase = torch.cumsum(rad.double(), dim=1).to(f0.dtype) * 2 * math.pi  # torch CPU sums in float64
-        phase = upsample_linear(phase * self.upsample_scale, self.upsample_scale)  # [B, L, H]
+        phase = self._upsample_phase(phase * self.upsample_scale)  # [B, L, H]
         sines = torch.sin(phase) * self.sine_amp
         uv = (f0 > self.voiced_threshold).to(f0.dtype)  # [B, T, 1]
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3

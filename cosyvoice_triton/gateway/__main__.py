@@ -8,13 +8,11 @@ import sys
 from .app import create_app
 from .config import from_args
 from .connections import serve
-from .memory import bound_malloc_arenas
 from .middleware import RequestIdFilter
 
 
 def main(argv: list[str] | None = None) -> int:
     config = from_args(argv)
-    bound_malloc_arenas(config.malloc_arenas)  # before any server starts its threads
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"))

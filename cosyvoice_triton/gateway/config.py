@@ -65,7 +65,6 @@ class GatewayConfig:
     grpc_max_streams: int = 100  # concurrent streams (calls) on one gRPC connection
     grpc_idle_s: float = 300.0  # a gRPC connection without a call this long is closed (GOAWAY)
     log_level: str = "info"
-    malloc_arenas: int = 2  # glibc malloc arenas of the process (memory.py); 0: glibc's default (8 per core)
 
 
 def _env(name: str, default):
@@ -177,9 +176,6 @@ def parser() -> argparse.ArgumentParser:
             ("grpc_idle_s", float, "a gRPC connection without a call this long is closed (the client reconnects)")):
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=kind(_env(name, getattr(d, name))), help=text)
     p.add_argument("--log-level", default=_env("log_level", d.log_level))
-    p.add_argument("--malloc-arenas", type=int, default=int(_env("malloc_arenas", d.malloc_arenas)),
-                   help="glibc malloc arenas of the gateway's process: few keep its resident memory from creeping "
-                        "under a long stream of short requests (0: glibc's default, 8 per core)")
     return p
 
 
@@ -221,4 +217,4 @@ def from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
                          backend_timeout_s=args.backend_timeout_s, header_timeout_s=args.header_timeout_s,
                          body_timeout_s=args.body_timeout_s, keep_alive_s=args.keep_alive_s,
                          max_connections=args.max_connections, grpc_max_streams=args.grpc_max_streams,
-                         grpc_idle_s=args.grpc_idle_s, log_level=args.log_level, malloc_arenas=args.malloc_arenas)
+                         grpc_idle_s=args.grpc_idle_s, log_level=args.log_level)

@@ -334,15 +334,26 @@ class Qwen2LM(nn.Module):
             self._tokens(prompt_speech_tokens, "prompt_speech_tokens", self.speech_token_size, allow_empty=True),
         )
 
+    def special_embedding(self, token: int) -> torch.Tensor:
+        """The input row ``[1, D]`` of a special token (``sos``, ``task_id``): a row of ``llm_embedding`` here
+        (CosyVoice3's LM keeps them in ``speech_embedding``)."""
+        return self.llm_embedding.weight[token : token + 1]
+
+    @property
+    def min_len_masked_token(self) -> int:
+        """The id masked while fewer than ``min_len`` tokens are sampled: the official ``sampling_ids`` masks
+        ``speech_token_size``, which is end-of-speech here."""
+        return self.speech_token_size
+
     def lm_input(self, text_tokens: Any, prompt_text_tokens: Any = (), prompt_speech_tokens: Any = ()) -> torch.Tensor:
         """The prompt embedding ``[1, T, D]``: sos, text (prompt text first), task id, prompt speech."""
         text, prompt_text, speech = self.check_inputs(text_tokens, prompt_text_tokens, prompt_speech_tokens)
         device = self.llm_decoder.weight.device
         with torch.inference_mode():
             parts = [
-                self.llm_embedding.weight[self.sos : self.sos + 1],
+                self.special_embedding(self.sos),
                 self.qwen.embed_tokens(torch.cat([prompt_text, text]).to(device)),
-                self.llm_embedding.weight[self.task_id : self.task_id + 1],
+                self.special_embedding(self.task_id),
                 self.speech_embedding(speech.to(device)),
             ]
             return torch.cat(parts)[None]
@@ -353,7 +364,7 @@ class Qwen2LM(nn.Module):
         with this prompt text (a registered speaker's transcript, an instruction)."""
         prompt_text = self._tokens(prompt_text_tokens, "prompt_text_tokens", self.text_vocab_size, allow_empty=True)
         device = self.llm_decoder.weight.device
-        embeds = torch.cat([self.llm_embedding.weight[self.sos : self.sos + 1],
+        embeds = torch.cat([self.special_embedding(self.sos),
                             self.qwen.embed_tokens(prompt_text.to(device))])[None]
         cache = self.qwen(inputs_embeds=embeds, use_cache=True).past_key_values
         nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
@@ -555,7 +566,7 @@ class BatchDecoder:
             step = len(row.tokens)
             if row.on_step is not None:
                 row.on_step(step, logp[i].clone())
-            token = sample_token(logp[i], row.tokens, row.draw, self.sampling, eos_token=self.lm.eos_token,
+            token = sample_token(logp[i], row.tokens, row.draw, self.sampling, eos_token=self.lm.min_len_masked_token,
                                  ignore_eos=step < row.min_len)
             if token in self.lm.stop_token_ids:
                 out[row.id] = END

@@ -25,7 +25,7 @@ from .config import GatewayConfig
 from .errors import GatewayError
 from .inference import Tensor, bad, check_name, check_outputs, check_parameters, check_request
 from .limits import KeyLimiter, KeyRing
-from .sessions import Scope, SequenceIds
+from .sessions import Scope, SequenceIds, grpc_sequence
 from .tenants import PUBLIC, Namespace
 from .upstream import Upstream
 
@@ -141,14 +141,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             who, ns = self._identify(context)
             scope = Scope(self.sequences, ns.tenant)
-            piece = infer and scope.continues(request)
+            wait, counted = admission(scope, request) if infer else (True, True)
             if infer:  # work for Triton: its turn at the fair gate when the service is full
-                await self.limiter.admit(who, continuation=piece)
+                await self.limiter.admit(who, wait=wait, counted=counted)
             else:
                 self.limiter.acquire(who)
         except GatewayError as exc:
             return await self._fail(context, exc)
-        done = partial(self.limiter.leave, continuation=piece) if infer else self.limiter.release
+        done = partial(self.limiter.leave, counted=counted) if infer else self.limiter.release
         held = False
         try:
             kw = {}
@@ -219,14 +219,14 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
         out: asyncio.Queue = asyncio.Queue()
         onward: asyncio.Queue = asyncio.Queue()
         end = object()
-        # slots taken for requests Triton has not finished (each: whether it went on an open session), answered
-        # in the order they were sent
+        # slots taken for requests Triton has not finished (each: whether it counts against the key), answered in
+        # the order they were sent
         held: collections.deque[bool] = collections.deque()
         state = {"client_empty_final": False}
 
         def release_one() -> None:
             if held:
-                self.limiter.leave(who, continuation=held.popleft())
+                self.limiter.leave(who, counted=held.popleft())
 
         async def requests():
             while True:
@@ -251,9 +251,9 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     if isinstance(req, Undecodable):  # no model, no id to answer in the stream: the stream ends
                         await out.put(GatewayError(400, req.message))
                         return
-                    piece = scope.continues(req)
+                    wait, counted = admission(scope, req)
                     try:  # a piece of an open session is neither refused nor kept waiting (limits.py, fair.py)
-                        await self.limiter.admit(who, continuation=piece)
+                        await self.limiter.admit(who, wait=wait, counted=counted)
                     except GatewayError as exc:
                         if await refuse(req, exc):
                             continue
@@ -261,19 +261,19 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
                     try:
                         checked = await self._checked(req, ns, scope)
                     except GatewayError as exc:
-                        self.limiter.leave(who, continuation=piece)
+                        self.limiter.leave(who, counted=counted)
                         if await refuse(req, exc):
                             continue
                         return
                     except BaseException:  # the stream ended (cancelled) during the check: not held yet, give it back
-                        self.limiter.leave(who, continuation=piece)
+                        self.limiter.leave(who, counted=counted)
                         raise
                     empty = checked.parameters.get(EMPTY_FINAL)
                     if empty is not None and empty.bool_param:
                         state["client_empty_final"] = True
                     else:
                         checked.parameters[EMPTY_FINAL].bool_param = True
-                    held.append(piece)
+                    held.append(counted)
                     await onward.put(checked)
             finally:
                 await onward.put(end)
@@ -313,6 +313,18 @@ class KServeProxy(service_pb2_grpc.GRPCInferenceServiceServicer):
             call.cancel()
             while held:
                 release_one()
+
+
+def admission(scope: Scope, request) -> tuple[bool, bool]:
+    """``(wait, counted)`` for a request: whether it waits its turn at the fair gate, whether it counts against
+    its key's concurrency and rate. A piece of a sequence the tenant holds open does neither: a live session is one
+    request of its key, counted at its start, so it is not cut halfway by its own pieces nor crowds out the key's
+    other requests (the live model bounds its pending pieces, the tenant's share its sessions). Without tenants
+    (no keys: no table of ids) a piece is known by its shape alone: it does not wait, and it counts."""
+    if scope.continues(request):
+        return False, False
+    seq = None if scope.active else grpc_sequence(request)
+    return not (seq is not None and not seq[1]), True
 
 
 def _empty(answer: service_pb2.ModelStreamInferResponse) -> bool:

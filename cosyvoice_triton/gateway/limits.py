@@ -142,26 +142,24 @@ class KeyLimiter:
                                code="concurrency_limit_exceeded", headers={"retry-after": "1"})
         self._active[key] += 1
 
-    async def admit(self, key: str, *, continuation: bool = False) -> None:
-        """:meth:`acquire`, then a slot of the fair gate; :meth:`leave` both when Triton has answered. A
-        ``continuation`` (a piece of a session already admitted: an open sequence of the key's tenant) takes only
-        its gate slot, at once: a session is one request of its key, counted at its start, so that it is neither
-        cut halfway by its own later pieces nor crowds out the key's other requests. Its pieces in flight are
-        bounded by the live model (its pending pieces per session), its sessions by the tenant's share."""
-        if continuation:
-            self.gate.take(key)
-            return
-        self.acquire(key)
+    async def admit(self, key: str, *, wait: bool = True, counted: bool = True) -> None:
+        """:meth:`acquire` (``counted``), then a slot of the fair gate (``wait=False``: at once, for a piece of an
+        admitted session); :meth:`leave` both, with the same ``counted``, when Triton has answered."""
+        if counted:
+            self.acquire(key)
         try:
-            await self.gate.acquire(key)
+            if wait:
+                await self.gate.acquire(key)
+            else:
+                self.gate.take(key)
         except BaseException:
-            self.release(key)
+            if counted:
+                self.release(key)
             raise
 
-    def leave(self, key: str, *, continuation: bool = False) -> None:
-        """What :meth:`admit` took (the same ``continuation``)."""
+    def leave(self, key: str, *, counted: bool = True) -> None:
         self.gate.release()
-        if not continuation:
+        if counted:
             self.release(key)
 
     def release(self, key: str) -> None:

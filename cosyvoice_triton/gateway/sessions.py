@@ -50,6 +50,24 @@ def is_sequence(value: Any) -> bool:
     return value not in (0, "", None) and not isinstance(value, bool)
 
 
+def grpc_sequence(request) -> tuple[ClientId, bool, bool] | None:
+    """A ``ModelInferRequest``'s sequence: ``(id, start, end)``, the flags true only as ``bool_param``; None
+    when it names none."""
+    params = request.parameters
+    if SEQUENCE_ID not in params:
+        return None
+    which = params[SEQUENCE_ID].WhichOneof("parameter_choice")
+    client = getattr(params[SEQUENCE_ID], which) if which else None
+    if not is_sequence(client):
+        return None
+
+    def flag(name: str) -> bool:
+        return name in params and params[name].WhichOneof("parameter_choice") == "bool_param" \
+            and params[name].bool_param
+
+    return client, flag(SEQUENCE_START), flag(SEQUENCE_END)
+
+
 @dataclass
 class _Entry:
     upstream: ClientId
@@ -261,32 +279,17 @@ class Scope:
     # ----------------------------------------------------------------------------------------------- gRPC
     def continues(self, request) -> bool:
         """Whether a ``ModelInferRequest`` goes on a sequence this tenant holds open (an id without the start
-        flag): a piece of an admitted session, which the key's limits do not refuse (:meth:`KeyLimiter.admit`)."""
-        params = request.parameters
-        if not self.active or SEQUENCE_ID not in params:
-            return False
-        start = params.get(SEQUENCE_START)
-        if start is not None and start.WhichOneof("parameter_choice") == "bool_param" and start.bool_param:
-            return False
-        which = params[SEQUENCE_ID].WhichOneof("parameter_choice")
-        client = getattr(params[SEQUENCE_ID], which) if which else None
-        return is_sequence(client) and self.table.is_open(self.tenant, request.model_name, client)
+        flag): a piece of an admitted session (see ``KServeProxy``'s admission)."""
+        seq = grpc_sequence(request) if self.active else None
+        return seq is not None and not seq[1] and self.table.is_open(self.tenant, request.model_name, seq[0])
 
     def grpc_request(self, request) -> None:
         """A checked ``ModelInferRequest`` (the gateway's own copy), its ``sequence_id`` made Triton's."""
+        seq = grpc_sequence(request) if self.active else None
+        if seq is None:
+            return
+        drawn = self._upstream(request.model_name, *seq)
         params = request.parameters
-        if not self.active or SEQUENCE_ID not in params:
-            return
-        which = params[SEQUENCE_ID].WhichOneof("parameter_choice")
-        client = getattr(params[SEQUENCE_ID], which) if which else None
-        if not is_sequence(client):
-            return
-
-        def flag(name: str) -> bool:
-            return name in params and params[name].WhichOneof("parameter_choice") == "bool_param" \
-                and params[name].bool_param
-
-        drawn = self._upstream(request.model_name, client, flag(SEQUENCE_START), flag(SEQUENCE_END))
         if isinstance(drawn, str):
             params[SEQUENCE_ID].string_param = drawn
         else:

@@ -14,7 +14,7 @@ from tritonclient.grpc import service_pb2
 
 from cosyvoice_triton.gateway.errors import GatewayError
 from cosyvoice_triton.gateway.fair import FairGate
-from cosyvoice_triton.gateway.kserve_grpc import KServeProxy
+from cosyvoice_triton.gateway.kserve_grpc import KServeProxy, admission
 from cosyvoice_triton.gateway.limits import KeyLimiter, KeyRing
 from cosyvoice_triton.gateway.sessions import Scope, SequenceIds
 
@@ -157,7 +157,13 @@ def test_which_requests_continue_a_session():
     assert not mine.continues(req(sequence_id="7")) and not mine.continues(req(sequence_id=0))
     assert not other.continues(req(sequence_id=7))  # another tenant's id is not its session
     assert not mine.continues(req("cosyvoice_tts_live", sequence_id=7))
-    assert not Scope(None, None).continues(req(sequence_id=7))  # no tenants: every request is limited
+    assert not Scope(None, None).continues(req(sequence_id=7))
+    assert admission(mine, req(sequence_id=7)) == (False, False)  # an open session's piece: no wait, not counted
+    assert admission(mine, req(sequence_id=8)) == (True, True)  # an id the tenant has not opened: new work
+    open_gate = Scope(None, None)  # no tenants: a piece known by its shape does not wait, and counts
+    assert admission(open_gate, req(sequence_id=7)) == (False, True)
+    assert admission(open_gate, req(sequence_id=7, sequence_start=True)) == (True, True)
+    assert admission(open_gate, req()) == (True, True)
 
 
 def test_a_piece_of_an_admitted_session_is_not_refused_by_its_keys_limit():

@@ -548,6 +548,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stress-hostile-users", type=int, help="--mode stress: hostile users (default 8)")
     p.add_argument("--stress-max-growth", type=float, help="--mode stress: the largest memory growth of Triton and of "
                    "the gateway from the first window to the last, a fraction (default 0.10)")
+    from .stress import HOSTILE_ACTS, INNOCENT_KINDS
+
+    p.add_argument("--stress-acts", type=_csv(str, HOSTILE_ACTS), help="--mode stress: the hostile acts drawn "
+                   f"(default all: {','.join(HOSTILE_ACTS)})")
+    p.add_argument("--stress-kinds", type=_csv(str, INNOCENT_KINDS), help="--mode stress: the innocent requests "
+                   f"taken in turn (default all: {','.join(INNOCENT_KINDS)})")
     p.add_argument("--speakers", type=int, help="--mode prompt-cache: distinct prompt recordings the requests draw "
                    "from (default 4)")
     p.add_argument("--mixed-high-users", type=int, help="--mode mixed: users of the steady high-priority class")

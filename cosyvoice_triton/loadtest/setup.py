@@ -92,6 +92,9 @@ class Options:
     stress_users: int = 4
     stress_hostile_users: int = 8
     stress_max_growth: float = 0.10
+    #: the hostile acts drawn and the innocent kinds taken in turn (empty: all), to isolate what a growth follows
+    stress_acts: tuple[str, ...] = ()
+    stress_kinds: tuple[str, ...] = ()
 
     @property
     def warmup(self) -> int:

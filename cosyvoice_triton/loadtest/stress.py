@@ -63,6 +63,7 @@ PATIENCE_S = 300.0
 LIVE_SHARE = 2
 HOSTILE_ACTS = ("vanish_mid_request", "vanish_mid_answer", "cancel_mid_stream", "live_without_start",
                 "live_without_end", "live_cancelled", "grpc_deadline", "http_gives_up")
+INNOCENT_KINDS = ("vc_http", "vc_grpc", "live", "health")
 
 
 @dataclass
@@ -321,8 +322,9 @@ def _hostile(door: Door, audio, act: str, rng: random.Random) -> str:
 
 def memory_figures(samples: list[tuple[float, float, float]], window_s: float) -> dict[str, dict[str, float]]:
     """Per process (``triton``, ``gateway``): start (the peak of the first ``window_s``), end (the peak of the last
-    ``window_s``), the peak, all in MB, and the growth from start to end. Peaks, not means: RSS rises and falls
-    with each wave of requests, and a window's peak holds a whole wave."""
+    ``window_s``), the peak, all in MB, the growth from start to end, and the slope (MB/s) of a least-squares line
+    through the samples past the first window. Peaks, not means: RSS rises and falls with each wave of requests,
+    and a window's peak holds a whole wave."""
     out = {}
     if not samples:
         return out
@@ -331,8 +333,10 @@ def memory_figures(samples: list[tuple[float, float, float]], window_s: float) -
         first = [s[i] for s in samples if s[0] <= t0 + window_s]
         last = [s[i] for s in samples if s[0] >= t1 - window_s]
         start, end = max(first), max(last)
+        past = [(s[0], s[i]) for s in samples if s[0] > t0 + window_s]
+        slope = float(np.polyfit(*zip(*past), 1)[0]) if len(past) >= 2 else math.nan
         out[name] = {"start_mb": start, "end_mb": end, "peak_mb": max(s[i] for s in samples),
-                     "growth": end / start - 1.0 if start else math.nan}
+                     "growth": end / start - 1.0 if start else math.nan, "slope_mb_s": slope}
     return out
 
 
@@ -408,7 +412,7 @@ def _drive(door: Door, audio, opts: Options, result: StressResult) -> None:
     """The users, for ``opts.stress_seconds``; the hostile ones stop first, the innocent ones finish their
     request."""
     stop, lock = threading.Event(), threading.Lock()
-    kinds = ("vc_http", "vc_grpc", "live", "health")
+    kinds, acts = opts.stress_kinds or INNOCENT_KINDS, opts.stress_acts or HOSTILE_ACTS
 
     def innocent(i: int) -> None:
         rng = random.Random(opts.seed * 1000 + i)
@@ -417,7 +421,7 @@ def _drive(door: Door, audio, opts: Options, result: StressResult) -> None:
             kind = kinds[k % len(kinds)]
             k += 1
             if kind == "live" and i >= LIVE_SHARE:  # the tenant's live share: no more sessions at once
-                kind = "vc_grpc"
+                kind = "vc_grpc" if "vc_grpc" in kinds else "health"
             t0 = time.perf_counter()
             try:
                 _innocent(door, audio, kind, rng.randrange(1, 2**62))
@@ -432,7 +436,7 @@ def _drive(door: Door, audio, opts: Options, result: StressResult) -> None:
     def hostile(i: int) -> None:
         rng = random.Random(opts.seed * 1000 + 500 + i)
         while not stop.is_set():
-            act = rng.choice(HOSTILE_ACTS)
+            act = rng.choice(acts)
             outcome = _hostile(door, audio, act, rng)
             with lock:
                 result.hostile[f"{act}: {outcome}"] += 1
@@ -470,14 +474,14 @@ def run_stress(opts: Options) -> dict[str, Any]:
     server = TritonServer(repo, work_dir=(work / "triton").resolve(), exit_timeout=10, extra_args=opts.server_args)
     server.start(timeout=opts.startup_timeout_s)
     with server, _gateway(server, work) as (gateway, door):
-        for kind in ("vc_http", "vc_grpc", "live", "health"):  # warm-up: every innocent kind once, alone
+        for kind in INNOCENT_KINDS:  # warm-up: every innocent kind once, alone
             _innocent(door, audio, kind, 1)
         print(f"   warm; {opts.stress_users} innocent and {opts.stress_hostile_users} hostile users for "
               f"{opts.stress_seconds:.0f} s", flush=True)
         with _Memory(server.process.pid, gateway.pid) as memory:
             memory.sample()
             _drive(door, audio, opts, result)
-            for kind in ("vc_http", "vc_grpc", "live", "health"):  # after: the door still serves each kind
+            for kind in INNOCENT_KINDS:  # after: the door still serves each kind
                 try:
                     _innocent(door, audio, kind, 2)
                     result.innocent[kind] += 1
@@ -498,7 +502,8 @@ def run_stress(opts: Options) -> dict[str, Any]:
         "mode": "stress", "config_name": opts.name, "machine": machine(), "rendered": rendered,
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
         "duration_s": round(time.time() - started, 1), "seconds": opts.stress_seconds, "users": opts.stress_users,
-        "hostile_users": opts.stress_hostile_users, "max_growth": opts.stress_max_growth, "window_s": window,
+        "hostile_users": opts.stress_hostile_users, "acts": list(opts.stress_acts or HOSTILE_ACTS),
+        "kinds": list(opts.stress_kinds or INNOCENT_KINDS), "max_growth": opts.stress_max_growth, "window_s": window,
         "innocent": dict(result.innocent), "innocent_failures": result.innocent_failures[:50],
         "innocent_p50_s": {k: float(np.median(v)) for k, v in result.latencies.items()},
         "hostile": dict(sorted(result.hostile.items())), "memory": mem, "memory_samples": len(result.memory),
@@ -532,10 +537,12 @@ def stress_markdown(report: dict[str, Any]) -> str:
               for k, n in sorted(report["innocent"].items())]
     lines += ["", "| hostile act: outcome | count |", "|---|---:|"]
     lines += [f"| {k} | {n} |" for k, n in report["hostile"].items()]
-    lines += ["", f"| memory (RSS, MB; windows of {report['window_s']:.0f} s) | start | end | peak | growth |",
-              "|---|---:|---:|---:|---:|"]
-    lines += [f"| {name} | {m['start_mb']:.0f} | {m['end_mb']:.0f} | {m['peak_mb']:.0f} | {m['growth']:+.1%} |"
-              for name, m in report["memory"].items()]
+    if report.get("acts") and report.get("kinds"):
+        lines += ["", f"Hostile acts drawn: {', '.join(report['acts'])}; innocent kinds: {', '.join(report['kinds'])}."]
+    lines += ["", f"| memory (RSS, MB; windows of {report['window_s']:.0f} s) | start | end | peak | growth | "
+              "slope MB/s |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {name} | {m['start_mb']:.0f} | {m['end_mb']:.0f} | {m['peak_mb']:.0f} | {m['growth']:+.1%} | "
+              f"{m.get('slope_mb_s', math.nan):.4f} |" for name, m in report["memory"].items()]
     if report.get("memory_series"):
         lines += ["", "Memory over the run: `memory.png` (the windows of the start and end figures shaded)."]
     if report["innocent_failures"]:

@@ -18,9 +18,13 @@ from cosyvoice_triton.loadtest.stress import HOSTILE_ACTS, memory_figures, memor
 def test_memory_figures_take_the_peaks_of_the_first_and_last_windows():
     samples = [(t, 100.0 + (t % 3) * 10, 50.0) for t in range(10)] + [(t, 130.0, 60.0) for t in range(10, 20)]
     m = memory_figures(samples, window_s=4.0)
-    assert m["triton"] == {"start_mb": 120.0, "end_mb": 130.0, "peak_mb": 130.0, "growth": pytest.approx(130 / 120 - 1)}
+    assert {k: v for k, v in m["triton"].items() if k != "slope_mb_s"} == \
+        {"start_mb": 120.0, "end_mb": 130.0, "peak_mb": 130.0, "growth": pytest.approx(130 / 120 - 1)}
+    assert m["triton"]["slope_mb_s"] > 0
     assert m["gateway"]["start_mb"] == 50.0 and m["gateway"]["growth"] == pytest.approx(0.2)
     assert memory_figures([], 4.0) == {}
+    steady = memory_figures([(t, 100.0 + 0.5 * t, 80.0) for t in range(30)], window_s=5.0)
+    assert steady["triton"]["slope_mb_s"] == pytest.approx(0.5) and steady["gateway"]["slope_mb_s"] == pytest.approx(0.0)
 
 
 def test_the_memory_series_keeps_each_stretchs_peak():
@@ -38,6 +42,12 @@ def test_the_runner_takes_the_stress_flags():
                                                   "--stress-hostile-users", "5", "--stress-max-growth", "0.2"]))
     assert (opts.stress_seconds, opts.stress_users, opts.stress_hostile_users, opts.stress_max_growth) == \
         (30.0, 3, 5, 0.2)
+    assert opts.stress_acts == () and opts.stress_kinds == ()
+    picked = options_from_args(parser().parse_args(["--mode", "stress", "--stress-acts", "grpc_deadline,http_gives_up",
+                                                    "--stress-kinds", "health"]))
+    assert picked.stress_acts == ("grpc_deadline", "http_gives_up") and picked.stress_kinds == ("health",)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--mode", "stress", "--stress-acts", "not_an_act"])
     assert opts.out_dir.endswith("-stress")
 
 

@@ -81,18 +81,21 @@ def waveform_bar(spread: dict) -> float:
     return WAVE_SPREAD_MULTIPLE * max(spread[WAVE_SPREAD_KEY])
 
 
-def flow_oracle_script():
-    """tests/oracle/make_flow_oracle.py as a module (its seeded weights, digests and constants)."""
+def oracle_script(name: str):
+    """tests/oracle/<name>.py as a module (its seeded weights, digests and constants), imported once."""
     import importlib.util
-    import sys
 
-    if "make_flow_oracle" not in sys.modules:
-        path = ROOT / "tests" / "oracle" / "make_flow_oracle.py"
-        spec = importlib.util.spec_from_file_location("make_flow_oracle", path)
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "oracle" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["make_flow_oracle"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["make_flow_oracle"]
+    return sys.modules[name]
+
+
+def flow_oracle_script():
+    """tests/oracle/make_flow_oracle.py as a module."""
+    return oracle_script("make_flow_oracle")
 
 
 @pytest.fixture(scope="session")
@@ -120,7 +123,8 @@ def tiny_dir(tmp_path_factory, flow_oracle_meta) -> Path:
     return d
 
 
-def _npz_loader(folder: Path):
+def npz_loader(folder: Path):
+    """``load(name)`` -> the arrays of ``folder/name.npz`` as a dict, read once."""
     cache: dict[str, dict[str, np.ndarray]] = {}
 
     def load(name: str) -> dict[str, np.ndarray]:
@@ -135,7 +139,7 @@ def _npz_loader(folder: Path):
 @pytest.fixture(scope="session")
 def ref_npz():
     """``ref_npz("flow_nonstream")`` -> dict of numpy arrays of the official outputs in tests/fixtures/flow_oracle."""
-    return _npz_loader(FLOW_ORACLE)
+    return npz_loader(FLOW_ORACLE)
 
 
 @pytest.fixture(scope="session")
@@ -152,7 +156,7 @@ def external_tiny_dir() -> Path:
 @pytest.fixture(scope="session")
 def external_npz(external_tiny_dir: Path):
     """Like ``ref_npz``, on the external reference folder."""
-    return _npz_loader(external_tiny_dir)
+    return npz_loader(external_tiny_dir)
 
 
 def speech_pair(source_s: float, prompt_s: float) -> tuple[np.ndarray, int, np.ndarray, int]:

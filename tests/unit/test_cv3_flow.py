@@ -6,15 +6,13 @@ regenerated here from the same draws and checked by digest (tests/oracle/cosyvoi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import FEAT_BAR, FIXTURES, ROOT, rel_err
+from conftest import FEAT_BAR, FIXTURES, npz_loader, oracle_script, rel_err
 
 from cosyvoice_triton.errors import CheckpointError
 from cosyvoice_triton.models.cfm import cosine_t_span
@@ -29,13 +27,7 @@ EST_BAR = 1e-5
 
 
 def _oracle_script():
-    name = "make_cv3_flow_oracle"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "oracle" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return oracle_script("make_cv3_flow_oracle")
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +42,7 @@ def dims() -> Flow3Dims:
 
 @pytest.fixture(scope="module")
 def ref():
-    cache: dict = {}
-
-    def load(name: str) -> dict[str, np.ndarray]:
-        if name not in cache:
-            with np.load(ORACLE / f"{name}.npz", allow_pickle=False) as z:
-                cache[name] = {k: z[k] for k in z.files}
-        return cache[name]
-
-    return load
+    return npz_loader(ORACLE)
 
 
 @pytest.fixture(scope="module")

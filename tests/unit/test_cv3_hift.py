@@ -12,15 +12,13 @@ measured figures.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FIXTURES, ROOT, rel_err, waveform_bar
+from conftest import FIXTURES, npz_loader, oracle_script, rel_err, waveform_bar
 
 from cosyvoice_triton.config import load_hyperpyyaml
 from cosyvoice_triton.errors import CheckpointError, ConfigError
@@ -41,14 +39,7 @@ STAGE_BAR = 1e-5  # source from the official f0, waveform / conv_post from the o
 
 
 def _oracle_script():
-    """tests/oracle/make_cv3_hift_oracle.py as a module (its seeded weights and digests)."""
-    if "make_cv3_hift_oracle" not in sys.modules:
-        path = ROOT / "tests" / "oracle" / "make_cv3_hift_oracle.py"
-        spec = importlib.util.spec_from_file_location("make_cv3_hift_oracle", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["make_cv3_hift_oracle"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["make_cv3_hift_oracle"]
+    return oracle_script("make_cv3_hift_oracle")
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +49,7 @@ def meta() -> dict:
 
 @pytest.fixture(scope="module")
 def npz():
-    cache: dict = {}
-
-    def load(name: str) -> dict[str, np.ndarray]:
-        if name not in cache:
-            with np.load(ORACLE / f"{name}.npz", allow_pickle=False) as z:
-                cache[name] = {k: z[k] for k in z.files}
-        return cache[name]
-
-    return load
+    return npz_loader(ORACLE)
 
 
 @pytest.fixture(scope="module")

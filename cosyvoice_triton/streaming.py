@@ -1,4 +1,5 @@
-"""The CosyVoice2 streaming schedule, shared by the in-process pipeline and the served streams.
+"""The CosyVoice2 streaming schedule, shared by the in-process pipeline and the served streams, and CosyVoice3's
+(the same hops; its vocoder keeps no crossfade: :mod:`~cosyvoice_triton.models.cosyvoice3.token2wav`).
 
 Speech tokens arrive one by one (from the LM, or all at once for voice conversion). A chunk runs as soon as its
 hop plus the flow's look-ahead tokens have arrived. By default the hops are the official ``CosyVoice2Model``'s:

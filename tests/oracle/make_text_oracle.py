@@ -108,28 +108,26 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str) -> argparse.Namespace:
+    """The oracle scripts' command line (``--official``, ``--wetext-runtime``); puts the project on ``sys.path``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--official", required=True, type=Path, help="checkout of FunAudioLLM/CosyVoice")
     parser.add_argument("--wetext-runtime", required=True, type=Path, help="pip --target folder with wetext==0.0.4")
-    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    return parser.parse_args()
 
+
+def official_frontend(official: Path, wetext_runtime: Path, standin: Path, version: str = "cosyvoice2"):
+    """The official ``CosyVoiceFrontEnd`` (text side only, see the module docstring) with the tokenizer of
+    ``get_qwen_tokenizer(standin, skip_special_tokens=True, version=version)``, and what it ran on (for the meta)."""
     # The FSTs of the installed wetext wheel, found before the 0.0.4 runtime shadows the package name.
     fst_dir = Path(importlib.util.find_spec("wetext").origin).parent / "fsts"
     wheel_version = metadata.version("wetext")
 
-    sys.path.insert(0, str(ROOT))
-    from cosyvoice_triton.frontend.text import write_tokenizer_standin
-
-    standin = OUT / f"standin_{VOCAB_SIZE}"
-    if standin.exists():
-        shutil.rmtree(standin)
-    write_tokenizer_standin(standin, VOCAB_SIZE)
-
     import transformers  # noqa: F401  (before the stubs: it probes for torchaudio at import)
 
-    sys.path.insert(0, str(args.wetext_runtime))
-    sys.path.insert(0, str(args.official))
+    sys.path.insert(0, str(wetext_runtime))
+    sys.path.insert(0, str(official))
     _stub("modelscope", snapshot_download=lambda repo_id, *a, **k: str(fst_dir))
     _stub("whisper", log_mel_spectrogram=None)
     _stub("whisper.tokenizer", Tokenizer=object)
@@ -144,24 +142,45 @@ def main() -> None:
     from cosyvoice.tokenizer.tokenizer import get_qwen_tokenizer
 
     runtime_version = None
-    for dist in metadata.distributions(path=[str(args.wetext_runtime)]):
+    for dist in metadata.distributions(path=[str(wetext_runtime)]):
         if dist.metadata["Name"] == "wetext":
             runtime_version = dist.version
-    assert Path(wetext.__file__).is_relative_to(args.wetext_runtime), wetext.__file__
+    assert Path(wetext.__file__).is_relative_to(wetext_runtime), wetext.__file__
 
     frontend = CosyVoiceFrontEnd.__new__(CosyVoiceFrontEnd)
-    frontend.tokenizer = get_qwen_tokenizer(token_path=str(standin), skip_special_tokens=True)
+    frontend.tokenizer = get_qwen_tokenizer(token_path=str(standin), skip_special_tokens=True, version=version)
     frontend.allowed_special = "all"
     frontend.inflect_parser = inflect.engine()
     frontend.zh_tn_model = wetext.Normalizer(remove_erhua=False)
     frontend.en_tn_model = wetext.Normalizer()
     frontend.text_frontend = "wetext"
 
+    commit = subprocess.run(
+        ["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    fst_files = sorted(p for p in fst_dir.rglob("*.fst") if "/tn/" in p.as_posix())
+    ran_on = {
+        "official_commit": commit or "ace7c47 (no git metadata in the checkout)",
+        "wetext_runtime": runtime_version,
+        "wetext_fsts_from": f"wetext {wheel_version} wheel",
+        "fst_sha256": {p.relative_to(fst_dir).as_posix(): _sha256(p) for p in fst_files},
+        "inflect": metadata.version("inflect"),
+        "transformers": metadata.version("transformers"),
+        "tokenizers": metadata.version("tokenizers"),
+    }
+    return frontend, ran_on
+
+
+def official_cases(frontend, sentences, prompt_texts, instruct_texts) -> dict:
+    """What the official front end makes of each text: its segments, their tokens, the unsplit normalised text and
+    the tokens of the raw text; of each prompt text its unsplit normalised form and tokens; of each instruct text
+    its tokens (not normalised, as ``inference_instruct2``); and the tokenizer's length and special ids."""
+
     def encode(text: str) -> list[int]:
         return [int(i) for i in frontend.tokenizer.encode(text, allowed_special="all")]
 
     cases = []
-    for text in SENTENCES:
+    for text in sentences:
         segments = frontend.text_normalize(text, split=True, text_frontend=True)
         cases.append(
             {
@@ -173,39 +192,41 @@ def main() -> None:
             }
         )
     prompts = []
-    for text in PROMPT_TEXTS:
+    for text in prompt_texts:
         normalized = frontend.text_normalize(text, split=False, text_frontend=True)
         prompts.append({"text": text, "normalized": normalized, "tokens": encode(normalized)})
-    instructs = [{"text": text, "tokens": encode(text)} for text in INSTRUCT_TEXTS]
     tok = frontend.tokenizer.tokenizer
     added = frontend.tokenizer.special_tokens["additional_special_tokens"]
-    special_ids = {t: int(tok.convert_tokens_to_ids(t)) for t in added}
-
-    commit = subprocess.run(
-        ["git", "-C", str(args.official), "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    fst_files = sorted(p for p in fst_dir.rglob("*.fst") if "/tn/" in p.as_posix())
-    reference = {
-        "about": "official CosyVoice2 text_normalize and get_qwen_tokenizer outputs (tests/oracle/make_text_oracle.py)",
-        "official_commit": commit or "ace7c47 (no git metadata in the checkout)",
-        "wetext_runtime": runtime_version,
-        "wetext_fsts_from": f"wetext {wheel_version} wheel",
-        "fst_sha256": {p.relative_to(fst_dir).as_posix(): _sha256(p) for p in fst_files},
-        "inflect": metadata.version("inflect"),
-        "transformers": metadata.version("transformers"),
-        "tokenizers": metadata.version("tokenizers"),
-        "standin_vocab_size": VOCAB_SIZE,
-        "standin_sha256": {p.name: _sha256(p) for p in sorted(standin.iterdir())},
+    return {
         "tokenizer_len": len(tok),
-        "special_ids": special_ids,
+        "special_ids": {t: int(tok.convert_tokens_to_ids(t)) for t in added},
         "cases": cases,
         "prompts": prompts,
-        "instructs": instructs,
+        "instructs": [{"text": text, "tokens": encode(text)} for text in instruct_texts],
+    }
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    from cosyvoice_triton.frontend.text import write_tokenizer_standin
+
+    standin = OUT / f"standin_{VOCAB_SIZE}"
+    if standin.exists():
+        shutil.rmtree(standin)
+    write_tokenizer_standin(standin, VOCAB_SIZE)
+    frontend, ran_on = official_frontend(args.official, args.wetext_runtime, standin)
+
+    reference = {
+        "about": "official CosyVoice2 text_normalize and get_qwen_tokenizer outputs (tests/oracle/make_text_oracle.py)",
+        **ran_on,
+        "standin_vocab_size": VOCAB_SIZE,
+        "standin_sha256": {p.name: _sha256(p) for p in sorted(standin.iterdir())},
+        **official_cases(frontend, SENTENCES, PROMPT_TEXTS, INSTRUCT_TEXTS),
     }
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "official.json").write_text(json.dumps(reference, ensure_ascii=False, indent=1) + "\n")
-    n_segments = sum(len(c["segments"]) for c in cases)
-    print(f"wrote {OUT / 'official.json'}: {len(cases)} texts, {n_segments} segments, {len(prompts)} prompts")
+    n_segments = sum(len(c["segments"]) for c in reference["cases"])
+    print(f"wrote {OUT / 'official.json'}: {len(SENTENCES)} texts, {n_segments} segments, {len(PROMPT_TEXTS)} prompts")
 
 
 if __name__ == "__main__":

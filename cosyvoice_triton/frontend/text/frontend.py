@@ -1,4 +1,4 @@
-"""``TextFrontend``: CosyVoice2's text side (normalise, split, tokenize) with input checks."""
+"""``TextFrontend``: CosyVoice2's and CosyVoice3's text side (normalise, split, tokenize) with input checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from ...errors import TextError
 from . import normalize as tn
-from .tokenizer import CONTROL_TAGS, ENDOFPROMPT, KNOWN_TAGS, QwenTextTokenizer
+from .tokenizer import CONTROL_TAGS, COSYVOICE2, COSYVOICE3, ENDOFPROMPT, QwenTextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ class TextFrontend:
     ----------
     blank_en_dir : str or os.PathLike
         ``CosyVoice-BlankEN`` folder with the Qwen2 tokenizer files.
+    family : str
+        ``"cosyvoice2"`` (default) or ``"cosyvoice3"``: the special tokens of the tokenizer (and so the known
+        control tags), and for CosyVoice3 its ``<|endofprompt|>`` rule (see :mod:`.cosyvoice3`).
     max_chars : int
         Longest accepted text in characters (default :data:`MAX_TEXT_CHARS`).
     max_digit_run, max_digits : int
@@ -65,7 +68,7 @@ class TextFrontend:
         Longest normalised text (default :data:`MAX_NORMALIZED_CHARS`).
     strict_tags : bool
         Reject text with something that looks like a control tag (``[xxx]``, ``<xxx>``, ``</xxx>``, ``<|xxx|>``)
-        but is none of CosyVoice2's special tokens; with ``False`` it is read as plain text, as officially.
+        but is none of the family's special tokens; with ``False`` it is read as plain text, as officially.
 
     Notes
     -----
@@ -75,12 +78,13 @@ class TextFrontend:
 
     def __init__(self, blank_en_dir: str | os.PathLike, *, max_chars: int = MAX_TEXT_CHARS, strict_tags: bool = True,
                  max_digit_run: int = MAX_DIGIT_RUN, max_digits: int = MAX_DIGITS,
-                 max_normalized_chars: int = MAX_NORMALIZED_CHARS):
+                 max_normalized_chars: int = MAX_NORMALIZED_CHARS, family: str = COSYVOICE2):
         for name, v in (("max_chars", max_chars), ("max_digit_run", max_digit_run), ("max_digits", max_digits),
                         ("max_normalized_chars", max_normalized_chars)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
-        self.tokenizer = QwenTextTokenizer(blank_en_dir)
+        self.tokenizer = QwenTextTokenizer(blank_en_dir, family)
+        self.family = family
         self.max_chars = int(max_chars)
         self.max_digit_run, self.max_digits = int(max_digit_run), int(max_digits)
         self.max_normalized_chars = int(max_normalized_chars)
@@ -98,10 +102,11 @@ class TextFrontend:
             raise TextError(f"{what} has {len(text)} characters, more than the maximum {self.max_chars}")
         self._check_digits(text, what)
         if self.strict_tags:
-            unknown = sorted({m for m in _TAG_LIKE.findall(text) if m not in KNOWN_TAGS})
+            unknown = sorted({m for m in _TAG_LIKE.findall(text) if m not in self.tokenizer.known_tags})
             if unknown:
+                phones = "; and ARPAbet / pinyin tags such as [HH] [AH0] [j] [ǐ]" if self.family == COSYVOICE3 else ""
                 raise TextError(
-                    f"{what} has unknown control tag(s) {', '.join(unknown)}; known: {', '.join(CONTROL_TAGS)}"
+                    f"{what} has unknown control tag(s) {', '.join(unknown)}; known: {', '.join(CONTROL_TAGS)}{phones}"
                 )
         if tn.is_only_punctuation(re.sub(r"\s+", "", text)):
             raise TextError(f"{what} holds only punctuation and symbols: {text[:40]!r}")
@@ -175,10 +180,11 @@ class TextFrontend:
         return self.tokenizer.encode(self.normalize(prompt_text, split=False, text_frontend=text_frontend))
 
     def instruct_tokens(self, instruct_text: str | bytes, *, append_endofprompt: bool = False) -> np.ndarray:
-        """CosyVoice2 instruct text (``inference_instruct2``), tokenized as given (not normalised), as officially.
+        """Instruct text (``inference_instruct2``), tokenized as given (not normalised), as officially.
 
         The official examples end the instruction with ``<|endofprompt|>``; without it a warning is logged, and
-        with ``append_endofprompt=True`` it is appended (then the ids are those of the text that has it)."""
+        with ``append_endofprompt=True`` it is appended (then the ids are those of the text that has it). CosyVoice3
+        requires it in the instruction or the text: see :func:`.cosyvoice3.require_endofprompt`."""
         text = self.check(instruct_text, what="instruct text")
         if not text.rstrip().endswith(ENDOFPROMPT):
             if append_endofprompt:

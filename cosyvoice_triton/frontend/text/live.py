@@ -23,11 +23,11 @@ from .frontend import _TAG_LIKE
 from .tokenizer import KNOWN_TAGS
 
 
-def piece_texts(pieces: Iterable[str | bytes], *, max_chars: int | None = None, strict_tags: bool = True
-                ) -> Iterator[str]:
+def piece_texts(pieces: Iterable[str | bytes], *, max_chars: int | None = None, strict_tags: bool = True,
+                known_tags: frozenset[str] = KNOWN_TAGS) -> Iterator[str]:
     """The pieces as ``str`` (bytes decoded incrementally; an empty result is skipped), checked: valid UTF-8, no
-    lone surrogate, at most ``max_chars`` characters in all, no unknown control tag within a piece
-    (``strict_tags``), and some non-whitespace text by the end."""
+    lone surrogate, at most ``max_chars`` characters in all, no control tag outside ``known_tags`` (default
+    CosyVoice2's) within a piece (``strict_tags``), and some non-whitespace text by the end."""
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     consumed = chars = 0
     seen_text = False
@@ -58,7 +58,7 @@ def piece_texts(pieces: Iterable[str | bytes], *, max_chars: int | None = None, 
         if max_chars is not None and chars > max_chars:
             raise TextError(f"text has more than the maximum {max_chars} characters")
         if strict_tags:
-            unknown = sorted({m for m in _TAG_LIKE.findall(text) if m not in KNOWN_TAGS})
+            unknown = sorted({m for m in _TAG_LIKE.findall(text) if m not in known_tags})
             if unknown:
                 raise TextError(f"text piece has unknown control tag(s) {', '.join(unknown)}")
         seen_text = seen_text or bool(text.strip())
@@ -71,8 +71,9 @@ def piece_texts(pieces: Iterable[str | bytes], *, max_chars: int | None = None, 
 
 def piece_tokens(tokenizer, pieces: Iterable[str | bytes], **checks) -> Iterator[int]:
     """Text token ids of the pieces, one by one as the official front end hands them to the LM: each piece
-    tokenized on its own, not normalised. ``tokenizer``: a :class:`.QwenTextTokenizer`; ``checks``: see
-    :func:`piece_texts`."""
+    tokenized on its own, not normalised. ``tokenizer``: a :class:`.QwenTextTokenizer` (its family's tags are
+    the known ones); ``checks``: see :func:`piece_texts`."""
+    checks.setdefault("known_tags", tokenizer.known_tags)
     for text in piece_texts(pieces, **checks):
         for token in tokenizer.encode(text).tolist():
             yield int(token)

@@ -7,6 +7,11 @@ Qwen2's pre-tokenizer split and NFC normalisation, trained by the ``tokenizers``
 Chinese and English text, followed by Qwen2's three special tokens. ``AutoTokenizer`` loads it as a Qwen2
 tokenizer and CosyVoice's added tokens follow it, as with the real files. It is a stand-in: its ids are not the
 real ones and it splits text into more pieces than the real 151,643-entry vocabulary does.
+
+With ``official_ids=True`` the BPE vocabulary is padded to the real 151,643 entries with placeholder tokens that
+no merge produces (so no text ever encodes to them): the special tokens then take their official ids
+(``<|endoftext|>`` 151643, ``<|endofprompt|>`` 151646, ...), which the CosyVoice3 LM needs (it looks for
+``<|endofprompt|>`` by that id).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from .tokenizer import ADDED_SPECIAL_TOKENS, ENDOFTEXT, QWEN_SPECIAL_TOKENS
+from .tokenizer import ENDOFTEXT, FAMILY_SPECIAL_TOKENS, QWEN_SPECIAL_TOKENS
 
 # Qwen2's pre-tokenization pattern (transformers' Qwen2Tokenizer uses the same).
 QWEN2_SPLIT_PATTERN = (
@@ -26,6 +31,8 @@ QWEN2_BASE_VOCAB = 151643  # ids of the real BPE vocabulary; <|endoftext|> is 15
 STANDIN_README = "README.md"
 # Room left between the last id and ``vocab_size`` (the real release leaves 273 of 151,936).
 _SPARE_IDS = 76
+# Placeholder entries of an ``official_ids`` vocabulary: ASCII, so byte-level decoding maps them to themselves.
+_PLACEHOLDER = "<|placeholder_{}|>"
 
 _CORPUS_ZH = """\
 收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。
@@ -77,7 +84,8 @@ def standin_corpus() -> list[str]:
     return [line for line in (_CORPUS_ZH + _CORPUS_EN).splitlines() if line.strip()]
 
 
-def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096) -> Path:
+def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096, *, official_ids: bool = False
+                            ) -> Path:
     """Write ``vocab.json``, ``merges.txt``, ``tokenizer_config.json`` and a README note into ``out_dir``.
 
     Parameters
@@ -86,19 +94,28 @@ def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096) 
         Folder to write (created if needed); the Qwen2 ``config.json`` is not written here.
     vocab_size : int
         The LM's text vocabulary (its embedding rows). Every id, the BPE vocabulary, Qwen2's 3 special tokens and
-        CosyVoice2's 17 added tokens, stays below it: the BPE takes at most ``vocab_size - 96`` entries (fewer
-        where the built-in text runs out of merges; the real 151,643 at most).
+        the added tokens of either family (CosyVoice3's 278 new ones, which include CosyVoice2's 17), stays below
+        it: the BPE takes at most ``vocab_size - 357`` entries (fewer where the built-in text runs out of merges;
+        the real 151,643 at most).
+    official_ids : bool
+        Pad the BPE vocabulary with placeholders to the real 151,643 entries, so that every special token has
+        its official id (``vocab_size`` at least 151,924, the ids CosyVoice3's tokenizer uses; the release's
+        LM has 151,936).
 
     Returns
     -------
     pathlib.Path
-        ``out_dir``. Training is single-pass and deterministic: the same ``vocab_size`` gives the same files.
+        ``out_dir``. Training is single-pass and deterministic: the same arguments give the same files.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    n_added = len(QWEN_SPECIAL_TOKENS) + len(set(ADDED_SPECIAL_TOKENS) - set(QWEN_SPECIAL_TOKENS))
-    if vocab_size < 256 + n_added + _SPARE_IDS + 1:
-        raise ValueError(f"vocab_size {vocab_size} leaves no room for the 256 byte tokens and {n_added} special ones")
+    most_added = max(len(set(added) - set(QWEN_SPECIAL_TOKENS)) for added in FAMILY_SPECIAL_TOKENS.values())
+    n_added = len(QWEN_SPECIAL_TOKENS) + most_added
+    least = QWEN2_BASE_VOCAB + n_added if official_ids else 256 + n_added + _SPARE_IDS + 1
+    if vocab_size < least:
+        what = "151,643 BPE" if official_ids else "256 byte"
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for the {what} tokens and {n_added} special ones "
+                         f"(at least {least})")
     bpe_size = min(vocab_size - n_added - _SPARE_IDS, QWEN2_BASE_VOCAB)
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -118,17 +135,33 @@ def write_tokenizer_standin(out_dir: str | os.PathLike, vocab_size: int = 4096) 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(out))  # vocab.json + merges.txt ("#version: 0.2" header), the Qwen2 layout
-    n_bpe = tok.get_vocab_size()
+    n_trained = tok.get_vocab_size()
+    n_bpe = _pad_vocab(out / "vocab.json", QWEN2_BASE_VOCAB) if official_ids else n_trained
     write_tokenizer_config(out, n_bpe)
-    (out / STANDIN_README).write_text(
-        "# Stand-in tokenizer (not the real CosyVoice-BlankEN)\n\n"
-        f"A byte-level BPE of {n_bpe} entries in the Qwen2 tokenizer format, trained by cosyvoice_triton on a small "
-        "built-in Chinese and English text, then Qwen2's special tokens "
-        f"({', '.join(f'{t} = {n_bpe + i}' for i, t in enumerate(QWEN_SPECIAL_TOKENS))}). "
-        f"CosyVoice2 adds its 17 tokens after these, so every id is below {vocab_size}. The ids are not the real "
-        "Qwen2.5 ids: use the release's CosyVoice-BlankEN folder for real speech.\n"
-    )
+    specials = ", ".join(f"{t} = {n_bpe + i}" for i, t in enumerate(QWEN_SPECIAL_TOKENS))
+    if official_ids:
+        body = (f"A byte-level BPE of {n_trained} entries in the Qwen2 tokenizer format, trained by cosyvoice_triton "
+                f"on a small built-in Chinese and English text, padded with {n_bpe - n_trained} placeholder entries "
+                f"that no text encodes to, then Qwen2's special tokens ({specials}). CosyVoice2 adds its 17 tokens "
+                f"after these, CosyVoice3 its 278, at their official ids, every id below {vocab_size}. The text's ids "
+                "are not the real Qwen2.5 ids: use the release's CosyVoice-BlankEN folder for real speech.\n")
+    else:
+        body = (f"A byte-level BPE of {n_bpe} entries in the Qwen2 tokenizer format, trained by cosyvoice_triton on a "
+                f"small built-in Chinese and English text, then Qwen2's special tokens ({specials}). CosyVoice2 adds "
+                f"its 17 tokens after these, so every id is below {vocab_size}. The ids are not the real Qwen2.5 ids: "
+                "use the release's CosyVoice-BlankEN folder for real speech.\n")
+    (out / STANDIN_README).write_text("# Stand-in tokenizer (not the real CosyVoice-BlankEN)\n\n" + body)
     return out
+
+
+def _pad_vocab(vocab_path: Path, size: int) -> int:
+    """Append placeholder entries to ``vocab.json`` until it has ``size`` ids; returns ``size``."""
+    vocab = json.loads(vocab_path.read_text(encoding="utf-8"))
+    if len(vocab) > size or sorted(vocab.values()) != list(range(len(vocab))):
+        raise ValueError(f"{vocab_path}: {len(vocab)} ids, not 0 .. n-1 with n <= {size}")
+    vocab.update({_PLACEHOLDER.format(i): i for i in range(len(vocab), size)})
+    vocab_path.write_text(json.dumps(vocab, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+    return size
 
 
 def write_tokenizer_config(out_dir: str | os.PathLike, n_bpe: int) -> Path:

@@ -11,6 +11,14 @@
 Both wrappers take features (see ``cosyvoice_triton.frontend.features``), check the graph's signature when they
 open it and raise :class:`~cosyvoice_triton.errors.CheckpointError` naming the file and the mismatch.
 
+CosyVoice3's ``speech_tokenizer_v3.onnx`` (S3Tokenizer v3: a deeper encoder, the same FSQ head) is read by the
+same :class:`SpeechTokenizer` (``version="v3"``). The official code calls both graphs the same way: one
+``_extract_speech_token`` for every family (Whisper log-mel with 128 bins at 16 kHz, ``[1, 128, T]`` float32 as
+input 0, ``[T]`` int32 as input 1, output 0 flattened into the tokens, at most 30 s), the training code's batched
+extractor divides the frame count by 4 for both (25 Hz), and both families' LM and flow take 6561 speech tokens.
+That code binds the inputs by position, never by name, so the names of the v3 graph's inputs and output are not
+known from it: for v3 they are not checked (dtypes, ranks and the 128 bins are), and the graph's own names are used.
+
 Batching. The official code runs both graphs one utterance at a time and CosyVoice's own training code
 uses a *separate* ``speech_tokenizer_v2.batch.onnx`` for padded batches, so a batched call on the shipped
 tokenizer is not assumed to be correct. ``SpeechTokenizer`` batches only when the graph declares a
@@ -22,6 +30,7 @@ call (when the graph's batch axis is dynamic) and loops otherwise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +48,7 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------------------ constants
 
 TOKENIZER_FILENAME = "speech_tokenizer_v2.onnx"
+TOKENIZER_V3_FILENAME = "speech_tokenizer_v3.onnx"
 CAMPPLUS_FILENAME = "campplus.onnx"
 
 SPEECH_TOKEN_VOCAB = 6561  # 3 ** 8: FSQ with 8 dimensions of 3 levels
@@ -56,9 +66,10 @@ Batching = Literal["auto", "never", "always"]
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output of an official graph: name, accepted ORT types, rank and fixed dims."""
+    """One input or output of an official graph: name (``None``: not checked), accepted ORT types, rank and fixed
+    dims."""
 
-    name: str
+    name: str | None
     types: tuple[str, ...]
     rank: int
     fixed: dict[int, int] = field(default_factory=dict)
@@ -67,7 +78,7 @@ class TensorSpec:
         dims = ["?"] * self.rank
         for axis, size in self.fixed.items():
             dims[axis] = str(size)
-        return f"{self.name!r} {'|'.join(self.types)} [{', '.join(dims)}]"
+        return f"{self.name or 'any name'!r} {'|'.join(self.types)} [{', '.join(dims)}]"
 
 
 # Output dtype: int32 per the published consumers; int64 is accepted too (same values).
@@ -76,6 +87,14 @@ TOKENIZER_INPUTS = (
     TensorSpec("feats_length", ("tensor(int32)",), 1),
 )
 TOKENIZER_OUTPUTS = (TensorSpec("indices", ("tensor(int32)", "tensor(int64)"), 2),)
+# v3: the same inputs and output by position; names unchecked (see the module docstring).
+TOKENIZER_V3_INPUTS = tuple(dataclasses.replace(spec, name=None) for spec in TOKENIZER_INPUTS)
+TOKENIZER_V3_OUTPUTS = tuple(dataclasses.replace(spec, name=None) for spec in TOKENIZER_OUTPUTS)
+#: Speech tokenizer version -> (file name in the model folder, input specs, output specs).
+TOKENIZER_VERSIONS = {
+    "v2": (TOKENIZER_FILENAME, TOKENIZER_INPUTS, TOKENIZER_OUTPUTS),
+    "v3": (TOKENIZER_V3_FILENAME, TOKENIZER_V3_INPUTS, TOKENIZER_V3_OUTPUTS),
+}
 CAMPPLUS_INPUTS = (TensorSpec("input", ("tensor(float)",), 3, {2: FBANK_BINS}),)
 CAMPPLUS_OUTPUTS = (TensorSpec("output", ("tensor(float)",), 2, {1: SPEAKER_EMBED_DIM}),)
 
@@ -102,7 +121,7 @@ def _open_session(path: str | Path, what: str, intra_op_threads: int, providers:
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: file not found (the CosyVoice2 model folder has {what})")
+        raise CheckpointError(f"{path}: file not found (a CosyVoice model folder has {what})")
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path}: file is empty (expected the {what} ONNX graph)")
     if intra_op_threads < 0:
@@ -125,7 +144,7 @@ def _open_session(path: str | Path, what: str, intra_op_threads: int, providers:
 
 def _check_arg(path: Path, kind: str, index: int, arg: Any, spec: TensorSpec, what: str) -> None:
     problems = []
-    if arg.name != spec.name:
+    if spec.name is not None and arg.name != spec.name:
         problems.append("name")
     if arg.type not in spec.types:
         problems.append("type")
@@ -224,7 +243,8 @@ def _batches(order: Sequence[int], size: int):
 
 
 class SpeechTokenizer:
-    """``speech_tokenizer_v2.onnx``: Whisper log-mel ``[B, 128, T]`` to 25 Hz speech tokens.
+    """``speech_tokenizer_v2.onnx`` (``version="v3"``: CosyVoice3's ``speech_tokenizer_v3.onnx``): Whisper log-mel
+    ``[B, 128, T]`` to 25 Hz speech tokens.
 
     ``batching``: ``"auto"`` runs one padded call per chunk of ``max_batch_size`` items when the graph has
     a dynamic batch axis and a load-time probe (two utterances of different lengths, padding filled with
@@ -242,7 +262,10 @@ class SpeechTokenizer:
         batching: Batching = "auto",
         max_batch_size: int = 16,
         max_frames: int | None = MAX_TOKENIZER_FRAMES,
+        version: str = "v2",
     ):
+        if version not in TOKENIZER_VERSIONS:
+            raise ValueError(f"version must be one of {', '.join(TOKENIZER_VERSIONS)}, got {version!r}")
         if batching not in ("auto", "never", "always"):
             raise ValueError(f"batching must be 'auto', 'never' or 'always', got {batching!r}")
         if max_batch_size < 1:
@@ -250,10 +273,12 @@ class SpeechTokenizer:
         self.path = Path(path)
         self.max_batch_size = int(max_batch_size)
         self.max_frames = max_frames
-        self.session, self.standin = _open_checked(self.path, TOKENIZER_FILENAME, TOKENIZER_INPUTS,
-                                                   TOKENIZER_OUTPUTS, intra_op_threads, providers, "tokens",
-                                                   spinning)
+        self.version = version
+        filename, inputs, outputs = TOKENIZER_VERSIONS[version]
+        self.session, self.standin = _open_checked(self.path, filename, inputs, outputs, intra_op_threads, providers,
+                                                   "tokens", spinning)
         feats_arg, length_arg = self.session.get_inputs()
+        self._names = (feats_arg.name, length_arg.name, self.session.get_outputs()[0].name)
         dynamic = _dynamic_batch(feats_arg) and _dynamic_batch(length_arg)
         if batching == "always" and not dynamic:
             raise CheckpointError(
@@ -271,11 +296,12 @@ class SpeechTokenizer:
     # ------------------------------------------------------------------------------------ running
 
     def _run(self, feats: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        feats_name, length_name, out_name = self._names  # by position, as the official front end binds them
         out = self.session.run(
-            [TOKENIZER_OUTPUTS[0].name],
+            [out_name],
             {
-                "feats": np.ascontiguousarray(feats, dtype=np.float32),
-                "feats_length": np.ascontiguousarray(lengths, dtype=np.int32),
+                feats_name: np.ascontiguousarray(feats, dtype=np.float32),
+                length_name: np.ascontiguousarray(lengths, dtype=np.int32),
             },
         )[0]
         return np.asarray(out)

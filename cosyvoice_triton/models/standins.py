@@ -1,4 +1,5 @@
-"""Stand-ins for ``speech_tokenizer_v2.onnx`` and ``campplus.onnx`` for the demo model folder.
+"""Stand-ins for ``speech_tokenizer_v2.onnx`` (CosyVoice3: ``speech_tokenizer_v3.onnx``) and ``campplus.onnx`` for
+the demo model folders.
 
 The real weights cannot be redistributed with (or downloaded by) this project's demo, so the demo folder
 holds graphs with the official input/output signatures (names, dtypes, ranks, the 128/80/192 sizes and a
@@ -16,6 +17,9 @@ generator. Their outputs are deterministic noise that still depends on the input
 Whether the released graphs declare a fixed (1) or symbolic batch axis has not been verified, and the
 official front end only ever feeds one utterance; ``dynamic_batch=False`` (the default) writes a batch
 axis fixed to 1, ``True`` a symbolic one. Each graph carries ``cosyvoice_triton.standin`` metadata.
+
+The v3 stand-in (``version="v3"``) has the v2 signature, which is the v3 one as far as the official code shows
+(see :mod:`cosyvoice_triton.frontend.speech_models`; the names are v2's), and weights of its own.
 """
 
 from __future__ import annotations
@@ -112,9 +116,15 @@ def _batch_dim(dynamic_batch: bool) -> str | int:
     return "batch" if dynamic_batch else 1
 
 
-def speech_tokenizer_standin(*, seed: int = 0, dynamic_batch: bool = False) -> onnx.ModelProto:
-    """The tokenizer stand-in as an in-memory ``ModelProto`` (see the module docstring)."""
-    rng = np.random.default_rng([seed, 0x5EEC])
+_TOKENIZER_STREAMS = {"v2": 0x5EEC, "v3": 0x5EED}
+
+
+def speech_tokenizer_standin(*, seed: int = 0, dynamic_batch: bool = False, version: str = "v2") -> onnx.ModelProto:
+    """The tokenizer stand-in (``version`` ``"v2"`` or ``"v3"``) as an in-memory ``ModelProto`` (see the module
+    docstring)."""
+    if version not in _TOKENIZER_STREAMS:
+        raise ValueError(f"version must be one of {', '.join(_TOKENIZER_STREAMS)}, got {version!r}")
+    rng = np.random.default_rng([seed, _TOKENIZER_STREAMS[version]])
     c = _TOKENIZER_CHANNELS
     g = _Graph()
     lengths = g.op("Cast", ["feats_length"], "len64", to=TensorProto.INT64)
@@ -150,7 +160,7 @@ def speech_tokenizer_standin(*, seed: int = 0, dynamic_batch: bool = False) -> o
         helper.make_tensor_value_info("feats_length", TensorProto.INT32, [batch]),
     ]
     outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [batch, "T_tok"])]
-    return g.model("speech_tokenizer_v2", inputs, outputs, f"random weights, seed={seed}")
+    return g.model(f"speech_tokenizer_{version}", inputs, outputs, f"random weights, seed={seed}")
 
 
 def campplus_standin(*, seed: int = 0, dynamic_batch: bool = False) -> onnx.ModelProto:
@@ -178,9 +188,11 @@ def campplus_standin(*, seed: int = 0, dynamic_batch: bool = False) -> onnx.Mode
     return g.model("campplus", inputs, outputs, f"random weights, seed={seed}")
 
 
-def write_speech_tokenizer_standin(path: str | Path, *, seed: int = 0, dynamic_batch: bool = False) -> Path:
-    """Write a ``speech_tokenizer_v2.onnx`` stand-in (official signature, random weights) to ``path``."""
-    return _save(speech_tokenizer_standin(seed=seed, dynamic_batch=dynamic_batch), path)
+def write_speech_tokenizer_standin(path: str | Path, *, seed: int = 0, dynamic_batch: bool = False,
+                                   version: str = "v2") -> Path:
+    """Write a ``speech_tokenizer_v2.onnx`` (``version="v3"``: ``speech_tokenizer_v3.onnx``) stand-in (official
+    signature, random weights) to ``path``."""
+    return _save(speech_tokenizer_standin(seed=seed, dynamic_batch=dynamic_batch, version=version), path)
 
 
 def write_campplus_standin(path: str | Path, *, seed: int = 0, dynamic_batch: bool = False) -> Path:

@@ -36,10 +36,13 @@ IN_PROCESS = {"vc", "tts", "speaker", "bench", "bench-preprocess"}
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from .models.demo import write_demo_model
+    if args.family == "cosyvoice3":
+        from .models.cosyvoice3.demo import write_demo_model3 as write_demo_model
+    else:
+        from .models.demo import write_demo_model
 
     out = write_demo_model(args.out, size=args.size, seed=args.seed)
-    print(f"demo model ({args.size}, random weights) written to {out}")
+    print(f"{args.family} demo model ({args.size}, random weights) written to {out}")
     return 0
 
 
@@ -174,7 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo-model", help="write a random-weight model folder in the official layout")
     d.add_argument("--out", required=True, help="folder to write")
-    d.add_argument("--size", choices=("tiny", "full"), default="tiny", help="tiny dims or CosyVoice2-0.5B dims")
+    d.add_argument("--size", choices=("tiny", "full"), default="tiny",
+                   help="tiny dims or the release's dims (CosyVoice2-0.5B, Fun-CosyVoice3-0.5B)")
+    d.add_argument("--family", choices=("cosyvoice2", "cosyvoice3"), default="cosyvoice2",
+                   help="model family: cosyvoice2.yaml (default) or cosyvoice3.yaml layout")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_cmd_demo_model)
 

@@ -373,15 +373,7 @@ chunk_size: {config.chunk_size}
 num_decoding_left_chunks: {d.num_decoding_left_chunks}
 {_llm_yaml(config.llm)}
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
-    input_size: {f.input_size}
-    output_size: {f.output_size}
-    spk_embed_dim: !ref <spk_embed_dim>
-    output_type: 'mel'
-    vocab_size: {f.vocab_size}
-    input_frame_rate: !ref <token_frame_rate>
-    only_mask_loss: True
-    token_mel_ratio: !ref <token_mel_ratio>
-    pre_lookahead_len: {f.pre_lookahead_len}
+{flow_yaml_fields(f)}\
     encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
         output_size: {e.output_size}
         attention_heads: {e.attention_heads}
@@ -424,6 +416,21 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
             num_decoding_left_chunks: !ref <num_decoding_left_chunks>
 
 hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+{hift_yaml_fields(h)}\
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+        num_class: {h.f0_predictor.num_class}
+        in_channels: {h.f0_predictor.in_channels}
+        cond_channels: {h.f0_predictor.cond_channels}
+
+{mel_yaml(config.mel)}"""
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def hift_yaml_fields(h: Any) -> str:
+    """The keys of the official yamls' ``hift:`` section that CosyVoice2's and CosyVoice3's vocoders share, from a
+    :class:`HiftConfig` or a ``Hift3Dims`` (lines indented by 4, the last one ending the text)."""
+    seq = lambda xs: "[" + ", ".join(str(x) for x in xs) + "]"
+    return f"""\
     in_channels: {h.in_channels}
     base_channels: {h.base_channels}
     nb_harmonics: {h.nb_harmonics}
@@ -442,30 +449,47 @@ hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
     source_resblock_dilation_sizes: {seq(seq(x) for x in h.source_resblock_dilation_sizes)}
     lrelu_slope: {h.lrelu_slope}
     audio_limit: {h.audio_limit}
-    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
-        num_class: {h.f0_predictor.num_class}
-        in_channels: {h.f0_predictor.in_channels}
-        cond_channels: {h.f0_predictor.cond_channels}
-
-feat_extractor: !name:matcha.utils.audio.mel_spectrogram
-    n_fft: {config.mel.n_fft}
-    num_mels: {config.mel.num_mels}
-    sampling_rate: !ref <sample_rate>
-    hop_size: {config.mel.hop_size}
-    win_size: {config.mel.win_size}
-    fmin: {config.mel.fmin:g}
-    fmax: {"null" if config.mel.fmax is None else f"{config.mel.fmax:g}"}
-    center: {config.mel.center}
 """
-    Path(path).write_text(text, encoding="utf-8")
 
 
-def _llm_yaml(llm: LLMConfig | None) -> str:
+def mel_yaml(mel: MelConfig) -> str:
+    """The official yamls' ``feat_extractor:`` section (the flow's prompt mel) for ``mel``."""
+    return f"""\
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: {mel.n_fft}
+    num_mels: {mel.num_mels}
+    sampling_rate: !ref <sample_rate>
+    hop_size: {mel.hop_size}
+    win_size: {mel.win_size}
+    fmin: {mel.fmin:g}
+    fmax: {"null" if mel.fmax is None else f"{mel.fmax:g}"}
+    center: {mel.center}
+"""
+
+
+def flow_yaml_fields(f: Any) -> str:
+    """The first keys of the official yamls' ``flow:`` section, the same in CosyVoice2's and CosyVoice3's, from a
+    :class:`FlowConfig` or a ``Flow3Dims`` (lines indented by 4)."""
+    return f"""\
+    input_size: {f.input_size}
+    output_size: {f.output_size}
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: {f.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: {f.pre_lookahead_len}
+"""
+
+
+def _llm_yaml(llm: LLMConfig | None, cls: str = "cosyvoice.llm.llm.Qwen2LM") -> str:
+    """The official yamls' ``llm:`` section (after a blank line) building ``cls``, or nothing for ``None``."""
     if llm is None:
         return ""
     s = llm.sampling
     return f"""
-llm: !new:cosyvoice.llm.llm.Qwen2LM
+llm: !new:{cls}
     llm_input_size: !ref <llm_input_size>
     llm_output_size: !ref <llm_output_size>
     speech_token_size: {llm.speech_token_size}

@@ -1,4 +1,5 @@
-"""A random-weight CosyVoice2 model folder in the official layout, for demos and tests.
+"""A random-weight CosyVoice2 model folder in the official layout, for demos and tests (CosyVoice3's:
+:mod:`.cosyvoice3.demo`).
 
 The real CosyVoice2-0.5B weights cannot be shipped or downloaded by this project. ``write_demo_model``
 writes ``flow.pt``, ``hift.pt`` (state_dicts with exactly the official keys, shapes and weight-norm
@@ -19,21 +20,18 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..config import LLMConfig, ModelConfig, write_yaml
 from ..errors import ConfigError
-from ..frontend import features
+from .demo_weights import _DEMO_LOGIT_STD, SIZES, _calibrate_f0, _perturb
 from .flow import CausalMaskedDiffWithXvec
 from .hift import HiFTGenerator
 from .standins import write_campplus_standin, write_speech_tokenizer_standin
 
 log = logging.getLogger(__name__)
 
-SIZES = ("tiny", "full")
-F0_MEAN_HZ, F0_STD_HZ = 160.0, 60.0
 
 _README = """\
 CosyVoice2 DEMO model folder written by cosyvoice_triton (size: {size}, seed: {seed}).
@@ -46,43 +44,6 @@ STAND-IN tokenizer (a small byte-level BPE in the Qwen2 file format with CosyVoi
 Qwen2.5 vocabulary). Point --model-dir (or MODEL_DIR=) at a real CosyVoice2-0.5B folder to
 get speech.
 """
-
-
-def _perturb(module: nn.Module, generator: torch.Generator) -> None:
-    """Give constant-initialised parameters (biases, LayerNorm, Snake alpha) a little randomness."""
-    with torch.no_grad():
-        for p in module.parameters():
-            flat = p.detach().flatten()
-            if flat.numel() == 0 or not torch.all(flat == flat[0]):
-                continue
-            noise = torch.randn(p.shape, generator=generator)
-            if flat[0] == 0:
-                p.add_(0.02 * noise)
-            else:
-                p.mul_(1 + 0.1 * noise)
-
-
-def _calibration_mel(config: ModelConfig, seconds: float = 2.0) -> torch.Tensor:
-    """A deterministic speech-like mel [1, 80, T]: a gliding harmonic tone with a syllable envelope."""
-    sr = config.sample_rate
-    t = np.arange(int(seconds * sr)) / sr
-    f0 = 140 + 40 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / sr
-    y = sum(np.sin(k * phase) / k for k in range(1, 8)) * (0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2)
-    y = (0.5 * y / np.max(np.abs(y))).astype(np.float32)
-    mel = features.cosyvoice_mel(y, sample_rate=sr, config=config.mel)
-    return torch.from_numpy(mel.T.copy())[None]
-
-
-def _calibrate_f0(hift: HiFTGenerator, config: ModelConfig) -> None:
-    """Affinely rescale the F0 classifier so |f0| on a speech-like mel has mean/std F0_MEAN_HZ/F0_STD_HZ."""
-    pred = hift.f0_predictor
-    with torch.no_grad():
-        raw = pred.classifier(pred.condnet(_calibration_mel(config)).transpose(1, 2)).flatten()
-        scale = F0_STD_HZ / max(float(raw.std()), 1e-6)
-        shift = F0_MEAN_HZ - float(raw.mean()) * scale
-        pred.classifier.weight.mul_(scale)
-        pred.classifier.bias.mul_(scale).add_(shift)
 
 
 def _perturb_weight_norm_gains(module: nn.Module, generator: torch.Generator) -> None:
@@ -172,7 +133,6 @@ def build_demo_llm(config: LLMConfig | ModelConfig, qwen_config_path: str | Path
     return lm
 
 
-_DEMO_LOGIT_STD = 2.0
 _DEMO_EOS_IN_NUCLEUS = 0.4
 
 

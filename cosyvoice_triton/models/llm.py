@@ -98,18 +98,22 @@ _QWEN_TINY = {
 }
 
 
-def write_qwen_config(out_dir: str | Path, size: str = "tiny") -> Path:
+def write_qwen_config(out_dir: str | Path, size: str = "tiny", *, vocab_size: int | None = None) -> Path:
     """Write ``config.json`` of a Qwen2 model in the official ``CosyVoice-BlankEN`` layout; returns its path.
 
     ``size="full"``: Qwen2.5-0.5B (hidden 896, 24 layers, vocabulary 151936). ``size="tiny"``: hidden 64,
-    2 layers, 4 query / 2 key-value heads, FFN 128, vocabulary :data:`TINY_TEXT_VOCAB`.
+    2 layers, 4 query / 2 key-value heads, FFN 128, vocabulary :data:`TINY_TEXT_VOCAB`. ``vocab_size``: another
+    text vocabulary (e.g. Qwen2.5's 151936 at tiny dims, for an LM that needs the official special ids).
     """
     if size not in ("tiny", "full"):
         raise ValueError(f"size must be 'tiny' or 'full', got {size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "config.json"
-    path.write_text(json.dumps(_QWEN_FULL if size == "full" else _QWEN_TINY, indent=2) + "\n", encoding="utf-8")
+    config = _QWEN_FULL if size == "full" else _QWEN_TINY
+    if vocab_size is not None:
+        config = {**config, "vocab_size": int(vocab_size)}
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path
 
 

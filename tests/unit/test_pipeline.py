@@ -16,7 +16,8 @@ from cosyvoice_triton.bench.vc import run_core_bench
 from cosyvoice_triton.config import ModelConfig, write_yaml
 from cosyvoice_triton.errors import AudioError, CheckpointError
 from cosyvoice_triton.models.checkpoint import CAUSAL_FLOW_KEY, LEGACY_FLOW_KEY
-from cosyvoice_triton.models.demo import _calibration_mel, build_demo_models, write_demo_model
+from cosyvoice_triton.models.demo import build_demo_models, write_demo_model
+from cosyvoice_triton.models.demo_weights import _calibration_mel
 from cosyvoice_triton.pipeline import CosyVoice2, StageTimer, VCInputs
 
 SOURCE = FIXTURES / "source_en_5s.wav"

@@ -102,7 +102,8 @@ def test_a_session_that_reads_the_weight_keeps_it(monkeypatch):
     k = lm_ort.OrtKernel(w, None)
     assert k.holds_weight_copy
     x = g.standard_normal((3, 32)).astype(np.float32)
-    np.testing.assert_array_equal(k(x), x @ w.T)
+    # not bit for bit: BLAS may take another kernel for w.T than for the session's contiguous copy (AMX machines do)
+    np.testing.assert_allclose(k(x), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_kernel_arguments():

@@ -98,6 +98,12 @@ class RotaryEmbedding(nn.Module):
         return torch.stack((freqs, freqs), dim=-1).flatten(-2)
 
 
+def layer_norm(x: Tensor) -> Tensor:
+    """Affine-free LayerNorm over the last axis, eps 1e-6; the width is read as a Python int so that an ONNX trace
+    keeps it constant (a traced ``x.shape[-1:]`` is not)."""
+    return F.layer_norm(x, (int(x.shape[-1]),), eps=1e-6)
+
+
 class TimestepEmbedding(nn.Module):
     """t [B] -> [B, dim]: the sinusoidal embedding (width ``freq_dim``, scale 1000), then Linear-SiLU-Linear."""
 
@@ -150,7 +156,7 @@ class AdaLayerNormZero(nn.Module):
 
     def forward(self, x: Tensor, t_emb: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         shift, scale, gate, shift_ff, scale_ff, gate_ff = self.linear(F.silu(t_emb)).chunk(6, dim=1)
-        x = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        x = layer_norm(x) * (1 + scale[:, None]) + shift[:, None]
         return x, gate, shift_ff, scale_ff, gate_ff
 
 
@@ -164,7 +170,7 @@ class AdaLayerNormFinal(nn.Module):
 
     def forward(self, x: Tensor, t_emb: Tensor) -> Tensor:
         scale, shift = self.linear(F.silu(t_emb)).chunk(2, dim=1)
-        return F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale)[:, None, :] + shift[:, None, :]
+        return layer_norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
 class FeedForward(nn.Module):
@@ -217,7 +223,7 @@ class DiTBlock(nn.Module):
     def forward(self, x: Tensor, t_emb: Tensor, allowed: Tensor, freqs: Tensor) -> Tensor:
         norm, gate, shift_ff, scale_ff, gate_ff = self.attn_norm(x, t_emb)
         x = x + gate.unsqueeze(1) * self.attn(norm, allowed, freqs)
-        norm = F.layer_norm(x, x.shape[-1:], eps=1e-6) * (1 + scale_ff[:, None]) + shift_ff[:, None]
+        norm = layer_norm(x) * (1 + scale_ff[:, None]) + shift_ff[:, None]
         return x + gate_ff.unsqueeze(1) * self.ff(norm)
 
 

@@ -15,7 +15,7 @@ the 8 frames of streaming context.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 Dim = int | str | tuple[str, int]
@@ -183,6 +183,39 @@ GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({
     ),
 })
 
+
+_SEQ = "seq_len"
+# CosyVoice2's estimator inputs without ``streaming``, the time axis named as the official export names it
+_DIT_INPUTS = tuple(replace(t, shape=tuple(_SEQ if d == _MEL else d for d in t.shape))
+                    for t in GRAPHS["flow_estimator"].inputs if t.name != "streaming")
+_DIT_OUTPUTS = (_t("estimator_out", "float32", _B, 80, _SEQ),)
+# batch counts CFG rows (2 per utterance); seq_len: the official TensorRT profile's 4 / 500 / 3000 frames
+_DIT_AXES = {_B: AxisRange(2, 8, 32), _SEQ: AxisRange(4, 500, 3000)}
+_HIFT3_AXES = {_B: AxisRange(1, 4, 16), _MEL: AxisRange(4, 250, 1500)}
+
+#: CosyVoice3's graphs (``export/onnx_export3.py``), apart from :data:`GRAPHS`: the DiT estimator under the official
+#: export's tensor names (``x, mask, mu, t, spks, cond -> estimator_out``, time axis ``seq_len``), one graph per
+#: attention variant as the official runtime keeps one file per variant; the causal vocoder split as CosyVoice2's,
+#: both parts computing ``finalize=True`` on what they are given (a stream's held frames are cut by the caller).
+GRAPHS3: Mapping[str, GraphSpec] = MappingProxyType({
+    "flow3_estimator": GraphSpec(
+        "flow3_estimator", inputs=_DIT_INPUTS, outputs=_DIT_OUTPUTS, axes=_DIT_AXES,
+        doc="CosyVoice3 DiT: one Euler step's velocity, full attention over valid frames (streaming=False)",
+    ),
+    "flow3_estimator_streaming": GraphSpec(
+        "flow3_estimator_streaming", inputs=_DIT_INPUTS, outputs=_DIT_OUTPUTS, axes=_DIT_AXES,
+        doc="CosyVoice3 DiT: one Euler step's velocity, chunk-causal attention (streaming=True)",
+    ),
+    # CosyVoice2's vocoder tensors, the same sizes per mel frame
+    "hift3_source": replace(
+        GRAPHS["hift_source"], name="hift3_source", axes=_HIFT3_AXES,
+        doc="causal F0 predictor (float32) + NSF sine source with the repeated phase (phase accumulation: fp32 only)",
+    ),
+    "hift3_decoder": replace(
+        GRAPHS["hift_decoder"], name="hift3_decoder", axes=_HIFT3_AXES,
+        doc="causal HiFT generator: source STFT, causal upsampling and ResBlocks, exp/sin spectrum, iSTFT, clamp",
+    ),
+})
 
 # ------------------------------------------------------------------------------------------ served API
 #: The ``cosyvoice_vc`` ensemble (the product's public API). Audio is float32 samples in [-1, 1] at any rate

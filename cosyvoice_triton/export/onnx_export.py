@@ -367,27 +367,29 @@ def _length_axis(spec: GraphSpec) -> str:
     raise ValueError(f"{spec.name}: no length axis")
 
 
-def export_sizes(name: str) -> tuple[int, int]:
-    """(batch, length) of the example a graph is traced with; verification avoids both."""
-    spec = GRAPHS[name]
+def export_sizes(name: str, spec: GraphSpec | None = None) -> tuple[int, int]:
+    """(batch, length) of the example a graph is traced with; verification avoids both. ``spec``: the graph's
+    spec when it is not one of :data:`GRAPHS` (CosyVoice3's)."""
+    spec = spec or GRAPHS[name]
     b, ax = spec.axes["batch"], spec.axes[_length_axis(spec)]
     return min(b.min + 2, b.max), min(ax.min + 33, ax.max)
 
 
 def verification_cases(name: str, *, max_length: int | None = None, batch_dynamic: bool = True,
-                       equal_lengths: bool | None = None, lookahead: int = 3) -> list[Case]:
+                       equal_lengths: bool | None = None, lookahead: int = 3,
+                       spec: GraphSpec | None = None) -> list[Case]:
     """The checks of one graph, all within the spec's ranges and away from the export example:
 
     ``single`` (smallest batch), ``padded`` (different valid lengths down to the axis minimum, mixed
     streaming / look-ahead), ``long`` (batch 2, the axis maximum or ``max_length``), ``max-batch`` (the
     batch maximum, short lengths). A graph without a dynamic batch axis gets batch-1 cases only; with
     ``equal_lengths`` (default: only ``speaker_encoder``, which has no length input) every item of a case
-    has the case's longest length, and ``padded`` becomes ``equal``.
+    has the case's longest length, and ``padded`` becomes ``equal``. ``spec``: as :func:`export_sizes`.
     """
-    spec = GRAPHS[name]
+    spec = spec or GRAPHS[name]
     b, ax = spec.axes["batch"], spec.axes[_length_axis(spec)]
     lo, hi = ax.min, ax.max if max_length is None else max(ax.min, min(ax.max, int(max_length)))
-    export_b, export_t = export_sizes(name)
+    export_b, export_t = export_sizes(name, spec)
     clip = lambda n: max(lo, min(hi, int(n)))
 
     def avoid(lengths: list[int]) -> tuple[int, ...]:  # the longest item sets T: keep it off the export T
@@ -604,12 +606,15 @@ def _torch_example(name: str, module: nn.Module, seed: int = 1234) -> tuple[Tens
 
 
 def export_graph(module: nn.Module, name: str, path: str | Path, *, opset: int = OPSET,
-                 example: Sequence[Tensor] | None = None) -> onnx.ModelProto:
+                 example: Sequence[Tensor] | None = None, spec: GraphSpec | None = None) -> onnx.ModelProto:
     """Export one wrapper with the legacy exporter (``dynamo=False``) to ``path``, I/O exactly as the spec.
 
-    ``example`` defaults to :func:`export_sizes` (batch and length that verification never uses).
+    ``example`` defaults to :func:`export_sizes` (batch and length that verification never uses); a graph
+    outside :data:`GRAPHS` passes its ``spec`` and its ``example``.
     """
-    spec = GRAPHS[name]
+    if spec is not None and example is None:
+        raise ValueError(f"{name}: a graph given by its spec needs its example inputs")
+    spec = spec or GRAPHS[name]
     example = tuple(example) if example is not None else _torch_example(name, module)
     buf = io.BytesIO()
     with torch.no_grad(), warnings.catch_warnings():
@@ -1068,14 +1073,15 @@ def _io_entry(model: onnx.ModelProto) -> dict[str, list[dict[str, Any]]]:
             "outputs": [one(v) for v in model.graph.output]}
 
 
-def _parse_graphs(graphs: str | Iterable[str] | None) -> list[str]:
+def _parse_graphs(graphs: str | Iterable[str] | None, registry: Mapping[str, GraphSpec] = GRAPHS) -> list[str]:
+    """The names of ``graphs`` (a list, a comma-separated string, None: all) in ``registry``'s order."""
     if graphs is None:
-        return list(ALL_GRAPHS)
+        return list(registry)
     names = [g.strip() for g in (graphs.split(",") if isinstance(graphs, str) else graphs) if g.strip()]
-    unknown = [g for g in names if g not in GRAPHS]
+    unknown = [g for g in names if g not in registry]
     if unknown or not names:
-        raise ValueError(f"unknown graph(s) {unknown or names}: choose from {', '.join(ALL_GRAPHS)}")
-    return [g for g in ALL_GRAPHS if g in names]  # spec order, no duplicates
+        raise ValueError(f"unknown graph(s) {unknown or names}: choose from {', '.join(registry)}")
+    return [g for g in registry if g in names]  # spec order, no duplicates
 
 
 def export_onnx(model_dir: str | Path, out_dir: str | Path, *, graphs: str | Iterable[str] | None = None,
@@ -1194,9 +1200,10 @@ def export_onnx(model_dir: str | Path, out_dir: str | Path, *, graphs: str | Ite
     return result
 
 
-def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping[str, Any]) -> None:
+def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping[str, Any],
+                    registry: Mapping[str, GraphSpec] = GRAPHS) -> None:
     """Write ``manifest.json``; entries of graphs exported earlier from the same folder are kept while their
-    file is unchanged."""
+    file is unchanged. ``registry``: the family's graphs (:data:`GRAPHS`, or CosyVoice3's), in manifest order."""
     path = out_dir / MANIFEST_NAME
     graphs: dict[str, Any] = {}
     src = str(model_dir.resolve())
@@ -1207,7 +1214,7 @@ def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping
             old = {}
         for name, e in (old.get("graphs") or {}).items():
             f = out_dir / str(e.get("file", ""))
-            if name in GRAPHS and name not in entries and e.get("source_model_dir") == src and f.is_file() \
+            if name in registry and name not in entries and e.get("source_model_dir") == src and f.is_file() \
                     and file_sha256(f) == e.get("sha256"):
                 graphs[name] = e
     graphs.update(entries)
@@ -1216,7 +1223,7 @@ def _write_manifest(out_dir: Path, model_dir: Path, opset: int, entries: Mapping
     doc = {"format": MANIFEST_FORMAT, "source_model_dir": src, "opset": opset, "precision": PRECISION,
            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "versions": {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
-           "graphs": {n: graphs[n] for n in ALL_GRAPHS if n in graphs}}
+           "graphs": {n: graphs[n] for n in registry if n in graphs}}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -1254,9 +1261,10 @@ def stale_graphs(model_dir: str | Path, out_dir: str | Path, graphs: Iterable[st
     return stale
 
 
-def spec_summary(name: str) -> list[str]:
-    """Lines describing a graph's tensors and (min, opt, max) input shapes, for logs."""
-    spec = GRAPHS[name]
+def spec_summary(name: str, spec: GraphSpec | None = None) -> list[str]:
+    """Lines describing a graph's tensors and (min, opt, max) input shapes, for logs (``spec``: as
+    :func:`export_sizes`)."""
+    spec = spec or GRAPHS[name]
     fmt = lambda t: f"{t.name} {t.dtype}[{', '.join(map(str, t.dim_names()))}]"
     prof = spec.profile()
     lines = [f"{name}: {', '.join(fmt(t) for t in spec.inputs)} -> {', '.join(fmt(t) for t in spec.outputs)}"]

@@ -12,10 +12,8 @@ pipeline is checked against.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +29,8 @@ from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
 from .models.speed import check_speed, stretch_mel
-from .prompt_cache import CacheEntry, PromptCache, file_identity, prompt_key
+from .prompt_cache import CacheEntry, PromptCache
+from .prompt_frontend import _NO_TIMER, PromptFrontend, StageTimer, VCInputs, prompt_options
 from .speaker_state import SpeakerState
 from .speakers import SpeakerPrompt, SpeakerStore
 from .streaming import MEL_CACHE, StreamSchedule, stream_chunk_ends, stream_chunks
@@ -44,39 +43,7 @@ TTS_FILES = ("llm.pt", "CosyVoice-BlankEN/config.json")
 TTS_MODES = ("zero_shot", "cross_lingual", "instruct")
 
 
-@dataclass
-class StageTimer:
-    """Wall-clock seconds per named stage, summed over calls (``timer.seconds["flow.encoder"]``)."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-
-    @contextmanager
-    def stage(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-_NO_TIMER = StageTimer()
-
-
-@dataclass
-class VCInputs:
-    """What the official ``frontend_vc`` hands to the model, for one utterance pair (numpy, no batch axis).
-
-    source_tokens [Ts] int32 and prompt_tokens [Tp] int32 (25 Hz), prompt_mel [Tf, 80] float32 (50 Hz,
-    24 kHz CosyVoice mel), embedding [192] float32 (CAM++ of the prompt).
-    """
-
-    source_tokens: np.ndarray
-    prompt_tokens: np.ndarray
-    prompt_mel: np.ndarray
-    embedding: np.ndarray
-
-
-class CosyVoice2:
+class CosyVoice2(PromptFrontend):
     """The models of one CosyVoice2 folder on one torch device (CPU by default); ``llm`` and ``text`` are
     ``None`` for a folder without the TTS files (voice conversion only).
 
@@ -120,8 +87,7 @@ class CosyVoice2:
         #: ``incremental_cache_bytes`` recomputes every frame from there on
         self.incremental_stream = True
         self.incremental_cache_bytes = DEFAULT_MAX_CACHE_BYTES
-        self._prompt_options = {"model": file_identity(tokenizer.path, speaker.path), "mel": repr(config.mel),
-                                "sample_rate": config.sample_rate}
+        self._prompt_options = prompt_options(tokenizer, speaker, config.mel, config.sample_rate)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
@@ -185,49 +151,6 @@ class CosyVoice2:
         return model
 
     # ------------------------------------------------------------------------------------- front end
-
-    def frontend_vc(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
-                    timer: StageTimer = _NO_TIMER) -> VCInputs:
-        """Official ``frontend_vc``. ``source``/``prompt``: a path, encoded bytes, or samples with ``*_sr``.
-        The prompt's part comes from :attr:`prompt_cache` when the same recording was seen before."""
-        with timer.stage("frontend"):
-            src16 = audio.load_audio(source, target_sr=audio.TOKENIZER_SR, sample_rate=source_sr, name="source")
-        entry = self.prompt_features(prompt, prompt_sr=prompt_sr, timer=timer)
-        (source_tokens,) = self._tokenize([src16], timer)
-        return VCInputs(source_tokens=source_tokens, prompt_tokens=np.array(entry["prompt_tokens"]),
-                        prompt_mel=np.array(entry["prompt_mel"]), embedding=np.array(entry["embedding"]))
-
-    def _tokenize(self, waves16: Sequence[np.ndarray], timer: StageTimer) -> list[np.ndarray]:
-        with timer.stage("frontend"):
-            whisper, whisper_len = features.whisper_log_mel_batch(list(waves16))
-        with timer.stage("tokenizer"):
-            return list(self.tokenizer.tokenize(whisper, whisper_len))
-
-    def prompt_features(self, prompt, *, prompt_sr: int | None = None, timer: StageTimer = _NO_TIMER) -> CacheEntry:
-        """What the front end, the tokenizer and CAM++ give for a prompt recording (read-only arrays):
-        ``prompt_tokens`` [Tp] int32, ``prompt_mel`` [Tf, 80] float32 (24 kHz mel, not cut to the tokens),
-        ``embedding`` [192] float32. From :attr:`prompt_cache` when this recording (same samples and rate) was
-        seen before: then the resampling, the features, the tokenizer and CAM++ are skipped."""
-        with timer.stage("frontend"):
-            wave, sr = audio.decode_if_encoded(prompt, prompt_sr, name="prompt")
-            wave = audio.validate_audio(wave, sample_rate=sr, name="prompt")
-        key = None
-        if self.prompt_cache is not None:
-            key = prompt_key(wave, sr, kind="prompt_features", options=self._prompt_options)
-            entry = self.prompt_cache.get(key)
-            if entry is not None:
-                return entry
-        with timer.stage("frontend"):
-            p16 = audio.resample(wave, orig_sr=sr, target_sr=audio.TOKENIZER_SR)
-            p24 = audio.resample(wave, orig_sr=sr, target_sr=self.config.sample_rate)
-            fbank, fbank_len = features.kaldi_fbank_batch([p16])
-            mel = features.cosyvoice_mel(p24, sample_rate=self.config.sample_rate, config=self.config.mel)
-        (tokens,) = self._tokenize([p16], timer)
-        with timer.stage("speaker_embedding"):
-            embedding = self.speaker.embed(fbank, fbank_len)[0]
-        entry = {"prompt_tokens": np.asarray(tokens, np.int32), "prompt_mel": np.asarray(mel, np.float32),
-                 "embedding": np.asarray(embedding, np.float32)}
-        return entry if key is None else self.prompt_cache.put(key, entry)
 
     # ---------------------------------------------------------------------------------- token to wav
 
@@ -428,30 +351,6 @@ class CosyVoice2:
 
     # ------------------------------------------------------------------------------- text to speech
 
-    def prompt(self, prompt_audio, *, prompt_sr: int | None = None, prompt_text: str | bytes | None = None,
-               timer: StageTimer = _NO_TIMER) -> SpeakerPrompt:
-        """What the official ``frontend_zero_shot`` computes from a prompt: speech tokens, 24 kHz mel and CAM++
-        embedding of the audio (tokens and mel cut to a common length, 2 mel frames per token), and the
-        normalised transcript's text tokens when ``prompt_text`` is given."""
-        entry = self.prompt_features(prompt_audio, prompt_sr=prompt_sr, timer=timer)
-        tokens, mel, embedding = entry["prompt_tokens"], entry["prompt_mel"], entry["embedding"]
-        with timer.stage("frontend"):
-            text_tokens = np.zeros(0, np.int32)
-            if prompt_text is not None:
-                text_tokens = self._text().prompt_tokens(prompt_text).astype(np.int32)
-        ratio = self.flow.token_mel_ratio
-        n = min(len(mel) // ratio, len(tokens))
-        return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: ratio * n],
-                             embedding=np.asarray(embedding, np.float32), prompt_text_tokens=text_tokens,
-                             prompt_text="" if prompt_text is None else str(prompt_text))
-
-    def register_speaker(self, speaker_id: str, prompt_audio, *, prompt_sr: int | None = None,
-                         prompt_text: str | None = None) -> SpeakerPrompt:
-        """Compute a prompt once and keep it under ``speaker_id`` (see :class:`~.speakers.SpeakerStore`)."""
-        prompt = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text)
-        self.speakers.put(speaker_id, prompt)
-        return prompt
-
     def _text(self):
         if (self.text is None or self.llm is None) and self._tts_dir is not None:
             from .frontend.text import TextFrontend
@@ -487,21 +386,6 @@ class CosyVoice2:
                            lm_prompt_speech_tokens=lm_speech, prompt=speaker, speaker_id=speaker_id)
                 for segment, ids in segments]
 
-    def _speaker(self, prompt_audio, prompt_sr, prompt_text, speaker_id, timer: StageTimer) -> SpeakerPrompt:
-        if prompt_audio is None and speaker_id is None:
-            raise TextError("prompt text without prompt audio: give the prompt audio (or a registered speaker_id)"
-                            if prompt_text is not None else
-                            "a voice prompt is needed: prompt audio or a registered speaker_id")
-        if prompt_audio is not None and speaker_id is not None:
-            raise TextError("give prompt audio or a speaker_id, not both")
-        if speaker_id is not None:
-            if prompt_text is not None:
-                raise TextError("prompt text belongs to prompt audio: register the speaker with its text instead")
-            speaker = self.speakers.get(speaker_id)
-        else:
-            speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
-        return speaker
-
     def speech_tokens(self, request: TTSRequest, *, draws=None, timer: StageTimer = _NO_TIMER):
         """The LM's speech tokens of one segment, as an iterator that samples as it is consumed (an
         :class:`~.models.llm.LMStream`). ``draws``: a seeded ``torch.Generator``, an iterable of uniform draws
@@ -535,7 +419,7 @@ class CosyVoice2:
         for request in requests:
             inputs = request.flow_inputs()
             tokens = self.speech_tokens(request, draws=draws, timer=timer)
-            timed = _timed(tokens, timer, "llm")
+            timed = timer.each(tokens, "llm")
             if stream:
                 yield from self.tokens2wav_stream(inputs, timed, seed=seed, timer=timer, schedule=schedule,
                                                   speaker=request.prompt if request.speaker_id else None)
@@ -581,7 +465,7 @@ class CosyVoice2:
                              max_tokens=flow_token_room(len(speaker.prompt_tokens)))
         inputs = TTSRequest(text="", text_tokens=np.zeros(0, np.int32), lm_prompt_text_tokens=lm_text,
                             lm_prompt_speech_tokens=lm_speech, prompt=speaker).flow_inputs()
-        chunks = self.tokens2wav_stream(inputs, _timed(decode, timer, "llm"), seed=seed, timer=timer,
+        chunks = self.tokens2wav_stream(inputs, timer.each(decode, "llm"), seed=seed, timer=timer,
                                         speaker=speaker if speaker_id is not None else None)
         return LiveAudio(chunks, decode)
 
@@ -655,15 +539,6 @@ class LiveAudio(Iterator[np.ndarray]):
     def close(self) -> None:
         self._chunks.close()
         self.decode.close()
-
-
-def _timed(tokens: Iterator[int], timer: StageTimer, name: str) -> Iterator[int]:
-    while True:
-        with timer.stage(name):
-            token = next(tokens, None)
-        if token is None:
-            return
-        yield token
 
 
 def _next_noise(noises: Iterator[np.ndarray] | None) -> np.ndarray | None:

@@ -1,0 +1,294 @@
+"""In-process CosyVoice3: every mode of the official ``CosyVoice3`` class, as one object.
+
+``CosyVoice3.from_pretrained(model_dir)`` loads a Fun-CosyVoice3 folder (``cosyvoice3.yaml``, ``llm.pt``,
+``flow.pt``, ``hift.pt``, ``speech_tokenizer_v3.onnx``, ``campplus.onnx``, ``CosyVoice-BlankEN/``; a folder of
+another family is refused). The modes, each a generator of float32 chunks at 24 kHz (``*_stream``) and a function
+returning the whole answer:
+
+- :meth:`CosyVoice3.vc`: ``inference_vc``: the source's speech tokens straight to the flow, in the prompt's voice;
+- :meth:`CosyVoice3.tts_zero_shot`: ``inference_zero_shot``: the LM continues the prompt's speech tokens after the
+  prompt text, which holds the system prompt and ``<|endofprompt|>`` before the transcript;
+- :meth:`CosyVoice3.cross_lingual`: ``inference_cross_lingual``: no LM prompt; the text starts with the system
+  prompt and ``<|endofprompt|>``;
+- :meth:`CosyVoice3.instruct2`: ``inference_instruct2``: the instruct text (``"You are a helpful assistant.
+  <instruction><|endofprompt|>"``) in place of the prompt text, no prompt speech tokens in the LM.
+
+The front end is CosyVoice2's (:class:`~cosyvoice_triton.prompt_frontend.PromptFrontend`: speech tokens, mel and
+CAM++ of the prompt, the prompt cache) with CosyVoice3's speech tokenizer, mel settings and text tokenizer; the
+text is normalised and split as officially (a text holding ``<|`` and ``|>`` is one segment, as it stands). The
+LM (:class:`~.llm.CosyVoice3LM`) samples each segment's speech tokens, reproducibly from ``seed``; the silent-token
+filter of ``llm_job`` (:func:`~.llm.drop_long_silences`) runs before the flow; :class:`~.token2wav.Token2Wav3`
+turns them into audio, non-streaming (with ``speed``) or on the official streaming schedule (the first chunk after
+25 + 3 tokens). The vocoder's NSF noise is its seeded buffer (``hift_noise_seed``), the same on every call.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import CheckpointError, ConfigError, LLMError, TextError
+from ...frontend import features
+from ...frontend.speech_models import SpeakerEncoder, SpeechTokenizer
+from ...frontend.text.cosyvoice3 import require_endofprompt
+from ...prompt_cache import PromptCache
+from ...prompt_frontend import _NO_TIMER, PromptFrontend, StageTimer, VCInputs, prompt_options
+from ...speakers import SpeakerPrompt, SpeakerStore
+from ...streaming import StreamSchedule
+from ...threads import ThreadChoice, configure
+from ..speed import check_speed
+from .config import CosyVoice3Config, read_cosyvoice3_yaml
+from .family import COSYVOICE2, COSYVOICE3, FAMILY_YAML, check_model_folder, model_family
+from .flow import load_flow3
+from .hift import load_hift3
+from .llm import CosyVoice3LM, drop_long_silences, load_llm3
+from .token2wav import Token2Wav3
+
+log = logging.getLogger(__name__)
+
+SPEECH_TOKENIZER = "speech_tokenizer_v3.onnx"
+#: The modes of :meth:`CosyVoice3.tts_stream` (the official method names without ``inference_``).
+MODES = ("zero_shot", "cross_lingual", "instruct2")
+
+
+@dataclass
+class Segment:
+    """One text segment's LM input and the flow's prompt (what the official ``frontend_*`` hands to ``tts``)."""
+
+    text: str
+    text_tokens: np.ndarray
+    lm_prompt_text_tokens: np.ndarray
+    lm_prompt_speech_tokens: np.ndarray
+    prompt: SpeakerPrompt
+
+
+class CosyVoice3(PromptFrontend):
+    """The models of one CosyVoice3 folder on one torch device (CPU by default). ``prompt_cache``: as
+    :class:`~cosyvoice_triton.pipeline.CosyVoice2`'s (a repeated prompt recording reuses its tokens, mel and
+    embedding); ``speakers``: prompts registered with :meth:`register_speaker`, used through ``speaker_id``."""
+
+    def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM | None, token2wav: Token2Wav3,
+                 tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, text=None, *,
+                 prompt_cache: PromptCache | None = None, speakers: SpeakerStore | None = None):
+        self.config = config
+        self.token2wav_model = token2wav
+        self.device = token2wav.device
+        self.flow, self.hift = token2wav.flow, token2wav.hift
+        self.llm = None if llm is None else llm.to(self.device).eval()
+        self.text = text
+        self.tokenizer = tokenizer
+        self.speaker = speaker
+        self.prompt_cache = prompt_cache
+        self.speakers = speakers if speakers is not None else SpeakerStore()
+        self._prompt_options = prompt_options(tokenizer, speaker, config.mel, config.sample_rate)
+        self.sample_rate = config.sample_rate
+        #: the threads and spinning from_pretrained chose; None for a model built directly
+        self.thread_choice: ThreadChoice | None = None
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
+                        tts: bool = True, prompt_cache: PromptCache | bool = True, lm_precision: str = "fp32",
+                        hift_noise_seed: int = 0, speaker_dir: str | Path | None = None,
+                        stream_schedule: StreamSchedule | None = None, threads: int | None = None,
+                        spinning: bool | None = None) -> CosyVoice3:
+        """Load a CosyVoice3 model folder (the official one, or a demo folder of the same layout).
+
+        Every loader is strict (keys and shapes, ``weights_only``). A folder of another family (by the official
+        ``AutoModel`` rule: its yaml) or without one of the files is refused with a :class:`ConfigError` naming
+        what is wrong. ``tts=False`` skips the LM and the text front end (voice conversion only).
+        ``hift_noise_seed``: the seed of the vocoder's NSF noise buffer (the official code draws it from torch's
+        global generator when it builds the vocoder). ``lm_precision``, ``threads``, ``spinning``,
+        ``prompt_cache``, ``speaker_dir``: as for :meth:`CosyVoice2.from_pretrained
+        <cosyvoice_triton.pipeline.CosyVoice2.from_pretrained>`. ``stream_schedule``: other streaming hops.
+        """
+        from ...models.lm_quant import LM_PRECISIONS
+
+        if lm_precision not in LM_PRECISIONS:
+            raise ConfigError(f"lm_precision must be one of {', '.join(LM_PRECISIONS)}, got {lm_precision!r}")
+        model_dir = Path(model_dir)
+        family = model_family(model_dir)
+        if family != COSYVOICE3:
+            hint = " (load it with cosyvoice_triton.pipeline.CosyVoice2)" if family == COSYVOICE2 else ""
+            raise ConfigError(f"{model_dir}: a {family} folder ({FAMILY_YAML[family]}), not CosyVoice3{hint}")
+        check_model_folder(model_dir, COSYVOICE3)
+        config = read_cosyvoice3_yaml(model_dir)
+        choice = configure(threads, spinning)
+        flow = load_flow3(model_dir / "flow.pt", config.flow)
+        hift = load_hift3(model_dir / "hift.pt", config.hift, noise_seed=hift_noise_seed)
+        token2wav = Token2Wav3(flow, hift, device=device, schedule=stream_schedule)
+        tokenizer = SpeechTokenizer(model_dir / SPEECH_TOKENIZER, version="v3", intra_op_threads=onnx_threads,
+                                    spinning=choice.spinning)
+        speaker = SpeakerEncoder(model_dir / "campplus.onnx", intra_op_threads=onnx_threads, spinning=choice.spinning)
+        features.mel_basis(config.mel)
+        features.whisper_mel_filters(128)
+        llm = text = None
+        if tts:
+            from ...frontend.text import TextFrontend
+            from ..llm import QWEN_DIR
+
+            llm = load_llm3(model_dir, config.llm, device=device, precision=lm_precision)
+            text = TextFrontend(model_dir / QWEN_DIR, family=COSYVOICE3)
+        cache = PromptCache() if prompt_cache is True else (None if prompt_cache is False else prompt_cache)
+        model = cls(config, llm, token2wav, tokenizer, speaker, text, prompt_cache=cache,
+                    speakers=SpeakerStore(speaker_dir))
+        model.thread_choice = choice
+        return model
+
+    def _text(self):
+        if self.text is None or self.llm is None:
+            raise CheckpointError("text-to-speech needs the LM and the text front end (this model was loaded with "
+                                  "tts=False, or built without them)")
+        return self.text
+
+    # ------------------------------------------------------------------------------------------ voice conversion
+    def vc_stream(self, source, prompt, *, source_sr: int | None = None, prompt_sr: int | None = None,
+                  stream: bool = True, speed: float = 1.0, timer: StageTimer = _NO_TIMER) -> Iterator[np.ndarray]:
+        """Official ``inference_vc``: the content of ``source`` in the voice of ``prompt`` (paths, encoded bytes,
+        or samples with ``*_sr``), float32 chunks at 24 kHz: the official streaming chunks with ``stream=True``,
+        else one array (``speed`` 0.25-4: non-streaming only, as officially)."""
+        inputs = self.frontend_vc(source, prompt, source_sr=source_sr, prompt_sr=prompt_sr, timer=timer)
+        yield from self._token2wav(inputs, inputs.source_tokens.tolist(), stream=stream, speed=speed, timer=timer)
+
+    def vc(self, source, prompt, **kw) -> np.ndarray:
+        """:meth:`vc_stream` concatenated (``stream=False`` unless given)."""
+        kw.setdefault("stream", False)
+        return np.concatenate(list(self.vc_stream(source, prompt, **kw)))
+
+    # ------------------------------------------------------------------------------------------- text to speech
+    def segments(self, mode: str, text: str | bytes, *, prompt_wav=None, prompt_sr: int | None = None,
+                 prompt_text: str | bytes | None = None, instruct_text: str | bytes | None = None,
+                 speaker_id: str | None = None, text_frontend: bool = True,
+                 timer: StageTimer = _NO_TIMER) -> list[Segment]:
+        """The LM and flow inputs of each text segment of ``mode`` (:data:`MODES`), as the official
+        ``inference_<mode>`` arranges them: the text normalised and split (``text_frontend``), the prompt text
+        normalised unsplit, the instruct text as given. ``<|endofprompt|>`` must be in the prompt / instruct text or
+        the text (:func:`~cosyvoice_triton.frontend.text.cosyvoice3.require_endofprompt`: a :class:`TextError`
+        that says where it belongs). The prompt is ``prompt_wav`` or a registered ``speaker_id``."""
+        front = self._text()
+        if mode not in MODES:
+            raise TextError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "instruct2" and instruct_text is None:
+            raise TextError("instruct2 needs instruct_text, e.g. 'You are a helpful assistant. <instruction>"
+                            "<|endofprompt|>'")
+        if mode != "instruct2" and instruct_text is not None:
+            raise TextError(f"instruct_text is only used by instruct2, not {mode}")
+        if mode == "zero_shot" and prompt_text is None and speaker_id is None:
+            raise TextError("zero_shot needs prompt_text: 'You are a helpful assistant.<|endofprompt|>' and the "
+                            "transcript of the prompt audio")
+        if mode != "zero_shot" and prompt_text is not None:
+            raise TextError(f"prompt_text is only used by zero_shot, not {mode}")
+        raw_text = front.check(text)
+        lm_prompt_raw = {"zero_shot": prompt_text, "instruct2": instruct_text}.get(mode)
+        if lm_prompt_raw is not None:
+            lm_prompt_raw = front.check(lm_prompt_raw, what="instruct text" if mode == "instruct2" else "prompt text")
+        speaker = self._speaker(prompt_wav, prompt_sr, prompt_text, speaker_id, timer)
+        if mode == "zero_shot" and speaker_id is not None:
+            lm_prompt_raw = speaker.prompt_text
+        require_endofprompt(lm_prompt_raw or "", raw_text, mode=mode)
+        with timer.stage("frontend"):
+            if mode == "zero_shot":
+                lm_text = speaker.prompt_text_tokens
+            elif mode == "instruct2":
+                lm_text = front.tokenizer.encode(lm_prompt_raw)
+            else:
+                lm_text = np.zeros(0, np.int32)
+            pieces = front.tts_segments(raw_text, text_frontend=text_frontend)
+        lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
+        return [Segment(text=s, text_tokens=np.asarray(ids, np.int32),
+                        lm_prompt_text_tokens=np.asarray(lm_text, np.int32).reshape(-1),
+                        lm_prompt_speech_tokens=np.asarray(lm_speech, np.int32).reshape(-1), prompt=speaker)
+                for s, ids in pieces]
+
+    def speech_tokens(self, segment: Segment, *, draws=None) -> Iterator[int]:
+        """The speech tokens the flow gets for one segment, as they are sampled: the LM's, less the silent tokens
+        past a run of five (``llm_job``). ``draws``: a seeded ``torch.Generator``, an iterable of uniform draws
+        (parity), or ``None`` (torch's global generator, as the official code)."""
+        stream = self.llm.generate(segment.text_tokens, segment.lm_prompt_text_tokens,
+                                   segment.lm_prompt_speech_tokens, draws=draws)
+        return _Tokens(stream, segment.text)
+
+    def tts_stream(self, mode: str, text: str | bytes, *, stream: bool = True, speed: float = 1.0,
+                   seed: int | None = 0, draws=None, text_frontend: bool = True, timer: StageTimer = _NO_TIMER,
+                   **prompt) -> Iterator[np.ndarray]:
+        """Text to speech in ``mode`` (:data:`MODES`), float32 chunks at 24 kHz: with ``stream=True`` the
+        official streaming chunks of each segment, else one array per segment (``speed``: non-streaming only).
+        ``prompt``: the keywords of :meth:`segments`. ``seed`` seeds the LM's sampling (one generator for the
+        whole text; ``None``: torch's global generator); ``draws`` overrides it (parity with injected draws)."""
+        check_speed(speed)
+        segments = self.segments(mode, text, text_frontend=text_frontend, timer=timer, **prompt)
+        if draws is None and seed is not None:
+            draws = torch.Generator().manual_seed(int(seed))
+        for segment in segments:
+            p = segment.prompt
+            inputs = VCInputs(source_tokens=np.zeros(0, np.int32), prompt_tokens=np.array(p.prompt_tokens),
+                              prompt_mel=np.array(p.prompt_mel), embedding=np.array(p.embedding))
+            tokens = timer.each(self.speech_tokens(segment, draws=draws), "llm")
+            yield from self._token2wav(inputs, tokens, stream=stream, speed=speed, timer=timer, text=segment.text)
+
+    def tts_zero_shot_stream(self, text, prompt_text, prompt_wav=None, **kw) -> Iterator[np.ndarray]:
+        """Official ``inference_zero_shot(tts_text, prompt_text, prompt_wav)`` (keywords: :meth:`tts_stream`'s,
+        ``prompt_sr``, ``speaker_id`` in place of ``prompt_wav`` and ``prompt_text``)."""
+        return self.tts_stream("zero_shot", text, prompt_text=prompt_text, prompt_wav=prompt_wav, **kw)
+
+    def cross_lingual_stream(self, text, prompt_wav=None, **kw) -> Iterator[np.ndarray]:
+        """Official ``inference_cross_lingual(tts_text, prompt_wav)``."""
+        return self.tts_stream("cross_lingual", text, prompt_wav=prompt_wav, **kw)
+
+    def instruct2_stream(self, text, instruct_text, prompt_wav=None, **kw) -> Iterator[np.ndarray]:
+        """Official ``inference_instruct2(tts_text, instruct_text, prompt_wav)``."""
+        return self.tts_stream("instruct2", text, instruct_text=instruct_text, prompt_wav=prompt_wav, **kw)
+
+    def tts(self, mode: str, text, **kw) -> np.ndarray:
+        """:meth:`tts_stream` concatenated (``stream=False`` unless given)."""
+        kw.setdefault("stream", False)
+        return np.concatenate(list(self.tts_stream(mode, text, **kw)))
+
+    def tts_zero_shot(self, text, prompt_text, prompt_wav=None, **kw) -> np.ndarray:
+        """:meth:`tts_zero_shot_stream` as one array (``stream=False`` unless given)."""
+        return self.tts("zero_shot", text, prompt_text=prompt_text, prompt_wav=prompt_wav, **kw)
+
+    def cross_lingual(self, text, prompt_wav=None, **kw) -> np.ndarray:
+        """:meth:`cross_lingual_stream` as one array."""
+        return self.tts("cross_lingual", text, prompt_wav=prompt_wav, **kw)
+
+    def instruct2(self, text, instruct_text, prompt_wav=None, **kw) -> np.ndarray:
+        """:meth:`instruct2_stream` as one array."""
+        return self.tts("instruct2", text, instruct_text=instruct_text, prompt_wav=prompt_wav, **kw)
+
+    # ------------------------------------------------------------------------------------------- token to wav
+    def _token2wav(self, inputs: VCInputs, tokens, *, stream: bool, speed: float, timer: StageTimer,
+                   text: str | None = None) -> Iterator[np.ndarray]:
+        t2w = self.token2wav_model
+        prompt = (inputs.prompt_tokens, inputs.prompt_mel, inputs.embedding)
+        if stream:
+            if check_speed(speed) != 1.0:
+                raise ConfigError("speed: only non-streaming answers (stream=False) change speed, as officially")
+            yield from timer.each(t2w.token2wav_stream(tokens, *prompt), "token2wav")
+            return
+        tokens = np.asarray(list(tokens), np.int32)
+        if not len(tokens):
+            raise LLMError(f"the LM produced no speech token for {text!r}")
+        with timer.stage("token2wav"):
+            yield t2w.token2wav(tokens, *prompt, speed=speed)
+
+
+class _Tokens(Iterator[int]):
+    """The LM's tokens of one segment through the silent-token filter; logs a stop at ``max_len``."""
+
+    def __init__(self, stream, text: str):
+        self.lm, self._filtered, self._text = stream, drop_long_silences(stream), text
+
+    def __next__(self) -> int:
+        try:
+            return next(self._filtered)
+        except StopIteration:
+            if self.lm.hit_max_len:
+                log.warning("the LM reached its maximum of %d speech tokens without end-of-speech for %r",
+                            self.lm.max_len, self._text)
+            raise
+

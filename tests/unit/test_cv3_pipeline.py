@@ -197,3 +197,19 @@ def test_cli_vc_and_tts_on_a_cosyvoice3_folder(folder, tmp_path, capsys):
     assert main(["tts", "--model-dir", str(folder), "--text", "hello.", "--prompt-audio", prompt, "-o",
                  str(tmp_path / "x.wav")]) == 2
     assert "<|endofprompt|>" in capsys.readouterr().err
+
+
+def test_a_registered_speaker_is_its_prompt(model, meta, ref):
+    """``speaker_id`` in place of the prompt audio (and its transcript, in zero-shot) gives the same answer."""
+    kw = _keywords(meta, "zero_shot")
+    z = ref("zero_shot")
+    prompt_wav = str(FIXTURES / "prompt_en_3s.wav")
+    model.register_speaker("oracle-voice", prompt_wav, prompt_text=kw["prompt_text"])
+    try:
+        by_id = model.tts_zero_shot(kw["text"], None, speaker_id="oracle-voice", draws=iter(z["draws"].tolist()))
+        by_audio = model.tts_zero_shot(kw["text"], kw["prompt_text"], prompt_wav, draws=iter(z["draws"].tolist()))
+        np.testing.assert_array_equal(by_id, by_audio)
+        with pytest.raises(TextError, match="prompt text belongs to prompt audio"):
+            model.tts_zero_shot(kw["text"], kw["prompt_text"], speaker_id="oracle-voice")
+    finally:
+        model.speakers.delete("oracle-voice")

@@ -28,8 +28,9 @@ official right padding). Only two layers look ahead (the F0 predictor's first co
 the finalized one on the same input, and :func:`vocode` composes it: the source graph on all ``T`` frames, its
 first ``480 (T - 3)`` samples kept; the decoder on the first ``T - 3`` frames with that source, its first
 ``480 (T - 8)`` samples kept (:attr:`Hift3Dims.held_frames`). Verification checks both halves of that claim
-against PyTorch's ``finalize=False`` (rows ``f0 held`` / ``waveform held``), and :func:`verify_chain` runs the two
-graphs end to end against ``CausalHiFTGenerator.inference`` in both modes.
+against PyTorch's ``finalize=False`` (rows ``f0 held``; ``waveform held`` in the cases up to batch 4, a second
+PyTorch decode each), and :func:`verify_chain` runs the two graphs end to end against
+``CausalHiFTGenerator.inference`` in both modes.
 
 Padding. The vocoder is causal, so in a padded batch an item's valid frames see its padding only through the
 look-ahead of its last frames; :data:`HIFT3_PADDING_NOTE`. The graphs are compared with PyTorch on the same padded
@@ -337,7 +338,7 @@ def _verify_case3(name: str, case: Case, sess, models: SourceModels3, feeds: dic
                          _valid_cut(ref, lengths, s), bar=REL_TOL_FP32, note="same padded batch"))
     held = hift.dims.held_frames
     kept = t - look
-    if kept >= spec.axes["mel_frames"].min and t > held:
+    if kept >= spec.axes["mel_frames"].min and t > held and case.batch <= 4:  # the largest batch: one decode
         mel_k = np.ascontiguousarray(feeds["mel"][:, :, :kept])
         src_k = np.ascontiguousarray(feeds["source"][:, :, : s * kept])
         wave = sess.run(["waveform"], {"mel": mel_k, "source": src_k})[0]

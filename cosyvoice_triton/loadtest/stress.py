@@ -333,8 +333,8 @@ def memory_figures(samples: list[tuple[float, float, float]], window_s: float) -
         first = [s[i] for s in samples if s[0] <= t0 + window_s]
         last = [s[i] for s in samples if s[0] >= t1 - window_s]
         start, end = max(first), max(last)
-        past = [(s[0], s[i]) for s in samples if s[0] > t0 + window_s]
-        slope = float(np.polyfit(*zip(*past), 1)[0]) if len(past) >= 2 else math.nan
+        past = np.array([(s[0], s[i]) for s in samples if s[0] > t0 + window_s]).reshape(-1, 2)
+        slope = float(np.polyfit(past[:, 0], past[:, 1], 1)[0]) if len(past) >= 2 else math.nan
         out[name] = {"start_mb": start, "end_mb": end, "peak_mb": max(s[i] for s in samples),
                      "growth": end / start - 1.0 if start else math.nan, "slope_mb_s": slope}
     return out

@@ -70,17 +70,18 @@ INSTRUCT2 = {"text": "good morning, friend.",
              "instruct_text": "You are a helpful assistant. Speak slowly.<|endofprompt|>"}
 #: (case, mode, keywords, stream, speed, draw seed)
 CASES = [
-    ("zero_shot", "zero_shot", ZERO_SHOT, False, 1.0, 101),
+    ("zero_shot", "zero_shot", ZERO_SHOT, False, 1.0, 524),
     ("zero_shot_stream", "zero_shot", ZERO_SHOT, True, 1.0, 111),
     ("zero_shot_speed", "zero_shot", ZERO_SHOT, False, 1.3, 106),
     ("cross_lingual", "cross_lingual", CROSS_LINGUAL, False, 1.0, 110),
     ("cross_lingual_stream", "cross_lingual", CROSS_LINGUAL, True, 1.0, 120),
     ("instruct2", "instruct2", INSTRUCT2, False, 1.0, 102),
-    ("instruct2_stream", "instruct2", INSTRUCT2, True, 1.0, 105),
+    ("instruct2_stream", "instruct2", INSTRUCT2, True, 1.0, 314),
     ("vc", "vc", {}, False, 1.0, None),
     ("vc_stream", "vc", {}, True, 1.0, None),
 ]
-#: The draw seeds give the LM 20-36 speech tokens (short answers keep the fixtures small; a stream has 2 chunks).
+#: The draw seeds give the flow 14-36 speech tokens (short answers keep the fixtures small; a stream has 2 chunks);
+#: in zero_shot and instruct2_stream llm_job's silent-token filter drops some of the LM's tokens.
 N_DRAWS = 20000
 #: Voice conversion's source: the first seconds of SOURCE_WAV (50 tokens), handed over as 16 kHz samples.
 SOURCE_SECONDS = 2

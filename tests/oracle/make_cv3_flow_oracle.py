@@ -16,11 +16,8 @@ official flow at the yaml's own dims (built on the meta device: no weights). See
 
 from __future__ import annotations
 
-import argparse
-import importlib.metadata
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ for _p in (ROOT, Path(__file__).resolve().parent):
 
 from make_flow_oracle import patched, recorded_draws, sha256  # noqa: E402
 from make_llm_oracle import state_digest  # noqa: E402
+from oracle_common import checkout_commit, oracle_parser, package_version, write_meta  # noqa: E402
 
 from cosyvoice_triton.models.cosyvoice3.dit import rotary_inv_freq  # noqa: E402
 from cosyvoice_triton.models.cosyvoice3.flow import CausalMaskedDiffWithDiT, Flow3Dims  # noqa: E402
@@ -253,25 +251,16 @@ def make_estimator(estimator, out: Path, rng: np.random.Generator) -> dict:
 
 # ------------------------------------------------------------------------------------------------ main
 def _versions(official: Path, official_commit: str | None) -> dict:
-    def pkg(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return {"official_commit": official_commit or commit.stdout.strip() or "unknown (not a git checkout)",
+    return {"official_commit": checkout_commit(official, official_commit),
             "matcha_commit": "dd9105b34bf2be2230f4aa1e4769fb586a3c824e", "torch": torch.__version__,
-            "numpy": np.__version__, "x_transformers": pkg("x-transformers"), "einops": pkg("einops"),
-            "hyperpyyaml": pkg("HyperPyYAML"), "omegaconf": pkg("omegaconf"), "python": sys.version.split()[0],
+            "numpy": np.__version__, "x_transformers": package_version("x-transformers"),
+            "einops": package_version("einops"), "hyperpyyaml": package_version("HyperPyYAML"),
+            "omegaconf": package_version("omegaconf"), "python": sys.version.split()[0],
             "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     ap.add_argument("--keys-full", type=Path, default=None, help="also write the full-dims key list there")
     ap.add_argument("--weights-out", type=Path, default=None, help="where flow.pt goes (default: a temporary folder)")
     args = ap.parse_args(argv)
@@ -335,9 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "flow_cases": flow_summary, "estimator_cases": est_summary, "est_steps": list(EST_STEPS),
         "timings_s": timings, **meta_extra,
     }
-    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)", flush=True)
+    write_meta(args.out, meta)
     return 0
 
 

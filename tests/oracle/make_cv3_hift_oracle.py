@@ -16,11 +16,8 @@ writes the key / shape / dtype list of the official module at the released yaml'
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.metadata
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +41,7 @@ from make_flow_oracle import (  # noqa: E402
     waveform_spread,
 )
 from make_llm_oracle import state_digest  # noqa: E402
+from oracle_common import checkout_commit, oracle_parser, package_version, write_meta  # noqa: E402
 
 WEIGHT_SEED = 20251203
 NOISE_SEED = 1234  # torch.manual_seed right before the official CausalHiFTGenerator is constructed
@@ -300,23 +298,13 @@ def full_keys(gen_mod, f0_mod, official: Path, keys_out: Path) -> dict:
 
 
 def _versions(official: Path, official_commit: str | None) -> dict:
-    def pkg(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return {"official_commit": official_commit or commit.stdout.strip() or "unknown (not a git checkout)",
-            "torch": torch.__version__, "numpy": np.__version__, "scipy": pkg("scipy"),
+    return {"official_commit": checkout_commit(official, official_commit),
+            "torch": torch.__version__, "numpy": np.__version__, "scipy": package_version("scipy"),
             "python": sys.version.split()[0], "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     ap.add_argument("--keys-out", type=Path, default=ROOT / "tests" / "fixtures" / "cv3_hift_keys_full.txt")
     args = ap.parse_args(argv)
     from cosyvoice_triton.bench.official import STUBBED, import_official
@@ -363,9 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "hift_cases": {**cases, "stream": stream}, "unused_draws": unused, "full": full,
         "spread_perturbations": [list(p) for p in SPREAD_PERTURBATIONS], "timings_s": timings,
     }
-    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)", flush=True)
+    write_meta(args.out, meta)
     return 0
 
 

@@ -20,7 +20,6 @@ the tests regenerate them and check ``state_sha256`` of the meta. See tests/orac
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -33,6 +32,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import make_llm_oracle as cv2_oracle  # noqa: E402  (pick, injected draws, digests, the official bistream runner)
+from oracle_common import oracle_parser  # noqa: E402
 
 SPEECH_TOKEN_SIZE = 6561
 SPECIAL_ROWS = 200  # CosyVoice3LM: speech_embedding / llm_decoder have speech_token_size + 200 rows
@@ -382,10 +382,7 @@ def make_bistream_references(model, out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     ap.add_argument("--keep-weights", action="store_true", help="keep llm.pt and model.safetensors in --out")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parents[1]))  # the project, for cosyvoice_triton.bench.official

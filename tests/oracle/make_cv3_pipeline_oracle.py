@@ -31,7 +31,6 @@ waveform's spread under float32-scale perturbations of it (the bar). See tests/o
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -56,6 +55,7 @@ import make_cv3_llm_oracle as llm_oracle  # noqa: E402
 import make_cv3_token2wav_oracle as t2w_oracle  # noqa: E402
 import make_llm_oracle as cv2_llm_oracle  # noqa: E402
 from make_flow_oracle import patched, waveform_spread  # noqa: E402
+from oracle_common import oracle_parser, write_meta  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 PROMPT_WAV = FIXTURES / "prompt_en_3s.wav"
@@ -318,10 +318,7 @@ def make_case(cosy, name: str, mode: str, kw: dict, stream: bool, speed: float, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     for old in args.out.glob("*.npz"):
@@ -360,9 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                 n: s for n, _, _, _, _, s in CASES if s is not None}},
             "texts": {"zero_shot": ZERO_SHOT, "cross_lingual": CROSS_LINGUAL, "instruct2": INSTRUCT2},
             "frontend": {k: list(v.shape) for k, v in front.items()}, "cases": cases, "timings_s": timings}
-    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)", flush=True)
+    write_meta(args.out, meta)
     return 0
 
 

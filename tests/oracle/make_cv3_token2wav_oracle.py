@@ -17,7 +17,6 @@ also scanned over several prompt and source lengths with the official ``tts`` lo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -39,6 +38,7 @@ import make_cv3_flow_oracle as flow_oracle  # noqa: E402
 import make_cv3_hift_oracle as hift_oracle  # noqa: E402
 from make_flow_oracle import SPREAD_PERTURBATIONS, SPREAD_SEEDS, patched, recorded_draws, waveform_spread  # noqa: E402
 from make_llm_oracle import state_digest  # noqa: E402
+from oracle_common import oracle_parser, write_meta  # noqa: E402
 
 INPUT_SEED = 4004
 SPEECH_TOKENS = 6561
@@ -245,10 +245,7 @@ def make_inputs(rng: np.random.Generator) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     args = ap.parse_args(argv)
     from cosyvoice_triton.bench.official import STUBBED
 
@@ -293,9 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "stream_vs_nonstream": float(np.abs(a - b).max() / np.abs(a).max()) if a.shape == b.shape else None,
         "spread_perturbations": [list(p) for p in SPREAD_PERTURBATIONS], "timings_s": timings,
     }
-    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)", flush=True)
+    write_meta(args.out, meta)
     return 0
 
 

@@ -20,12 +20,9 @@ See tests/oracle/README.md.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
-import importlib.metadata
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +37,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from make_llm_oracle import state_digest  # noqa: E402
+from oracle_common import checkout_commit, oracle_parser, package_version, write_meta  # noqa: E402
 
 WEIGHT_SEED = 20251201
 INPUT_SEED = 777
@@ -459,24 +457,14 @@ def make_e2e(model, out: Path, rng: np.random.Generator) -> dict:
 
 # ------------------------------------------------------------------------------------------------ main
 def _versions(official: Path, official_commit: str | None) -> dict:
-    def pkg(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    commit = subprocess.run(["git", "-C", str(official), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return {"official_commit": official_commit or commit.stdout.strip() or "unknown (not a git checkout)",
+    return {"official_commit": checkout_commit(official, official_commit),
             "matcha_commit": "dd9105b34bf2be2230f4aa1e4769fb586a3c824e", "torch": torch.__version__,
-            "numpy": np.__version__, "diffusers": pkg("diffusers"), "librosa": pkg("librosa"),
+            "numpy": np.__version__, "diffusers": package_version("diffusers"), "librosa": package_version("librosa"),
             "python": sys.version.split()[0], "torch_threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--official", type=Path, required=True, help="checkout of FunAudioLLM/CosyVoice")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--official-commit", default=None, help="commit of the checkout when it is a git archive")
+    ap = oracle_parser(__doc__)
     ap.add_argument("--weights-out", type=Path, default=None,
                     help="where flow.pt / hift.pt / cosyvoice2.yaml go (default: a temporary folder)")
     args = ap.parse_args(argv)
@@ -538,9 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         "est_steps": list(EST_STEPS), "spread_perturbations": [list(p) for p in SPREAD_PERTURBATIONS],
         "timings_s": timings,
     }
-    (args.out / "oracle_meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-    total = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)", flush=True)
+    write_meta(args.out, meta)
     return 0
 
 

@@ -254,10 +254,12 @@ class HiftSourceGraph(nn.Module):
     """
 
     F0_NODE = "/f0_predictor/Abs"
+    #: ``hift`` as the graph holds it (weight norm folded, on a copy when needed)
+    prepared = staticmethod(_folded)
 
     def __init__(self, hift: HiFTGenerator):
         super().__init__()
-        hift = _folded(hift)
+        hift = self.prepared(hift)
         self.f0_predictor = hift.f0_predictor
         self.m_source = hift.m_source
 

@@ -72,6 +72,7 @@ from .onnx_export import (
     CheckRow,
     ExportReport,
     GraphReport,
+    HiftSourceGraph,
     VerificationError,
     _compare,
     _io_entry,
@@ -144,20 +145,11 @@ def _folded_float(hift: CausalHiFTGenerator) -> CausalHiFTGenerator:
     return copy.deepcopy(hift).fold_weight_norm().float()
 
 
-class Hift3SourceGraph(nn.Module):
+class Hift3SourceGraph(HiftSourceGraph):
     """``hift3_source``: ``forward(mel [B, 80, T], nsf_noise [B, 480 T, 9]) -> source [B, 1, 480 T]``, the causal F0
     predictor (``finalize=True``, float32) then the NSF source. ``F0_NODE``: the node whose output is f0."""
 
-    F0_NODE = "/f0_predictor/Abs"
-
-    def __init__(self, hift: CausalHiFTGenerator):
-        super().__init__()
-        hift = _folded_float(hift)
-        self.f0_predictor = hift.f0_predictor
-        self.m_source = hift.m_source
-
-    def forward(self, mel: Tensor, nsf_noise: Tensor) -> Tensor:
-        return self.m_source(self.f0_predictor(mel), nsf_noise)
+    prepared = staticmethod(_folded_float)
 
 
 class Hift3DecoderGraph(nn.Module):

@@ -362,13 +362,7 @@ def write_yaml(config: ModelConfig, path: str | Path) -> None:
     llm = config.llm or LLMConfig()
     text = f"""\
 # Written by cosyvoice_triton (demo model, random weights). Same structure as the CosyVoice2-0.5B release.
-sample_rate: {config.sample_rate}
-llm_input_size: {llm.llm_input_size}
-llm_output_size: {llm.llm_output_size}
-spk_embed_dim: {f.spk_embed_dim}
-qwen_pretrain_path: ''
-token_frame_rate: {config.token_frame_rate}
-token_mel_ratio: {config.token_mel_ratio}
+{header_yaml(config.sample_rate, llm, f.spk_embed_dim, config.token_frame_rate, config.token_mel_ratio)}\
 chunk_size: {config.chunk_size}
 num_decoding_left_chunks: {d.num_decoding_left_chunks}
 {_llm_yaml(config.llm)}
@@ -390,18 +384,7 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
         use_cnn_module: False
         macaron_style: False
         static_chunk_size: !ref <chunk_size>
-    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: 80
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: '{f.cfm.t_scheduler}'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: {f.cfm.inference_cfg_rate}
-                reg_loss_type: 'l1'
+{cfm_yaml(f.cfm, 80)}\
         estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
             in_channels: {d.in_channels}
             out_channels: {d.out_channels}
@@ -424,6 +407,40 @@ hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
 
 {mel_yaml(config.mel)}"""
     Path(path).write_text(text, encoding="utf-8")
+
+
+def header_yaml(sample_rate: int, llm: LLMConfig, spk_embed_dim: int, token_frame_rate: int,
+                token_mel_ratio: int) -> str:
+    """The official yamls' first top-level values (``sample_rate`` to ``token_mel_ratio``), which their sections
+    refer to with ``!ref``."""
+    return f"""\
+sample_rate: {sample_rate}
+llm_input_size: {llm.llm_input_size}
+llm_output_size: {llm.llm_output_size}
+spk_embed_dim: {spk_embed_dim}
+qwen_pretrain_path: ''
+token_frame_rate: {token_frame_rate}
+token_mel_ratio: {token_mel_ratio}
+"""
+
+
+def cfm_yaml(cfm: CFMConfig, spk_emb_dim: int) -> str:
+    """The ``decoder:`` key of the official yamls' ``flow:`` section up to its estimator: the
+    ``CausalConditionalCFM`` and its ``cfm_params`` (lines indented by 4)."""
+    return f"""\
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: {spk_emb_dim}
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: '{cfm.t_scheduler}'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: {cfm.inference_cfg_rate}
+                reg_loss_type: 'l1'
+"""
 
 
 def hift_yaml_fields(h: Any) -> str:

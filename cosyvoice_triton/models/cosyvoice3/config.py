@@ -25,7 +25,9 @@ from ...config import (
     _llm_config_from_doc,
     _llm_yaml,
     _pick,
+    cfm_yaml,
     flow_yaml_fields,
+    header_yaml,
     hift_yaml_fields,
     load_hyperpyyaml,
     mel_yaml,
@@ -123,13 +125,7 @@ def write_cosyvoice3_yaml(config: CosyVoice3Config, path: str | Path) -> Path:
     text = f"""\
 # Written by cosyvoice_triton. The model sections of Fun-CosyVoice3-0.5B's cosyvoice3.yaml (same classes, keys and
 # links), at these dims.
-sample_rate: {config.sample_rate}
-llm_input_size: {llm.llm_input_size}
-llm_output_size: {llm.llm_output_size}
-spk_embed_dim: {f.spk_embed_dim}
-qwen_pretrain_path: ''
-token_frame_rate: {config.token_frame_rate}
-token_mel_ratio: {f.token_mel_ratio}
+{header_yaml(config.sample_rate, llm, f.spk_embed_dim, config.token_frame_rate, f.token_mel_ratio)}\
 
 # stream related params
 chunk_size: {config.chunk_size}
@@ -142,18 +138,7 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
         in_channels: {f.input_size}
         channels: {f.pre_lookahead_channels}
         pre_lookahead_len: {f.pre_lookahead_len}
-    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: {d.spk_dim}
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: '{f.cfm.t_scheduler}'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: {f.cfm.inference_cfg_rate}
-                reg_loss_type: 'l1'
+{cfm_yaml(f.cfm, d.spk_dim)}\
         estimator: !new:cosyvoice.flow.DiT.dit.DiT
             dim: {d.dim}
             depth: {d.depth}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -100,9 +101,7 @@ def flow_oracle_script():
 
 @pytest.fixture(scope="session")
 def flow_oracle_meta() -> dict:
-    import json
-
-    return json.loads((FLOW_ORACLE / "oracle_meta.json").read_text())
+    return oracle_meta(FLOW_ORACLE)
 
 
 @pytest.fixture(scope="session")
@@ -134,6 +133,26 @@ def npz_loader(folder: Path):
         return cache[name]
 
     return load
+
+
+def oracle_meta(folder: Path) -> dict:
+    """``folder/oracle_meta.json``."""
+    return json.loads((folder / "oracle_meta.json").read_text())
+
+
+def oracle_fixtures(folder: Path):
+    """The module fixtures of one oracle folder, ``meta, ref = oracle_fixtures(ORACLE)``: its :func:`oracle_meta`
+    and its :func:`npz_loader` (pytest names each fixture after the module attribute it is bound to)."""
+
+    @pytest.fixture(scope="module")
+    def meta() -> dict:
+        return oracle_meta(folder)
+
+    @pytest.fixture(scope="module")
+    def ref():
+        return npz_loader(folder)
+
+    return meta, ref
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import FEAT_BAR, FIXTURES, npz_loader, oracle_script, rel_err
+from conftest import FEAT_BAR, FIXTURES, oracle_fixtures, oracle_script, rel_err
 
 from cosyvoice_triton.errors import CheckpointError
 from cosyvoice_triton.models.cfm import cosine_t_span
@@ -30,19 +30,12 @@ def _oracle_script():
     return oracle_script("make_cv3_flow_oracle")
 
 
-@pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((ORACLE / "oracle_meta.json").read_text())
+meta, ref = oracle_fixtures(ORACLE)
 
 
 @pytest.fixture(scope="module")
 def dims() -> Flow3Dims:
     return Flow3Dims.from_dict(json.loads((ORACLE / "cv3_flow_dims.json").read_text())["project"])
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return npz_loader(ORACLE)
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,12 @@ measured figures.
 from __future__ import annotations
 
 import copy
-import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FIXTURES, npz_loader, oracle_script, rel_err, waveform_bar
+from conftest import FIXTURES, oracle_fixtures, oracle_script, rel_err, waveform_bar
 
 from cosyvoice_triton.config import load_hyperpyyaml
 from cosyvoice_triton.errors import CheckpointError, ConfigError
@@ -42,14 +41,7 @@ def _oracle_script():
     return oracle_script("make_cv3_hift_oracle")
 
 
-@pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((ORACLE / "oracle_meta.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def npz():
-    return npz_loader(ORACLE)
+meta, npz = oracle_fixtures(ORACLE)
 
 
 @pytest.fixture(scope="module")

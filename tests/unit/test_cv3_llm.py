@@ -10,7 +10,6 @@ regenerated from the oracle's seeded draws and checked against the recorded dige
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import re
 import shutil
@@ -19,7 +18,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, official_git, rel_err
+from conftest import FIXTURES, official_git, oracle_meta, oracle_script, rel_err
 from lm_oracle import CountedDraws
 
 from cosyvoice_triton.errors import CheckpointError, ConfigError, LLMError
@@ -39,19 +38,14 @@ CASES = ["zero_shot_a", "zero_shot_b", "zero_shot_one", "cross_lingual", "instru
          "zero_shot_early_eos"]
 
 
-@functools.cache
-def oracle_script():
+def _oracle_script():
     """tests/oracle/make_cv3_llm_oracle.py as a module (its seeded weights)."""
-    path = ROOT / "tests" / "oracle" / "make_cv3_llm_oracle.py"
-    spec = importlib.util.spec_from_file_location("make_cv3_llm_oracle", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return oracle_script("make_cv3_llm_oracle")
 
 
 @functools.cache
 def meta() -> dict:
-    return json.loads((ORACLE / "oracle_meta.json").read_text())
+    return oracle_meta(ORACLE)
 
 
 def case(name: str) -> dict[str, np.ndarray]:
@@ -62,7 +56,7 @@ def case(name: str) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module")
 def state() -> dict[str, torch.Tensor]:
     """The oracle's llm.pt, regenerated from its seed and checked by digest."""
-    oracle = oracle_script()
+    oracle = _oracle_script()
     state = oracle.random_cv3_llm_state_dict(meta()["qwen_config"], seed=meta()["seeds"]["weights"])
     assert oracle.cv2_oracle.state_digest(state) == meta()["weights"]["state_sha256"], \
         "regenerated weights differ from the oracle's (another torch draws otherwise: regenerate the oracle)"
@@ -92,7 +86,7 @@ def test_checkpoint_has_the_official_names_and_loads_exactly(lm, state):
     assert tuple(state["llm_decoder.weight"].shape) == (n, hidden)
     assert tuple(state["speech_embedding.weight"].shape) == (n, hidden)
     assert set(lm.state_dict()) == set(state)
-    assert oracle_script().cv2_oracle.state_digest(lm.state_dict()) == meta()["weights"]["state_sha256"]
+    assert _oracle_script().cv2_oracle.state_digest(lm.state_dict()) == meta()["weights"]["state_sha256"]
     assert lm.llm.model.lm_head.weight.data_ptr() == lm.qwen.embed_tokens.weight.data_ptr()  # tied, as loaded
 
 

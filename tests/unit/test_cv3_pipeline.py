@@ -14,11 +14,9 @@ equal; the audio must be within the waveform bar derived from the spread the ora
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
-from conftest import FIXTURES, npz_loader, oracle_script, rel_err, waveform_bar
+from conftest import FIXTURES, oracle_fixtures, oracle_script, rel_err, waveform_bar
 
 from cosyvoice_triton.errors import ConfigError, TextError
 from cosyvoice_triton.frontend import audio
@@ -36,14 +34,7 @@ def script():
     return oracle_script("make_cv3_pipeline_oracle")
 
 
-@pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((ORACLE / "oracle_meta.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return npz_loader(ORACLE)
+meta, ref = oracle_fixtures(ORACLE)
 
 
 @pytest.fixture(scope="module")

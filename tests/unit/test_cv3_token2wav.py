@@ -17,7 +17,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, npz_loader, oracle_script, rel_err, waveform_bar
+from conftest import FIXTURES, oracle_fixtures, oracle_meta, oracle_script, rel_err, waveform_bar
 
 from cosyvoice_triton.errors import ConfigError, CosyVoiceError
 from cosyvoice_triton.models.cosyvoice3.flow import Flow3Dims, load_flow3
@@ -29,21 +29,14 @@ ORACLE = FIXTURES / "cv3_token2wav_oracle"
 CASES = ["vc_nonstream", "vc_stream", "vc_speed"]
 
 
-@pytest.fixture(scope="module")
-def meta() -> dict:
-    return json.loads((ORACLE / "oracle_meta.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def ref():
-    return npz_loader(ORACLE)
+meta, ref = oracle_fixtures(ORACLE)
 
 
 @pytest.fixture(scope="module")
 def t2w(tmp_path_factory, meta) -> Token2Wav3:
     """The official model's flow and vocoder: the cv3 oracles' seeded weights, regenerated and digest-checked."""
     folder = tmp_path_factory.mktemp("cv3_token2wav")
-    flow_meta = json.loads((FIXTURES / "cv3_flow_oracle" / "oracle_meta.json").read_text())
+    flow_meta = oracle_meta(FIXTURES / "cv3_flow_oracle")
     flow_digest = oracle_script("make_cv3_flow_oracle").write_weights(
         folder, meta["seeds"]["flow_weights"], flow_meta["weights"]["rotary_inv_freq_hex"])
     hift_digest = oracle_script("make_cv3_hift_oracle").write_weights(folder, seed=meta["seeds"]["hift_weights"])

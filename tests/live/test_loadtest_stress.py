@@ -24,7 +24,8 @@ def test_memory_figures_take_the_peaks_of_the_first_and_last_windows():
     assert m["gateway"]["start_mb"] == 50.0 and m["gateway"]["growth"] == pytest.approx(0.2)
     assert memory_figures([], 4.0) == {}
     steady = memory_figures([(t, 100.0 + 0.5 * t, 80.0) for t in range(30)], window_s=5.0)
-    assert steady["triton"]["slope_mb_s"] == pytest.approx(0.5) and steady["gateway"]["slope_mb_s"] == pytest.approx(0.0)
+    assert steady["triton"]["slope_mb_s"] == pytest.approx(0.5)
+    assert steady["gateway"]["slope_mb_s"] == pytest.approx(0.0)
 
 
 def test_the_memory_series_keeps_each_stretchs_peak():

@@ -162,14 +162,16 @@ def _cmd_speaker(args: argparse.Namespace) -> int:
     if args.action != "list" and not args.id:
         raise CosyVoiceError(f"speaker {args.action} needs a speaker id")
     if args.action == "add":
-        from .pipeline import CosyVoice2
-
         if not args.prompt_audio or not args.model_dir:
             raise CosyVoiceError("speaker add needs --model-dir and --prompt-audio")
-        model = CosyVoice2.from_pretrained(args.model_dir, tts=args.prompt_text is not None,
-                                           speaker_dir=args.speaker_dir)
+        if _is_cosyvoice3(args.model_dir):
+            from .models.cosyvoice3.pipeline import CosyVoice3 as model_class
+        else:
+            from .pipeline import CosyVoice2 as model_class
+        model = model_class.from_pretrained(args.model_dir, tts=args.prompt_text is not None,
+                                            speaker_dir=args.speaker_dir)
         prompt = model.register_speaker(args.id, args.prompt_audio, prompt_text=args.prompt_text)
-        print(f"registered {args.id!r}: {len(prompt.prompt_tokens)} prompt tokens, "
+        print(f"registered {args.id!r} for {prompt.family}: {len(prompt.prompt_tokens)} prompt tokens, "
               f"{len(prompt.prompt_text_tokens)} transcript tokens, in {args.speaker_dir}")
         return 0
     store = SpeakerStore(args.speaker_dir)
@@ -251,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speaker", help="register, list or delete speakers (prompt computed once, reused)")
     sp.add_argument("action", choices=("add", "list", "delete"))
     sp.add_argument("id", nargs="?", help="speaker id: 1-64 of A-Z a-z 0-9 _ . - (not starting with .)")
-    sp.add_argument("--model-dir", help="CosyVoice2 folder (add)")
+    sp.add_argument("--model-dir", help="CosyVoice2 or CosyVoice3 folder (add; the speaker is for that family)")
     sp.add_argument("--prompt-audio", help="speech of the speaker (add)")
     sp.add_argument("--prompt-text", help="its transcript (add; enables zero-shot for this speaker)")
     sp.add_argument("--speaker-dir", default="build/speakers", help="where registered speakers are kept")

@@ -25,6 +25,7 @@ from .errors import CheckpointError, ConfigError, CosyVoiceError, LLMError, Text
 from .frontend import audio, features
 from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import load_flow, load_into, normalize_keys, read_state_dict
+from .models.cosyvoice3.family import COSYVOICE2
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk
@@ -56,6 +57,8 @@ class CosyVoice2(PromptFrontend):
     streaming, the flow's settled prompt frames are computed once and reused from this
     :class:`~.speaker_state.SpeakerState` (``None``: computed for every request); it follows :attr:`speakers`,
     so a deleted or replaced speaker's entries go with it."""
+
+    family = COSYVOICE2
 
     def __init__(self, config: ModelConfig, flow: CausalMaskedDiffWithXvec, hift: HiFTGenerator,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, *, device: str | torch.device = "cpu",

@@ -4,7 +4,8 @@
 speech tokenizer, the 24 kHz mel, the CAM++ embedding; :meth:`PromptFrontend.prompt_features`, cached by audio in
 a :class:`~.prompt_cache.PromptCache`), a voice-conversion pair into :class:`VCInputs` (the official
 ``frontend_vc``), and a prompt with its transcript into a :class:`~.speakers.SpeakerPrompt` (``frontend_zero_shot``:
-tokens and mel cut to a common length). A class using it sets ``config`` (``mel``, ``sample_rate``),
+tokens and mel cut to a common length, marked with the class's ``family``). A class using it sets ``family``
+(``"cosyvoice2"`` or ``"cosyvoice3"``: which registered speakers it may use), ``config`` (``mel``, ``sample_rate``),
 ``tokenizer``, ``speaker``, ``prompt_cache``, ``_prompt_options`` (:func:`prompt_options`), ``speakers``,
 ``flow`` (``token_mel_ratio``) and ``_text()`` (its text front end).
 """
@@ -131,7 +132,7 @@ class PromptFrontend:
         n = min(len(mel) // ratio, len(tokens))
         return SpeakerPrompt(prompt_tokens=np.asarray(tokens[:n], np.int32), prompt_mel=mel[: ratio * n],
                              embedding=np.asarray(embedding, np.float32), prompt_text_tokens=text_tokens,
-                             prompt_text="" if prompt_text is None else str(prompt_text))
+                             prompt_text="" if prompt_text is None else str(prompt_text), family=self.family)
 
     def register_speaker(self, speaker_id: str, prompt_audio, *, prompt_sr: int | None = None,
                          prompt_text: str | None = None) -> SpeakerPrompt:
@@ -150,7 +151,7 @@ class PromptFrontend:
         if speaker_id is not None:
             if prompt_text is not None:
                 raise TextError("prompt text belongs to prompt audio: register the speaker with its text instead")
-            speaker = self.speakers.get(speaker_id)
+            speaker = self.speakers.get(speaker_id, family=self.family)
         else:
             speaker = self.prompt(prompt_audio, prompt_sr=prompt_sr, prompt_text=prompt_text, timer=timer)
         return speaker

@@ -5,8 +5,12 @@ keeps prompts under ids, least recently used first out of memory, and optionally
 speaker in a folder, so that registered speakers survive a restart::
 
     store = SpeakerStore("speakers/", capacity=1000)
-    store.put("alice", SpeakerPrompt(prompt_tokens=tok, prompt_mel=mel, embedding=emb))
-    prompt = store.get("alice")
+    store.put("alice", SpeakerPrompt(prompt_tokens=tok, prompt_mel=mel, embedding=emb, family="cosyvoice2"))
+    prompt = store.get("alice", family="cosyvoice2")
+
+A prompt belongs to the model family that computed it (CosyVoice2: speech_tokenizer_v2 tokens and a mel up to
+8 kHz; CosyVoice3: speech_tokenizer_v3 tokens and a mel without an upper limit), so :meth:`SpeakerStore.get` with
+``family`` refuses a speaker of the other family. Files written before the family was recorded read as CosyVoice2.
 
 Ids are 1-64 ASCII characters of ``[A-Za-z0-9_.-]`` that do not start with ``.``: they are the file names, so
 no id can reach outside the folder. The store is safe to share between threads of one process; two processes
@@ -28,8 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpeakerError, shown
+from .models.cosyvoice3.family import COSYVOICE2, COSYVOICE3
 
-__all__ = ["EMBEDDING_DIM", "FILE_VERSION", "MEL_BINS", "SpeakerPrompt", "SpeakerStore", "validate_speaker_id"]
+__all__ = ["EMBEDDING_DIM", "FILE_VERSION", "LEGACY_FAMILY", "MEL_BINS", "SpeakerPrompt", "SpeakerStore",
+           "validate_speaker_id"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +49,10 @@ FILE_VERSION = 1
 _ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 _ARRAYS = ("prompt_tokens", "prompt_mel", "embedding", "prompt_text_tokens")
 _TMP_PREFIX = ".tmp-"
+#: The families whose prompts a speaker can hold (the ones with a prompt front end).
+_FAMILIES = (COSYVOICE2, COSYVOICE3)
+#: The family of a speaker file written before the family was recorded (only CosyVoice2 registered speakers then).
+LEGACY_FAMILY = COSYVOICE2
 
 
 def validate_speaker_id(speaker_id: object) -> str:
@@ -72,7 +82,8 @@ class SpeakerPrompt:
 
     ``prompt_tokens`` int32 [Tp] 25 Hz speech tokens (Tp >= 1); ``prompt_mel`` float32 [2*Tp, 80] 24 kHz mel;
     ``embedding`` float32 [192] CAM++ embedding; ``prompt_text_tokens`` int32 [Tt] Qwen2 ids of the transcript
-    and ``prompt_text`` the transcript, both empty when it is unknown (cross-lingual use).
+    and ``prompt_text`` the transcript, both empty when it is unknown (cross-lingual use); ``family`` the model
+    family that computed the prompt (``"cosyvoice2"`` or ``"cosyvoice3"``).
     """
 
     prompt_tokens: np.ndarray
@@ -80,6 +91,7 @@ class SpeakerPrompt:
     embedding: np.ndarray
     prompt_text_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     prompt_text: str = ""
+    family: str = COSYVOICE2
 
     def __post_init__(self) -> None:
         for name, dtype, ndim in zip(_ARRAYS, (np.int32, np.float32, np.float32, np.int32), (1, 2, 1, 1), strict=True):
@@ -96,6 +108,16 @@ class SpeakerPrompt:
             raise SpeakerError(f"prompt_text must be a str, got {type(self.prompt_text).__name__}")
         if bool(self.prompt_text) != bool(self.prompt_text_tokens.size):
             raise SpeakerError("prompt_text and prompt_text_tokens must be both given or both empty")
+        if self.family not in _FAMILIES:
+            raise SpeakerError(f"family must be one of {', '.join(_FAMILIES)}, got {shown(self.family)}")
+
+    def require_family(self, family: str, speaker_id: str) -> SpeakerPrompt:
+        """This prompt if it was computed by a ``family`` model, else :class:`SpeakerError` naming both."""
+        if self.family != family:
+            raise SpeakerError(f"speaker {speaker_id!r} was registered with a {self.family} model and cannot be used "
+                               f"by this {family} model (the two compute a prompt's speech tokens and mel "
+                               f"differently): register it again with this model (the same id replaces it)")
+        return self
 
 
 class SpeakerStore:
@@ -173,10 +195,16 @@ class SpeakerStore:
                 version = int(data["version"])
                 if version != FILE_VERSION:
                     raise ValueError(f"file version {version}, expected {FILE_VERSION}")
-                text = data["prompt_text"]
-                if text.dtype.kind != "U" or text.ndim != 0:
-                    raise ValueError("prompt_text is not a 0-d unicode array")
-                return SpeakerPrompt(**{k: data[k] for k in _ARRAYS}, prompt_text=str(text[()]))
+                strings = {}
+                for name in ("prompt_text", "family"):
+                    if name == "family" and name not in data.files:
+                        strings[name] = LEGACY_FAMILY
+                        continue
+                    value = data[name]
+                    if value.dtype.kind != "U" or value.ndim != 0:
+                        raise ValueError(f"{name} is not a 0-d unicode array")
+                    strings[name] = str(value[()])
+                return SpeakerPrompt(**{k: data[k] for k in _ARRAYS}, **strings)
         except Exception as e:  # anything in the folder may be corrupt or foreign: never crash on it
             log.warning("skipping speaker file %s: %s: %s", path, type(e).__name__, e)
             return None
@@ -192,7 +220,7 @@ class SpeakerStore:
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, version=np.int32(FILE_VERSION), prompt_text=np.array(prompt.prompt_text, dtype=np.str_),
-                         **{k: getattr(prompt, k) for k in _ARRAYS})
+                         family=np.array(prompt.family, dtype=np.str_), **{k: getattr(prompt, k) for k in _ARRAYS})
                 f.flush()
                 os.fsync(f.fileno())
         except BaseException:
@@ -225,8 +253,13 @@ class SpeakerStore:
                 os.unlink(tmp)
         self._forgotten(old)
 
-    def get(self, speaker_id: str) -> SpeakerPrompt:
-        """The prompt registered under ``speaker_id``; :class:`SpeakerError` if there is none."""
+    def get(self, speaker_id: str, *, family: str | None = None) -> SpeakerPrompt:
+        """The prompt registered under ``speaker_id``; :class:`SpeakerError` if there is none, or if ``family`` is
+        given and the prompt was computed by a model of another family."""
+        prompt = self._get(speaker_id)
+        return prompt if family is None else prompt.require_family(family, speaker_id)
+
+    def _get(self, speaker_id: str) -> SpeakerPrompt:
         validate_speaker_id(speaker_id)
         with self._lock:
             prompt = self._cache.get(speaker_id)

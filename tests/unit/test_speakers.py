@@ -1,3 +1,4 @@
+import dataclasses
 import logging
 import random
 import threading
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from cosyvoice_triton.errors import CosyVoiceError, SpeakerError
-from cosyvoice_triton.speakers import SpeakerPrompt, SpeakerStore
+from cosyvoice_triton.speakers import LEGACY_FAMILY, SpeakerPrompt, SpeakerStore
 
 
 def make_prompt(seed: int = 0, tp: int = 7, text: str = "hello there") -> SpeakerPrompt:
@@ -25,6 +26,7 @@ def assert_same(a: SpeakerPrompt, b: SpeakerPrompt) -> None:
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and np.array_equal(x, y), name
     assert a.prompt_text == b.prompt_text
+    assert a.family == b.family
 
 
 def test_prompt_is_a_read_only_copy():
@@ -249,3 +251,51 @@ def test_concurrent_put_get_delete(tmp_path):
     assert reopened.list() == listed
     for sid in listed:
         assert_same(reopened.get(sid), store.get(sid))
+
+
+def test_family_persists_and_is_checked(tmp_path):
+    cv3 = dataclasses.replace(make_prompt(3), family="cosyvoice3")
+    SpeakerStore(tmp_path).put("carol", cv3)
+    SpeakerStore(tmp_path).put("dave", make_prompt(4))
+    store = SpeakerStore(tmp_path)  # read back from the files
+    assert (store.get("carol").family, store.get("dave").family) == ("cosyvoice3", "cosyvoice2")
+    assert_same(store.get("carol", family="cosyvoice3"), cv3)
+    assert_same(store.get("dave", family="cosyvoice2"), make_prompt(4))
+    with pytest.raises(SpeakerError, match=r"'carol' was registered with a cosyvoice3 model .* this cosyvoice2 "
+                                           r"model .*register it again with this model") as e:
+        store.get("carol", family="cosyvoice2")
+    assert isinstance(e.value, CosyVoiceError)  # served: a 400 / INVALID_ARGUMENT
+    with pytest.raises(SpeakerError, match=r"'dave' was registered with a cosyvoice2 model .* this cosyvoice3"):
+        store.get("dave", family="cosyvoice3")
+    with pytest.raises(SpeakerError, match="family must be one of cosyvoice2, cosyvoice3, got 'cosyvoice'"):
+        dataclasses.replace(make_prompt(1), family="cosyvoice")
+
+
+def test_files_without_family_read_as_cosyvoice2(tmp_path):
+    p = make_prompt(5)
+    # a file as written before the family was recorded: the same version, no "family" entry
+    np.savez(tmp_path / "legacy.npz", version=np.int32(1), prompt_text=np.array(p.prompt_text),
+             **{k: getattr(p, k) for k in ("prompt_tokens", "prompt_mel", "embedding", "prompt_text_tokens")})
+    with np.load(tmp_path / "legacy.npz") as data:
+        assert "family" not in data.files
+    store = SpeakerStore(tmp_path)
+    assert store.list() == ["legacy"] and LEGACY_FAMILY == "cosyvoice2"
+    assert_same(store.get("legacy", family="cosyvoice2"), p)
+    with pytest.raises(SpeakerError, match="cosyvoice2 model and cannot be used by this cosyvoice3 model"):
+        store.get("legacy", family="cosyvoice3")
+
+
+def test_served_speakers_are_cosyvoice2_speakers():
+    from cosyvoice_triton.serving.stages.speakers import SpeakerService
+
+    store = SpeakerStore()
+    store.put("bob", make_prompt(2))
+    store.put("eve", dataclasses.replace(make_prompt(3), family="cosyvoice3"))
+    service = SpeakerService(store, None, {})
+    assert_same(service.get("bob"), make_prompt(2))
+    request = {"action": np.array([[b"get"]], object), "speaker_id": np.array([[b"eve"]], object)}
+    for call in (lambda: service.get("eve"), lambda: service.handle(request)):
+        with pytest.raises(SpeakerError, match="'eve' was registered with a cosyvoice3 model and cannot be used by "
+                                               "this cosyvoice2 model"):
+            call()
+    assert service.handle({**request, "speaker_id": np.array([[b"bob"]], object)})["prompt_tokens"].size

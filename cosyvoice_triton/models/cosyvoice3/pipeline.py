@@ -72,6 +72,8 @@ class CosyVoice3(PromptFrontend):
     :class:`~cosyvoice_triton.pipeline.CosyVoice2`'s (a repeated prompt recording reuses its tokens, mel and
     embedding); ``speakers``: prompts registered with :meth:`register_speaker`, used through ``speaker_id``."""
 
+    family = COSYVOICE3
+
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM | None, token2wav: Token2Wav3,
                  tokenizer: SpeechTokenizer, speaker: SpeakerEncoder, text=None, *,
                  prompt_cache: PromptCache | None = None, speakers: SpeakerStore | None = None):

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import SpeakerError
+from ...models.cosyvoice3.family import COSYVOICE2
 from ...prompt_cache import PromptCache, prompt_key
 from ...shapes import TensorSpec
 from ...speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
@@ -140,7 +141,8 @@ class SpeakerService:
                               token_mel_ratio=self.ratio, prompt_text=prompt_text, prompt_text_tokens=text_tokens)
 
     def get(self, speaker_id: str) -> SpeakerPrompt:
-        return self.store.get(speaker_id)
+        """A speaker for synthesis: one registered with a CosyVoice2 model (the served family), else SpeakerError."""
+        return self.store.get(speaker_id, family=COSYVOICE2)
 
     def handle(self, tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """One request's outputs; raises :class:`~cosyvoice_triton.errors.CosyVoiceError` for bad input."""
@@ -155,7 +157,7 @@ class SpeakerService:
             raise RequestError(f"action {action} needs input 'speaker_id'")
         speaker_id = validate_speaker_id(bytes_scalar(tensors["speaker_id"], "speaker_id"))
         if action == "get":
-            return {"speaker_ids": _ids([speaker_id]), **prompt_tensors(self.store.get(speaker_id))}
+            return {"speaker_ids": _ids([speaker_id]), **prompt_tensors(self.get(speaker_id))}
         if action == "delete":
             self.store.delete(speaker_id)
             return {"speaker_ids": _ids([speaker_id])}

@@ -142,7 +142,7 @@ def _cmd_tts(args: argparse.Namespace) -> int:
 def _is_cosyvoice3(model_dir: str) -> bool:
     """Whether the folder is a CosyVoice3 one (the official ``AutoModel`` rule: its yaml); other folders go to the
     CosyVoice2 class, which names what it misses."""
-    from .models.cosyvoice3.family import COSYVOICE3, model_family
+    from .family import COSYVOICE3, model_family
 
     try:
         return model_family(model_dir) == COSYVOICE3

@@ -22,10 +22,10 @@ import torch
 from . import longform
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError, CosyVoiceError, LLMError, TextError
+from .family import COSYVOICE2
 from .frontend import audio, features
 from .frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from .models.checkpoint import load_flow, load_into, normalize_keys, read_state_dict
-from .models.cosyvoice3.family import COSYVOICE2
 from .models.flow import CausalMaskedDiffWithXvec
 from .models.hift import HiFTGenerator
 from .models.incremental import DEFAULT_MAX_CACHE_BYTES, FlowStreamState, incremental_chunk

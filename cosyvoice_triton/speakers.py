@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import SpeakerError, shown
-from .models.cosyvoice3.family import COSYVOICE2, COSYVOICE3
+from .family import COSYVOICE2, COSYVOICE3
 
 __all__ = ["EMBEDDING_DIM", "FILE_VERSION", "LEGACY_FAMILY", "MEL_BINS", "SpeakerPrompt", "SpeakerStore",
            "validate_speaker_id"]

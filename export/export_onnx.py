@@ -61,7 +61,7 @@ def family_graphs(model_dir: Path) -> tuple[str, dict]:
     """The folder's family and its graph specs; a ConfigError (CosyVoiceError) for a folder of no family or of
     CosyVoice (1), which has no graphs here."""
     from cosyvoice_triton.errors import ConfigError
-    from cosyvoice_triton.models.cosyvoice3.family import COSYVOICE2, COSYVOICE3, model_family
+    from cosyvoice_triton.family import COSYVOICE2, COSYVOICE3, model_family
 
     family = model_family(model_dir)
     if family not in (COSYVOICE2, COSYVOICE3):

@@ -55,10 +55,10 @@ from torch import Tensor, nn
 
 from ..config import MelConfig
 from ..errors import ConfigError
+from ..family import COSYVOICE3
 from ..hashing import file_sha256
 from ..models.cosyvoice3.config import read_cosyvoice3_yaml
 from ..models.cosyvoice3.dit import DiT
-from ..models.cosyvoice3.family import COSYVOICE3
 from ..models.cosyvoice3.flow import CausalMaskedDiffWithDiT, load_flow3
 from ..models.cosyvoice3.hift import CausalConvRNNF0Predictor, CausalHiFTGenerator, CausalNsfNoise, load_hift3
 from ..shapes import GRAPHS3, SAMPLES_PER_MEL_FRAME

@@ -19,6 +19,7 @@ from conftest import FIXTURES, official_git
 from cosyvoice_triton.__main__ import build_parser, main
 from cosyvoice_triton.config import LLMConfig, load_hyperpyyaml
 from cosyvoice_triton.errors import CheckpointError, ConfigError, LLMError
+from cosyvoice_triton.family import COSYVOICE3_FILES, check_model_folder, model_family
 from cosyvoice_triton.frontend.speech_models import SpeakerEncoder, SpeechTokenizer, speech_token_count
 from cosyvoice_triton.frontend.text import TextFrontend
 from cosyvoice_triton.frontend.text.cosyvoice3 import instruct_text, zero_shot_prompt_text
@@ -30,7 +31,6 @@ from cosyvoice_triton.models.cosyvoice3.config import (
     write_cosyvoice3_yaml,
 )
 from cosyvoice_triton.models.cosyvoice3.demo import build_demo_flow_hift3
-from cosyvoice_triton.models.cosyvoice3.family import COSYVOICE3_FILES, check_model_folder, model_family
 from cosyvoice_triton.models.cosyvoice3.flow import Flow3Dims, load_flow3
 from cosyvoice_triton.models.cosyvoice3.hift import Hift3Dims, load_hift3
 from cosyvoice_triton.models.cosyvoice3.llm import ENDOFPROMPT as LM_ENDOFPROMPT

@@ -8,7 +8,7 @@ import pytest
 
 from cosyvoice_triton.config import LLMConfig, ModelConfig, write_yaml
 from cosyvoice_triton.errors import ConfigError
-from cosyvoice_triton.models.cosyvoice3.family import (
+from cosyvoice_triton.family import (
     COSYVOICE3_FILES,
     check_model_folder,
     missing_files,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_triton.errors import TextError
+from cosyvoice_triton.family import FAMILY_YAML
 from cosyvoice_triton.frontend.text import TextFrontend, write_tokenizer_standin
 from cosyvoice_triton.frontend.text.cosyvoice3 import (
     SYSTEM_PROMPT,
@@ -29,7 +30,6 @@ from cosyvoice_triton.frontend.text.tokenizer import (
     PINYIN_TAGS,
     QwenTextTokenizer,
 )
-from cosyvoice_triton.models.cosyvoice3.family import FAMILY_YAML
 from cosyvoice_triton.models.cosyvoice3.llm import ENDOFPROMPT as LM_ENDOFPROMPT
 
 ORACLE = Path(__file__).resolve().parents[1] / "fixtures" / "text_oracle"

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import CheckpointError
 
-# The model families, named as cosyvoice_triton.models.cosyvoice3.family names them.
+# The model families, named as cosyvoice_triton.family names them.
 COSYVOICE2, COSYVOICE3 = "cosyvoice2", "cosyvoice3"
 ENDOFTEXT = "<|endoftext|>"
 ENDOFPROMPT = "<|endofprompt|>"

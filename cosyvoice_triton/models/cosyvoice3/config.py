@@ -33,8 +33,8 @@ from ...config import (
     mel_yaml,
 )
 from ...errors import ConfigError
+from ...family import COSYVOICE3, FAMILY_YAML, yaml_classes_family
 from .dit import DiTDims
-from .family import COSYVOICE3, FAMILY_YAML, yaml_classes_family
 from .flow import Flow3Dims
 from .hift import Hift3Dims
 

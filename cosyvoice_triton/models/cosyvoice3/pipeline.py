@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ...errors import CheckpointError, ConfigError, LLMError, TextError
+from ...family import COSYVOICE2, COSYVOICE3, FAMILY_YAML, check_model_folder, model_family
 from ...frontend import features
 from ...frontend.speech_models import SpeakerEncoder, SpeechTokenizer
 from ...frontend.text.cosyvoice3 import require_endofprompt
@@ -43,7 +44,6 @@ from ...streaming import StreamSchedule
 from ...threads import ThreadChoice, configure
 from ..speed import check_speed
 from .config import CosyVoice3Config, read_cosyvoice3_yaml
-from .family import COSYVOICE2, COSYVOICE3, FAMILY_YAML, check_model_folder, model_family
 from .flow import load_flow3
 from .hift import load_hift3
 from .llm import CosyVoice3LM, drop_long_silences, load_llm3

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import SpeakerError
-from ...models.cosyvoice3.family import COSYVOICE2
+from ...family import COSYVOICE2
 from ...prompt_cache import PromptCache, prompt_key
 from ...shapes import TensorSpec
 from ...speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ...config import load_hyperpyyaml
-from ...errors import ConfigError
+from .config import load_hyperpyyaml
+from .errors import ConfigError
 
 COSYVOICE, COSYVOICE2, COSYVOICE3 = "cosyvoice", "cosyvoice2", "cosyvoice3"
 #: Family -> its yaml, in the order the official ``AutoModel`` tries them.

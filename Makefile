@@ -8,6 +8,7 @@ PY          := $(VENV)/bin/python
 CLI         := $(VENV)/bin/cosyvoice-triton
 DEMO_SIZE   ?= tiny
 MODEL_DIR   ?= models/cosyvoice2-demo-$(DEMO_SIZE)
+CV3_DIR     ?= models/cosyvoice3-demo-tiny
 SOURCE      ?= tests/fixtures/source_en_5s.wav
 PROMPT      ?= tests/fixtures/prompt_en_3s.wav
 OUT         ?= build/vc_demo.wav
@@ -51,8 +52,9 @@ tts: $(VENV)/.installed ## in-process text to speech of TEXT in the voice of PRO
 	$(CLI) tts --model-dir $(MODEL_DIR) --text "$(TEXT)" --prompt-audio $(PROMPT) \
 	  $(if $(PROMPT_TEXT),--prompt-text "$(PROMPT_TEXT)") --stream -o $(TTS_OUT)
 
-demo: $(VENV)/.installed ## the main job: demo model, export, Triton, convert the bundled sample (cosyvoice_vc), speak a sentence (cosyvoice_tts)
-	$(CLI) demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav
+demo: $(VENV)/.installed ## the main job: demo models, export, Triton, convert the bundled sample and speak a sentence with CosyVoice2 (cosyvoice_vc, cosyvoice_tts) and CosyVoice3 (CV3_DIR; CV3_DIR= : CosyVoice2 only)
+	$(CLI) demo --model-dir $(MODEL_DIR) --source $(SOURCE) --prompt $(PROMPT) -o build/vc_served_demo.wav \
+	  $(if $(CV3_DIR),--cosyvoice3-dir $(CV3_DIR))
 
 SERVE_FLAVOR ?= local
 SERVE_PRECISION ?= fp32

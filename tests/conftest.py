@@ -188,6 +188,16 @@ def speech_pair(source_s: float, prompt_s: float) -> tuple[np.ndarray, int, np.n
     return src[: int(source_s * ssr)], ssr, prm[: int(prompt_s * psr)], psr
 
 
+@pytest.fixture(scope="session")
+def en_speech() -> tuple[np.ndarray, int, np.ndarray, int]:
+    """The bundled English prompt (3 s, 22.05 kHz) and source (5 s, 24 kHz) as read: (prompt, rate, source, rate)."""
+    import soundfile as sf
+
+    p, psr = sf.read(FIXTURES / "prompt_en_3s.wav", dtype="float32")
+    s, ssr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
+    return p, psr, s, ssr
+
+
 def rel_err(actual, expected) -> float:
     """max|a - e| / max|e|, the oracle README's relative error."""
     a, e = (np.asarray(x.detach().cpu() if hasattr(x, "detach") else x, dtype=np.float64)

@@ -77,6 +77,7 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
     if req.model not in config.models:
         raise GatewayError(400, f"model {shown(req.model)} is not served here; one of {', '.join(config.models)}",
                            param="model", code="model_not_found")
+    family = "cosyvoice3" if req.model == "cosyvoice3" else "cosyvoice2"  # OpenAI's names: the default family
     for name in ("input", "instructions", "reference_text"):
         check_text(getattr(req, name), name)
     if isinstance(req.voice, str):
@@ -103,10 +104,13 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
         if req.reference_text is not None:
             raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
                                code="invalid_value")
+        if family == "cosyvoice3":
+            raise GatewayError(400, "voice: registered voices are not served for cosyvoice3 yet; send "
+                               "reference_audio (and reference_text)", param="voice", code="unsupported_value")
         voice = ns.scoped(voice)
     reference = None if req.reference_audio is None else audio.reference_bytes(req.reference_audio)
     return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
-                     reference_audio=reference, reference_text=req.reference_text, speed=req.speed)
+                     reference_audio=reference, reference_text=req.reference_text, speed=req.speed, family=family)
 
 
 def speech_request(raw: bytes, config: GatewayConfig, ns: Namespace = PUBLIC) -> tuple[SpeechRequest, SpeechJob]:

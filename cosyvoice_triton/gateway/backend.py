@@ -61,6 +61,7 @@ class SpeechJob:
     reference_rate: int | None = None
     mode: str | None = None
     speed: float = 1.0  # whole answers only (synthesize): the served model refuses it on a stream
+    family: str = "cosyvoice2"  # the Triton models that speak it: cosyvoice_tts*, or cosyvoice3_tts* (TTS_MODELS)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ def backend_error(exc: BaseException) -> GatewayError:
     return GatewayError(status, message if status == 400 else f"speech backend: {message}", code=kind)
 
 
+#: (whole, stream) Triton models of each family: CosyVoice3's are served with the render tunable cosyvoice3_dir
+TTS_MODELS = {"cosyvoice2": (TTS_MODEL, TTS_STREAM_MODEL), "cosyvoice3": ("cosyvoice3_tts", "cosyvoice3_tts_stream")}
+
+
 class TritonBackend:
     """The TTS models on one Triton server (gRPC address ``url``); one channel, reused."""
 
@@ -120,7 +125,7 @@ class TritonBackend:
 
     async def synthesize(self, job: SpeechJob, request_id: str = "") -> tuple[np.ndarray, int]:
         try:
-            res = await self._client.infer(TTS_MODEL, self._inputs(job), request_id=request_id,
+            res = await self._client.infer(TTS_MODELS[job.family][0], self._inputs(job), request_id=request_id,
                                            client_timeout=self.timeout)
         except Exception as exc:
             raise backend_error(exc) from exc
@@ -129,7 +134,7 @@ class TritonBackend:
 
     def stream(self, job: SpeechJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
         """Chunks as Triton sends them; closing the generator early cancels the request on the server."""
-        return self._stream(TTS_STREAM_MODEL, self._inputs(job), request_id)
+        return self._stream(TTS_MODELS[job.family][1], self._inputs(job), request_id)
 
     def convert_stream(self, job: ConversionJob, request_id: str = "") -> AsyncIterator[tuple[np.ndarray, int]]:
         """Voice conversion's chunks as Triton sends them (as :meth:`stream`)."""

@@ -11,12 +11,15 @@ from pathlib import Path
 from .tenants import TENANT
 
 ENV_PREFIX = "COSYVOICE_GATEWAY_"
-#: Model names accepted in ``model``: this project's, and OpenAI's, so that existing clients work unchanged.
+#: Model names accepted in ``model``: this project's, and OpenAI's, so that existing clients work unchanged (they
+#: speak with CosyVoice2). ``cosyvoice3`` (the CosyVoice3 models, render tunable ``cosyvoice3_dir``) is added with
+#: ``--models`` where the deployment serves them.
 DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: Triton's models served again at the KServe entry points (``/v2/...`` and gRPC): the pipelines users call. The
 #: member stages, ``speakers`` (voices are the tenants' own: ``/v1/audio/voices``) and the admin APIs are not.
 KSERVE_MODELS = ("cosyvoice_vc", "cosyvoice_vc_stream", "cosyvoice_vc_live", "cosyvoice_tts", "cosyvoice_tts_stream",
-                 "cosyvoice_tts_live", "cosyvoice2")
+                 "cosyvoice_tts_live", "cosyvoice2", "cosyvoice3_vc", "cosyvoice3_tts", "cosyvoice3_tts_stream",
+                 "cosyvoice3")
 
 
 @dataclass(frozen=True)

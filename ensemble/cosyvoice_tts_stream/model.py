@@ -4,22 +4,19 @@ text segment when ``stream`` is false) at the configured output rate, then the F
 once. The instance holds ONE in-flight LM decode loop (``cosyvoice_triton.serving.stages.lm_engine``); its counters are
 Triton custom metrics."""
 
-import contextlib
 import threading
 
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.lm_engine import JobCancelled
 from cosyvoice_triton.serving.stages.metrics import METRIC_LOCK, SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.stream_state import StateGauge
-from cosyvoice_triton.serving.stages.tts import build_service, error_response
+from cosyvoice_triton.serving.stages.tts import build_service, send_stream
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS, TTS_WHOLE_INPUTS
 
 INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
-FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
 class TritonPythonModel:
@@ -52,19 +49,9 @@ class TritonPythonModel:
         return None
 
     def _run(self, inputs, sender):
-        try:
-            chunks = self.tts.responses(inputs, cancelled=sender.is_cancelled)
-            for tensors in self.speech.stream(chunks, inputs, sample_rate=self.tts.sample_rate,
-                                              first_chunk=streaming(inputs)):
-                sender.send(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v)
-                                                                       for k, v in tensors.items()]))
-            final = None
-        except JobCancelled:
-            final = None
-        except Exception as exc:
-            final = error_response(pb_utils, exc)
-        with contextlib.suppress(Exception):  # a cancelled stream may refuse it: nothing left to close
-            sender.send(final, flags=FINAL)
+                send_stream(pb_utils, sender, lambda: self.speech.stream(
+            self.tts.responses(inputs, cancelled=sender.is_cancelled), inputs, sample_rate=self.tts.sample_rate,
+            first_chunk=streaming(inputs)))
 
     def finalize(self):
         self.stop.set()

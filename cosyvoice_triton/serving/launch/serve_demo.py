@@ -4,7 +4,9 @@
 render ``build/model_repository`` (flavor ``local``) -> start the ``tritonserver`` of the ``nvidia-pytriton`` wheel
 -> convert the bundled sample through the ``cosyvoice_vc`` ensemble with the client -> write the result ->
 speak one sentence through ``cosyvoice_tts`` in the prompt's voice (when the model folder has the TTS files) ->
-print the latency and per-stage figures from Triton's statistics API -> stop the server.
+with ``--cosyvoice3-dir`` (``make demo``: the CosyVoice3 demo folder, written if missing), the same conversion and
+sentence through ``cosyvoice3_vc`` and ``cosyvoice3_tts`` -> print the latency and per-stage figures from Triton's
+statistics API -> stop the server.
 
 Production serving (``cosyvoice-triton serve``: the same preparation, then a supervised server in the foreground)
 lives in :mod:`.serve`; ``python -m cosyvoice_triton.serving.launch.serve_demo serve`` and this module's ``prepare``,
@@ -54,6 +56,7 @@ class DemoReport:
     tts_output: Path | None = None  # the sentence spoken through cosyvoice_tts (None: no TTS in this model folder)
     tts_seconds: float = 0.0
     tts_latency_s: float = 0.0
+    cosyvoice3_outputs: list[Path] = field(default_factory=list)  # conversion and sentence through CosyVoice3
 
     @property
     def warm_latency(self) -> float:
@@ -85,12 +88,14 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
              onnx_dir: str | Path = "build/onnx", repository: str | Path = "build/model_repository",
              protocol: str = "http", repeats: int = 3, seed: int = 0, startup_timeout: float = 300.0,
              tts_text: str = DEFAULT_TTS_TEXT, tts_output: str | Path = "build/tts_served_demo.wav",
-             **tunables) -> DemoReport:
+             cosyvoice3_dir: str | Path | None = None, **tunables) -> DemoReport:
     """The whole served demo (see the module docstring); prints as it goes and returns the figures."""
     from ...clients.client import CosyVoiceClient
     from ..marker import MARKER
     from .server import TritonServer
 
+    if cosyvoice3_dir is not None:
+        tunables["cosyvoice3_dir"] = str(_cosyvoice3_folder(Path(cosyvoice3_dir)))
     repo = prepare(model_dir, onnx_dir=onnx_dir, repository=repository, **tunables)
     server = TritonServer(repo, exit_timeout=10)
     print("== starting tritonserver")
@@ -111,10 +116,12 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
                 print(f"== speaking {tts_text!r} through cosyvoice_tts in the voice of {prompt} over {protocol}")
                 spoken = client.tts(tts_text, prompt=prompt, seed=seed)
                 spoken_path = spoken.write(tts_output)
+            cv3 = _cosyvoice3_demo(url, protocol, source, prompt, tts_text) if cosyvoice3_dir is not None else []
             stats = client.statistics()
     finally:
         server.stop()
-    report = DemoReport(Path(out), result.seconds, latencies, server.start_seconds or 0.0, stats)
+    report = DemoReport(Path(out), result.seconds, latencies, server.start_seconds or 0.0, stats,
+                        cosyvoice3_outputs=cv3)
     print(f"wrote {out}: {report.seconds:.2f} s at {result.sample_rate} Hz")
     if spoken is not None:
         report.tts_output, report.tts_seconds = Path(spoken_path), spoken.seconds
@@ -126,6 +133,32 @@ def run_demo(model_dir: str | Path = DEFAULT_MODEL_DIR, *, source: str | Path = 
     print("per-model statistics (Triton statistics API; graphs count batch rows):")
     print(format_statistics(stats))
     return report
+
+
+def _cosyvoice3_folder(path: Path) -> Path:
+    """``path``, a CosyVoice3 folder; a missing demo folder (``demo`` in its name) is written first."""
+    if not (path / "cosyvoice3.yaml").is_file() and "demo" in path.name:
+        from ...models.cosyvoice3.demo import write_demo_model3
+
+        print(f"== writing the tiny CosyVoice3 demo model (random weights) to {path}")
+        write_demo_model3(path)
+    return path
+
+
+def _cosyvoice3_demo(url: str, protocol: str, source, prompt, text: str) -> list[Path]:
+    """The conversion and the sentence again, through ``cosyvoice3_vc`` and ``cosyvoice3_tts``: the files written."""
+    from ...clients.client import CosyVoiceClient
+
+    written = []
+    with CosyVoiceClient(url, protocol=protocol, model="cosyvoice3_vc") as client:
+        print(f"== CosyVoice3: converting {source} through cosyvoice3_vc, speaking through cosyvoice3_tts")
+        for name, result in (("vc3_served_demo.wav", client.convert(source, prompt)),
+                             ("tts3_served_demo.wav", client.tts(text, prompt=prompt, model="cosyvoice3_tts"))):
+            path = Path(result.write(Path("build") / name))
+            print(f"wrote {path}: {result.seconds:.2f} s in {result.latency_s * 1000:.0f} ms (real-time factor "
+                  f"{result.latency_s / max(result.seconds, 1e-9):.3f})")
+            written.append(path)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--tts-text", default=DEFAULT_TTS_TEXT, help="the sentence spoken through cosyvoice_tts")
     d.add_argument("--tts-output", default="build/tts_served_demo.wav")
+    d.add_argument("--cosyvoice3-dir", default=None,
+                   help="a CosyVoice3 folder served beside --model-dir (a missing *demo* folder is written); the "
+                        "conversion and the sentence go through it too (build/vc3_served_demo.wav, "
+                        "build/tts3_served_demo.wav)")
     add_arguments(sub.add_parser("serve", help="as `cosyvoice-triton serve` (cosyvoice_triton.serving.launch.serve)"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -149,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             run_demo(args.model_dir, source=args.source, prompt=args.prompt, output=args.output,
                      onnx_dir=args.onnx_dir, repository=args.repository, protocol=args.protocol,
-                     repeats=args.repeats, seed=args.seed, tts_text=args.tts_text, tts_output=args.tts_output)
+                     repeats=args.repeats, seed=args.seed, tts_text=args.tts_text, tts_output=args.tts_output,
+                     cosyvoice3_dir=args.cosyvoice3_dir)
             return 0
         return run_serve(args)
     except user_errors() as exc:

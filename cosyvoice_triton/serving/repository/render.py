@@ -93,6 +93,22 @@ def _has_tts(model_dir: Path, tun: Tunables) -> bool:
     return all((model_dir / f).is_file() for f in TTS_FILES)
 
 
+def _cosyvoice3_dir(tun: Tunables, allow_missing: bool) -> Path | None:
+    """Tunable ``cosyvoice3_dir`` resolved, after checking it is a complete CosyVoice3 folder; None when unset."""
+    if not tun.cosyvoice3_dir:
+        return None
+    from ...errors import ConfigError
+    from ...family import COSYVOICE3, check_model_folder
+
+    path = Path(tun.cosyvoice3_dir).resolve()
+    if not allow_missing:
+        try:
+            check_model_folder(path, COSYVOICE3)
+        except ConfigError as exc:
+            raise RenderError(f"tunable cosyvoice3_dir: {exc}") from exc
+    return path
+
+
 def _clean(out: Path) -> None:
     if out.exists():
         if any(out.iterdir()) and not (out / MARKER).is_file():
@@ -161,6 +177,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     if not (model_dir / "cosyvoice2.yaml").is_file() and not allow_missing:
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
     _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
+    cv3_dir = _cosyvoice3_dir(tun, allow_missing)
     if precision == CPU_CHOICE:
         _warn_foreign_report(quality_report, model_dir, onnx_dir)
     out = Path(out_dir)
@@ -284,7 +301,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
                                      allow_missing, served_graphs)
 
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
-    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=has_tts, engine_dir=engine_dir)
+    ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=has_tts, engine_dir=engine_dir,
+                        cosyvoice3_dir=cv3_dir)
     for entry in SERVED_MODELS:
         if not entry.enabled(ctx) or (versions and entry.name in NOT_VERSIONED):
             continue

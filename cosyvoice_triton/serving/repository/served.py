@@ -37,6 +37,14 @@ from ...shapes import (
     TensorSpec,
 )
 from ..samples import stage_warmup_samples
+from ..stages.cosyvoice3 import (
+    CV3_OFFICIAL_MODEL,
+    CV3_TTS_MODEL,
+    CV3_TTS_STREAM_MODEL,
+    CV3_VC_INPUTS,
+    CV3_VC_MODEL,
+    CV3_VC_OUTPUTS,
+)
 from ..stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from ..stages.live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from ..stages.official_api import (
@@ -85,6 +93,7 @@ class RenderContext:
     model_dir: Path
     has_tts: bool
     engine_dir: Path = Path("build/engines")
+    cosyvoice3_dir: Path | None = None  # tunable cosyvoice3_dir, resolved and checked
 
 
 @dataclass(frozen=True)
@@ -247,6 +256,22 @@ def _official(ctx: RenderContext) -> bool:
     return ctx.has_tts and rate == OUTPUT_SAMPLE_RATE
 
 
+def _cv3(ctx: RenderContext) -> bool:
+    return ctx.cosyvoice3_dir is not None
+
+
+def _cv3_official(ctx: RenderContext) -> bool:
+    """``cosyvoice3``: with the CosyVoice3 models, where they answer the official 24 kHz."""
+    return _cv3(ctx) and (ctx.tunables.output_sample_rate or OUTPUT_SAMPLE_RATE) == OUTPUT_SAMPLE_RATE
+
+
+def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    return {"model_dir": str(ctx.cosyvoice3_dir), "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds,
+            "wait_timeout_s": tun.tts_wait_timeout_s, "output_sample_rate": tun.output_sample_rate,
+            "torch_threads": tun.torch_threads}
+
+
 def _stream_state_params(ctx: RenderContext) -> dict[str, Any]:
     """The streams' flow state (serving/stages/stream_state.py): its flow runs where the graphs run (cuda in the onnx
     and trt flavors unless their instances are put on the CPU), else on the ``device`` tunable."""
@@ -335,6 +360,33 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in TRTLLM_INPUTS[2:]), kind="backend", values=_trtllm_values,
                 when=lambda ctx: ctx.tunables.lm_backend == "tensorrtllm",
                 doc="tensorrtllm: the LM as a TensorRT-LLM engine (in-flight batching, paged KV cache, streaming)"),
+    ServedModel(CV3_TTS_STREAM_MODEL, f"ensemble/{CV3_TTS_STREAM_MODEL}",
+                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
+                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
+                max_batch_size=8, decoupled=True, when=_cv3,
+                parameters=lambda ctx: {**_cv3_params(ctx), "lm_precision": ctx.tunables.lm_precision},
+                doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream, speaker_id not yet): the "
+                    "cosyvoice3_dir folder in process, one request at a time per instance, chunks on the official "
+                    "CosyVoice3 schedule"),
+    ServedModel(CV3_TTS_MODEL, "ensemble/cosyvoice_tts", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS),
+                TTS_OUTPUTS, frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS)), max_batch_size=8,
+                params_key=TTS_MODEL, when=_cv3,
+                parameters=lambda ctx: {**_output_params(ctx), "stream_model": CV3_TTS_STREAM_MODEL,
+                                        "bls_timeout_us": ctx.tunables.bls_timeout_us,
+                                        "model_sample_rate": OUTPUT_SAMPLE_RATE},
+                doc=f"non-streaming CosyVoice3 TTS: the adapter of {TTS_MODEL} sent on to {CV3_TTS_STREAM_MODEL}"),
+    ServedModel(CV3_VC_MODEL, f"ensemble/{CV3_VC_MODEL}", CV3_VC_INPUTS, CV3_VC_OUTPUTS,
+                frozenset(t.name for t in CV3_VC_INPUTS), max_batch_size=8, when=_cv3,
+                parameters=_cv3_params,
+                doc="CosyVoice3 voice conversion (the tensors of cosyvoice_vc less seed): the cosyvoice3_dir "
+                    "folder in process, the requests of a batch one after the other"),
+    ServedModel(CV3_OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS,
+                OFFICIAL_OPTIONAL, max_batch_size=8, params_key=OFFICIAL_MODEL,
+                decoupled=lambda ctx: ctx.tunables.cosyvoice3_decoupled, when=_cv3_official,
+                parameters=lambda ctx: {"offline_model": CV3_TTS_MODEL, "stream_model": CV3_TTS_STREAM_MODEL,
+                                        "bls_timeout_us": ctx.tunables.bls_timeout_us},
+                doc="the official CosyVoice runtime's CosyVoice3 interface (as cosyvoice2's): "
+                    f"{CV3_TTS_STREAM_MODEL} when decoupled (tunable cosyvoice3_decoupled), else {CV3_TTS_MODEL}"),
     ServedModel(OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS, OFFICIAL_OPTIONAL,
                 max_batch_size=8, decoupled=lambda ctx: ctx.tunables.cosyvoice2_decoupled, when=_official,
                 parameters=lambda ctx: {"offline_model": TTS_MODEL, "stream_model": TTS_STREAM_MODEL,

@@ -57,6 +57,15 @@ _OUTPUT = (
     Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
 )
 
+#: What both CosyVoice3 models read (serving/stages/cosyvoice3.py: one request at a time per instance).
+_CV3_COMMON = (
+    Param("min_seconds", float, 0.1, "shortest accepted prompt / source audio"),
+    Param("max_seconds", float, 30.0, "longest accepted prompt / source audio"),
+    Param("wait_timeout_s", float, 60.0, "a request that waits longer for the instance is refused (UNAVAILABLE)"),
+    Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
+    _TORCH_THREADS,
+)
+
 #: What builds a served TTSService (``cosyvoice_tts_stream``, ``cosyvoice_tts_live``: serving/stages/tts.py
 #: build_service).
 _TTS_SERVICE = (
@@ -201,6 +210,16 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         _TORCH_THREADS,
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,
+    ),
+    "cosyvoice3_tts_stream": (  # a CosyVoice3 folder in process (serving/stages/cosyvoice3.py)
+        Param("model_dir", str, None, "the CosyVoice3 folder (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, ...)"),
+        Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, int8 (PyTorch dynamic INT8) or fp32-ort",
+              ("fp32", "int8", "fp32-ort")),
+        *_CV3_COMMON,
+    ),
+    "cosyvoice3_vc": (
+        Param("model_dir", str, None, "the CosyVoice3 folder (flow.pt, hift.pt, speech_tokenizer_v3.onnx, ...)"),
+        *_CV3_COMMON,
     ),
     "cosyvoice_tts_live": (
         *_TTS_SERVICE,

@@ -443,6 +443,24 @@ def error_response(pb, exc: BaseException):
     return base(pb, exc)
 
 
+def send_stream(pb, sender, responses: Callable[[], Iterable[Mapping[str, np.ndarray]]]) -> None:
+    """The responses of a decoupled TTS stream (``responses()``: each one's tensors) through ``sender``, then the
+    FINAL flag: alone when the stream ended or the client cancelled it (:class:`~.lm_engine.JobCancelled`), with
+    :func:`error_response` when it failed."""
+    import contextlib
+
+    final = None
+    try:
+        for tensors in responses():
+            sender.send(pb.InferenceResponse(output_tensors=[pb.Tensor(k, v) for k, v in tensors.items()]))
+    except JobCancelled:
+        final = None
+    except Exception as exc:
+        final = error_response(pb, exc)
+    with contextlib.suppress(Exception):  # a cancelled stream may refuse it: nothing left to close
+        sender.send(final, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
 def error_code(pb, message: str):
     """The ``TritonError`` code of a message that :func:`error_response` wrote (a decoupled BLS response carries
     the message but not the code in Triton 2.51): INTERNAL for ours (``internal error: ...``), UNAVAILABLE for

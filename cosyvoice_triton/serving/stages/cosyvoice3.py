@@ -1,0 +1,189 @@
+"""CosyVoice3 served beside CosyVoice2: the models of a CosyVoice3 folder (tunable ``cosyvoice3_dir``).
+
+:class:`Cv3Service` is one CosyVoice3 folder in a served instance, in process (the library's
+:class:`~cosyvoice_triton.models.cosyvoice3.pipeline.CosyVoice3`, PyTorch on the instance's threads). It answers
+
+- ``cosyvoice3_tts_stream`` (:meth:`Cv3Service.responses`): the tensors of ``cosyvoice_tts_stream``, chunks on the
+  official CosyVoice3 streaming schedule (``stream`` true) or one answer per text segment (false, with ``speed``);
+- ``cosyvoice3_vc`` (:meth:`Cv3Service.convert`): the tensors of ``cosyvoice_vc`` less ``seed`` (CosyVoice3's
+  vocoder noise is its fixed buffer: nothing to seed), the official ``inference_vc``.
+
+``cosyvoice3_tts`` (whole answers) and ``cosyvoice3`` (the official runtime's CosyVoice3 interface, the same
+tensors as its ``cosyvoice2``) are the CosyVoice2 adapters of ``cosyvoice_tts`` and ``cosyvoice2`` pointed at
+``cosyvoice3_tts_stream`` by BLS.
+
+The mode comes from the inputs as for CosyVoice2 (``instruct_text``: instruct2; ``prompt_text``: zero-shot; neither:
+cross-lingual; or ``mode``). CosyVoice3's LM needs ``<|endofprompt|>`` after a system prompt: a prompt text,
+instruct text or cross-lingual text without it gets the official examples' ``You are a helpful assistant.`` and
+``<|endofprompt|>`` in front (:func:`with_system_prompt`), as the official runtime does to ``reference_text``.
+
+One instance runs one request at a time (the model's streaming state is per instance); a request that waits longer
+than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable ``instances``).
+Not served yet for CosyVoice3: registered speakers (``speaker_id``), live sessions, the batched graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import TextError
+from ...frontend import audio
+from ...frontend.text.cosyvoice3 import MODES, cross_lingual_text, instruct_text, zero_shot_prompt_text
+from ...frontend.text.tokenizer import ENDOFPROMPT
+from ...shapes import VC_INPUTS, VC_OPTIONAL_INPUTS, VC_OUTPUTS, TensorSpec
+from .batching import RequestError
+from .frontend import Preprocessor
+from .lm_engine import BUSY, EngineBusy, JobCancelled
+from .metrics import streaming
+from .postprocess import Postprocessor
+from .tts import bytes_input, speed_input
+from .vocoder import parse_seed
+
+__all__ = ["CV3_OFFICIAL_MODEL", "CV3_TTS_MODEL", "CV3_TTS_STREAM_MODEL", "CV3_VC_INPUTS", "CV3_VC_MODEL",
+           "CV3_VC_OUTPUTS", "Cv3Service", "resolve_mode", "with_system_prompt"]
+
+CV3_TTS_STREAM_MODEL = "cosyvoice3_tts_stream"
+CV3_TTS_MODEL = "cosyvoice3_tts"
+CV3_VC_MODEL = "cosyvoice3_vc"
+CV3_OFFICIAL_MODEL = "cosyvoice3"
+CV3_VC_INPUTS: tuple[TensorSpec, ...] = (*VC_INPUTS, *(t for t in VC_OPTIONAL_INPUTS if t.name != "seed"))
+CV3_VC_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS
+_MODE_ALIASES = {"instruct": "instruct2"}  # CosyVoice2's name of the mode
+
+
+def resolve_mode(mode: str | None, prompt_text: str | None, instruct: str | None) -> str:
+    """The CosyVoice3 mode of a request: ``mode`` (``instruct`` reads as ``instruct2``), else from the inputs."""
+    if mode is None:
+        return "instruct2" if instruct is not None else "zero_shot" if prompt_text is not None else "cross_lingual"
+    mode = _MODE_ALIASES.get(mode.strip(), mode.strip())
+    if mode not in MODES:
+        raise TextError(f"mode must be one of {', '.join(MODES)} for CosyVoice3, got {mode!r}")
+    return mode
+
+
+def with_system_prompt(mode: str, text: str, prompt_text: str | None, instruct: str | None
+                       ) -> tuple[str, str | None, str | None]:
+    """(text, prompt text, instruct text) with the official examples' system prompt and ``<|endofprompt|>`` where
+    the mode needs them and the client left them out; what already holds ``<|endofprompt|>`` stays as given."""
+    if mode == "zero_shot" and prompt_text is not None and ENDOFPROMPT not in prompt_text:
+        prompt_text = zero_shot_prompt_text(prompt_text)
+    elif mode == "instruct2" and instruct is not None and ENDOFPROMPT not in instruct:
+        instruct = instruct_text(instruct)
+    elif mode == "cross_lingual" and ENDOFPROMPT not in text:
+        text = cross_lingual_text(text)
+    return text, prompt_text, instruct
+
+
+def _with_last(chunks: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
+    it = iter(chunks)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for chunk in it:
+        yield prev, False
+        prev = chunk
+    yield prev, True
+
+
+class Cv3Service:
+    """A CosyVoice3 model (``model``: a loaded :class:`~cosyvoice_triton.models.cosyvoice3.pipeline.CosyVoice3`)
+    behind the served tensors; see the module docstring."""
+
+    def __init__(self, model, *, min_seconds: float = audio.MIN_SECONDS, max_seconds: float = audio.MAX_SECONDS,
+                 output_sample_rate: int = 0, wait_timeout_s: float = 60.0):
+        self.model = model
+        self.pre = Preprocessor(model.config.mel, sample_rate=model.sample_rate, min_seconds=min_seconds,
+                                max_seconds=max_seconds)
+        self.post = Postprocessor(model_sample_rate=model.sample_rate, output_sample_rate=output_sample_rate)
+        self.sample_rate = self.post.output_sample_rate
+        self.wait_timeout_s = float(wait_timeout_s)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, tts: bool = True, lm_precision: str = "fp32", torch_threads: int = 1,
+             **kw: Any) -> Cv3Service:
+        """Load ``model_dir`` (a CosyVoice3 folder; another family is refused) on the CPU."""
+        from ...models.cosyvoice3.pipeline import CosyVoice3
+
+        model = CosyVoice3.from_pretrained(model_dir, tts=tts, lm_precision=lm_precision, threads=torch_threads)
+        return cls(model, **kw)
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        if not self._lock.acquire(timeout=self.wait_timeout_s):
+            raise EngineBusy(f"{BUSY}this CosyVoice3 instance was busy for {self.wait_timeout_s:g} s (one request "
+                             "at a time per instance: add instances)")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    # ------------------------------------------------------------------------------------------ text to speech
+    def tts_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any], bool]:
+        """Check one request's tensors: (mode, the keywords of ``CosyVoice3.tts_stream``, stream); a client error
+        (:class:`~cosyvoice_triton.errors.CosyVoiceError`) naming what is wrong."""
+        if t.get("text") is None:
+            raise TextError("text: missing input (the text to speak, UTF-8)")
+        if t.get("speaker_id") is not None:
+            raise RequestError("speaker_id: registered speakers are not served for CosyVoice3 yet; send the prompt "
+                               "audio (prompt_audio with prompt_sample_rate, or prompt_audio_bytes)")
+        text = bytes_input(t["text"], "text")
+        prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
+        instruct = bytes_input(t.get("instruct_text"), "instruct_text")
+        mode = resolve_mode(bytes_input(t.get("mode"), "mode"), prompt_text, instruct)
+        if all(t.get(n) is None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes")):
+            raise TextError("a voice prompt is needed: prompt_audio with prompt_sample_rate, or prompt_audio_bytes")
+        wav, sr = self.pre.utterance("prompt", t.get("prompt_audio"), t.get("prompt_sample_rate"),
+                                     t.get("prompt_audio_bytes"))
+        stream = streaming(t)
+        speed = speed_input(t.get("speed"))
+        if stream and speed != 1.0:
+            raise RequestError("speed: only non-streaming answers change speed (cosyvoice3_tts, or stream=false), "
+                               "as the official code's")
+        text, prompt_text, instruct = with_system_prompt(mode, text, prompt_text, instruct)
+        kw: dict[str, Any] = {"text": text, "prompt_wav": wav, "prompt_sr": sr, "seed": parse_seed(t.get("seed")),
+                              "stream": stream, "speed": speed}
+        if prompt_text is not None:
+            kw["prompt_text"] = prompt_text
+        if instruct is not None:
+            kw["instruct_text"] = instruct
+        return mode, kw, stream
+
+    def responses(self, t: Mapping[str, np.ndarray | None], *, cancelled: Callable[[], bool] = lambda: False
+                  ) -> Iterator[dict[str, np.ndarray]]:
+        """One ``cosyvoice3_tts_stream`` request as the response tensors of each chunk (``waveform [1, n]``,
+        ``sample_rate``, ``chunk_index``) at the output rate; raises :class:`~.lm_engine.JobCancelled` once
+        ``cancelled()`` turns true."""
+        mode, kw, _ = self.tts_request(t)
+        rate = np.array([[self.sample_rate]], np.int32)
+        with self._held():
+            chunks = self.model.tts_stream(mode, **kw)
+            try:
+                for i, chunk in enumerate(self.post.stream().run(_with_last(chunks))):
+                    if cancelled():
+                        raise JobCancelled("the client went away")
+                    yield {"waveform": np.ascontiguousarray(chunk, np.float32)[None], "sample_rate": rate,
+                           "chunk_index": np.array([[i]], np.int32)}
+            finally:
+                chunks.close()
+
+    # ---------------------------------------------------------------------------------------- voice conversion
+    def convert(self, t: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        """One ``cosyvoice3_vc`` request -> ``waveform [1, N]`` at the output rate and ``sample_rate``."""
+        if t.get("seed") is not None:
+            raise RequestError("seed: CosyVoice3's vocoder noise is the checkpoint's fixed buffer, there is nothing "
+                               "to seed (leave seed out)")
+        src, src_sr = self.pre.utterance("source", t.get("source_audio"), t.get("source_sample_rate"),
+                                         t.get("source_audio_bytes"))
+        prompt, prompt_sr = self.pre.utterance("prompt", t.get("prompt_audio"), t.get("prompt_sample_rate"),
+                                               t.get("prompt_audio_bytes"))
+        with self._held():
+            wave = self.model.vc(src, prompt, source_sr=src_sr, prompt_sr=prompt_sr)
+        return {"waveform": self.post.waveform(wave)[None], "sample_rate": np.array([[self.sample_rate]], np.int32)}

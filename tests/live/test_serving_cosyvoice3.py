@@ -1,0 +1,246 @@
+"""CosyVoice3 served beside CosyVoice2 (tunable ``cosyvoice3_dir``) by a real ``tritonserver``: the local flavor on
+the tiny CosyVoice2 demo with the CosyVoice3 demo folder. ``cosyvoice3_tts_stream`` streams over gRPC the chunks of
+the library's ``CosyVoice3`` in process; ``cosyvoice3_tts`` (HTTP) answers their concatenation with
+``stream=false``; ``cosyvoice3`` takes the official runtime's requests and answers the chunks of
+``cosyvoice3_tts_stream``; ``cosyvoice3_vc`` converts as the library does. Bad requests get 400 /
+INVALID_ARGUMENT naming what is wrong, and the server keeps answering."""
+
+from __future__ import annotations
+
+import json
+import queue
+import uuid
+
+import numpy as np
+import pytest
+import soundfile as sf
+from conftest import PATIENCE_S, http_post, served
+
+TEXT = "Hello there, this is CosyVoice3 on Triton."
+PROMPT_TEXT = "the prompt says hello"
+ATOL = 1e-4  # another process, the same threads: float32 sums in another order at most
+
+
+@pytest.fixture(scope="module")
+def cv3_dir(tmp_path_factory):
+    from cosyvoice_triton.__main__ import main
+
+    out = tmp_path_factory.mktemp("cv3served") / "Fun-CosyVoice3-demo"
+    assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(serving_assets, cv3_dir, tmp_path_factory):
+    from cosyvoice_triton.serving.repository import render_repository
+
+    repo = tmp_path_factory.mktemp("cv3repo") / "model_repository"
+    report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
+                               onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=5000,
+                               cosyvoice3_dir=str(cv3_dir))
+    assert {"cosyvoice3_tts_stream", "cosyvoice3_tts", "cosyvoice3_vc", "cosyvoice3", "cosyvoice_vc"} <= set(
+        report.models)
+    with served(repo) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def library(cv3_dir):
+    from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
+
+    return Cv3Service.load(cv3_dir)
+
+
+@pytest.fixture(scope="module")
+def speech(en_speech):
+    return en_speech
+
+
+def _tts(speech, **extra) -> dict:
+    p, psr, _, _ = speech
+    return {"text": np.array([[TEXT.encode()]], object), "prompt_audio": p[None],
+            "prompt_sample_rate": np.array([[psr]], np.int32),
+            "prompt_text": np.array([[PROMPT_TEXT.encode()]], object), **extra}
+
+
+def _inputs(mod, arrays):
+    out = []
+    for name, arr in arrays.items():
+        t = mod.InferInput(name, list(arr.shape), {"object": "BYTES", "float32": "FP32", "int32": "INT32",
+                                                   "int64": "INT64", "bool": "BOOL"}[str(arr.dtype)])
+        t.set_data_from_numpy(arr)
+        out.append(t)
+    return out
+
+
+def _stream(server, model, arrays):
+    """One request on a gRPC stream: (waveform chunks, error, final seen)."""
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    chunks, error, final = [], None, False
+    try:
+        client.async_stream_infer(model, _inputs(grpcclient, arrays), request_id=str(uuid.uuid4()),
+                                  outputs=[grpcclient.InferRequestedOutput("waveform")],
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=PATIENCE_S)
+            if error is not None:
+                break
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                final = True
+                break
+            chunks.append(result.as_numpy("waveform").reshape(-1))
+    finally:
+        client.stop_stream()
+        client.close()
+    return chunks, error, final
+
+
+def _http_json(server, model, arrays):
+    inputs = []
+    for name, arr in arrays.items():
+        dtype = {"object": "BYTES", "float32": "FP32", "int32": "INT32", "int64": "INT64", "bool": "BOOL"}[
+            str(arr.dtype)]
+        data = [v.decode() for v in arr.reshape(-1)] if arr.dtype == object else arr.reshape(-1).tolist()
+        inputs.append({"name": name, "shape": list(arr.shape), "datatype": dtype, "data": data})
+    status, body = http_post(server.http_url, f"/v2/models/{model}/infer", json.dumps({"inputs": inputs}).encode())
+    return status, json.loads(body)
+
+
+def test_the_stream_is_the_library_stream(server, library, speech):
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", _tts(speech))
+    assert error is None and final
+    want = [c["waveform"][0] for c in library.responses(_tts(speech))]
+    assert len(chunks) == len(want) >= 2 and [c.size for c in chunks] == [w.size for w in want]
+    for got, w in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(got, w, atol=ATOL)
+
+
+def test_whole_answer_over_http_is_the_unstreamed_library_answer(server, library, speech):
+    status, body = _http_json(server, "cosyvoice3_tts", _tts(speech))
+    assert status == 200, body
+    out = {o["name"]: o for o in body["outputs"]}
+    got = np.asarray(out["waveform"]["data"], np.float32)
+    want = np.concatenate([c["waveform"][0] for c in library.responses(_tts(speech, stream=np.array([[False]])))])
+    assert got.size == want.size and out["sample_rate"]["data"] == [24000]
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_the_official_interface_answers_the_stream_chunks(server, speech):
+    from scipy.signal import resample_poly
+
+    p, psr, _, _ = speech
+    assert psr == 22050
+    ref16 = resample_poly(p, 320, 441).astype(np.float32)
+    official = {"reference_wav": ref16[None], "reference_wav_len": np.array([[ref16.size]], np.int32),
+                "reference_text": np.array([[PROMPT_TEXT.encode()]], object),
+                "target_text": np.array([[TEXT.encode()]], object)}
+    chunks, error, final = _stream(server, "cosyvoice3", official)
+    assert error is None and final and len(chunks) >= 2
+    own, error, final = _stream(server, "cosyvoice3_tts_stream", {
+        "text": official["target_text"], "prompt_audio": ref16[None],
+        "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": official["reference_text"]})
+    assert error is None and final
+    assert [c.size for c in chunks] == [c.size for c in own]
+    for got, want in zip(chunks, own, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_conversion_is_the_library_conversion(server, library, speech):
+    p, psr, s, ssr = speech
+    arrays = {"source_audio": s[None], "source_sample_rate": np.array([[ssr]], np.int32),
+              "prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32)}
+    status, body = _http_json(server, "cosyvoice3_vc", arrays)
+    assert status == 200, body
+    got = np.asarray({o["name"]: o for o in body["outputs"]}["waveform"]["data"], np.float32)
+    want = library.convert(arrays)["waveform"][0]
+    assert got.size == want.size
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
+def test_bad_requests_name_what_is_wrong_and_the_server_stays(server, speech):
+    status, body = _http_json(server, "cosyvoice3_vc", {
+        "source_audio": speech[2][None], "source_sample_rate": np.array([[speech[3]]], np.int32),
+        "prompt_audio": speech[0][None], "prompt_sample_rate": np.array([[speech[1]]], np.int32),
+        "seed": np.array([[3]], np.int64)})
+    assert status == 400 and "seed" in body["error"], body
+    status, body = _http_json(server, "cosyvoice3_tts", _tts(speech, mode=np.array([[b"sft"]], object)))
+    assert status == 400 and "mode must be one of" in body["error"], body
+    status, body = _http_json(server, "cosyvoice3_vc", {
+        "source_audio": speech[2][None], "source_sample_rate": np.array([[0]], np.int32),
+        "prompt_audio": speech[0][None], "prompt_sample_rate": np.array([[speech[1]]], np.int32)})
+    assert status == 400 and "source_sample_rate" in body["error"], body
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream",
+                                   _tts(speech, speaker_id=np.array([[b"alice"]], object)))
+    assert error is not None and not chunks
+    assert "speaker_id: registered speakers are not served for CosyVoice3" in str(error), str(error)
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", _tts(speech))
+    assert error is None and final and chunks
+
+
+def test_the_gateway_speaks_cosyvoice3_by_model_name(server, speech, tmp_path):
+    import base64
+    import io
+
+    from conftest import gateway_process
+
+    p, psr, _, _ = speech
+    buf = io.BytesIO()
+    sf.write(buf, p, psr, format="WAV", subtype="FLOAT")
+    body = {"model": "cosyvoice3", "input": TEXT, "reference_audio": base64.b64encode(buf.getvalue()).decode(),
+            "reference_text": PROMPT_TEXT, "response_format": "wav"}
+    status, direct = _http_json(server, "cosyvoice3_tts", _tts(speech))
+    assert status == 200, direct
+    want = np.asarray({o["name"]: o for o in direct["outputs"]}["waveform"]["data"], np.float32)
+    with gateway_process(server, tmp_path / "gateway.log", "--models", "cosyvoice2,cosyvoice3,tts-1") as urls:
+        status, wav = http_post(urls.http, "/v1/audio/speech", json.dumps(body).encode(),
+                                {"Content-Type": "application/json"})
+        assert status == 200, wav[:500]
+        got, rate = sf.read(io.BytesIO(wav), dtype="float32")
+        assert rate == 24000 and got.size == want.size
+        np.testing.assert_allclose(got, np.clip(want, -1, 1), atol=2 / 32768)
+        status, text = http_post(urls.http, "/v1/audio/speech", json.dumps(
+            {"model": "cosyvoice3", "input": TEXT, "voice": "alloy"}).encode(), {"Content-Type": "application/json"})
+        assert status == 400 and b"not served for cosyvoice3" in text, text
+    with gateway_process(server, tmp_path / "gateway2.log") as urls:  # not named in --models: refused at the door
+        status, text = http_post(urls.http, "/v1/audio/speech", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+        assert status == 400 and b"cosyvoice3" in text and b"not served here" in text, text
+
+
+def test_cosyvoice3_has_the_official_configs_tensors(serving_assets, cv3_dir, tmp_path):
+    """``cosyvoice3``'s tensors are those of the official runtime's ``model_repo_cosyvoice3/cosyvoice3`` (ace7c47)."""
+    import re
+    import subprocess
+
+    from conftest import official_git
+    from google.protobuf import text_format
+    from google.protobuf.json_format import MessageToDict
+
+    from cosyvoice_triton.serving.repository import render_repository
+
+    pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+    shown = subprocess.run(["git", "-C", str(official_git()), "show",
+                            "ace7c47:runtime/triton_trtllm/model_repo_cosyvoice3/cosyvoice3/config.pbtxt"],
+                           capture_output=True, text=True, check=False)
+    if shown.returncode != 0:
+        pytest.skip(f"the official git folder has no ace7c47 with model_repo_cosyvoice3: {shown.stderr[:200]}")
+    text = re.sub(r"\$\{(\w+)\}", lambda m: {"triton_max_batch_size": "16", "max_queue_delay_microseconds": "0",
+                                             "decoupled_mode": "true", "bls_instance_num": "1"}.get(m.group(1), "x"),
+                  shown.stdout)
+    official = MessageToDict(text_format.Parse(text, pb2.ModelConfig()), preserving_proto_field_name=True)
+    render_repository("local", tmp_path / "repo", model_dir=serving_assets["model_dir"],
+                      onnx_dir=serving_assets["onnx_dir"], cosyvoice3_dir=str(cv3_dir))
+    ours = MessageToDict(text_format.Parse((tmp_path / "repo" / "cosyvoice3" / "config.pbtxt").read_text(),
+                                           pb2.ModelConfig()), preserving_proto_field_name=True)
+
+    def tensors(cfg, kind):
+        return {t["name"]: (t["data_type"], t["dims"], bool(t.get("optional"))) for t in cfg[kind]}
+
+    assert ours["name"] == official["name"] == "cosyvoice3"
+    assert tensors(ours, "input") == tensors(official, "input")
+    assert tensors(ours, "output") == tensors(official, "output")
+    assert ours["model_transaction_policy"] == {"decoupled": True}

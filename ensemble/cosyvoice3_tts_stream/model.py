@@ -23,7 +23,10 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_stream"], model=args["model_name"])
         self.tts = Cv3Service.load(p["model_dir"], lm_precision=p["lm_precision"], torch_threads=p["torch_threads"],
                                    min_seconds=p["min_seconds"], max_seconds=p["max_seconds"],
-                                   output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"])
+                                   output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"],
+                                   text_limits={"max_chars": p["max_text_chars"],
+                                                "max_digit_run": p["max_text_digit_run"],
+                                                "max_digits": p["max_text_digits"]})
         self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                     audio_out=True, first_chunk=True)
         self.workers = set()

@@ -169,6 +169,8 @@ def test_bad_requests_name_what_is_wrong_and_the_server_stays(server, speech):
     assert status == 400 and "seed" in body["error"], body
     status, body = _http_json(server, "cosyvoice3_tts", _tts(speech, mode=np.array([[b"sft"]], object)))
     assert status == 400 and "mode must be one of" in body["error"], body
+    status, body = _http_json(server, "cosyvoice3_tts", _tts(speech, text=np.array([[b"word " * 401]], object)))
+    assert status == 400 and "more than the maximum 2000" in body["error"], body  # tunable max_text_chars
     status, body = _http_json(server, "cosyvoice3_vc", {
         "source_audio": speech[2][None], "source_sample_rate": np.array([[0]], np.int32),
         "prompt_audio": speech[0][None], "prompt_sample_rate": np.array([[speech[1]]], np.int32)})

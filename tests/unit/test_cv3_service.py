@@ -20,10 +20,15 @@ PROMPT_TEXT = "A short prompt."
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory) -> Cv3Service:
+def folder(tmp_path_factory):
     out = tmp_path_factory.mktemp("cv3svc") / "Fun-CosyVoice3-demo"
     assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
-    return Cv3Service.load(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def service(folder) -> Cv3Service:
+    return Cv3Service.load(folder)
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +159,14 @@ def test_output_rate_resamples(service, speech):
     full = list(service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT))))
     n_low, n_full = sum(c["waveform"].size for c in chunks), sum(c["waveform"].size for c in full)
     assert abs(n_low - n_full * 2 / 3) <= 2 * len(chunks)
+
+
+def test_text_limits_are_the_services(service, folder, speech):
+    small = Cv3Service(service.model)
+    limited = Cv3Service.load(folder, text_limits={"max_chars": 40, "max_digit_run": 4})
+    long_text = {"text": _b("word " * 9)}  # 45 characters
+    with pytest.raises(CosyVoiceError, match="40"):
+        list(limited.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT), **long_text)))
+    with pytest.raises(CosyVoiceError, match="digit"):
+        list(limited.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT), text=_b("call 123456"))))
+    assert len(list(small.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT), **long_text)))) >= 1

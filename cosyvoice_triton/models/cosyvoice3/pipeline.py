@@ -25,7 +25,7 @@ turns them into audio, non-streaming (with ``speed``) or on the official streami
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +97,7 @@ class CosyVoice3(PromptFrontend):
                         tts: bool = True, prompt_cache: PromptCache | bool = True, lm_precision: str = "fp32",
                         hift_noise_seed: int = 0, speaker_dir: str | Path | None = None,
                         stream_schedule: StreamSchedule | None = None, threads: int | None = None,
-                        spinning: bool | None = None) -> CosyVoice3:
+                        spinning: bool | None = None, text_limits: Mapping[str, int] | None = None) -> CosyVoice3:
         """Load a CosyVoice3 model folder (the official one, or a demo folder of the same layout).
 
         Every loader is strict (keys and shapes, ``weights_only``). A folder of another family (by the official
@@ -107,6 +107,7 @@ class CosyVoice3(PromptFrontend):
         global generator when it builds the vocoder). ``lm_precision``, ``threads``, ``spinning``,
         ``prompt_cache``, ``speaker_dir``: as for :meth:`CosyVoice2.from_pretrained
         <cosyvoice_triton.pipeline.CosyVoice2.from_pretrained>`. ``stream_schedule``: other streaming hops.
+        ``text_limits``: keywords of the text front end's limits (``max_chars``, ``max_digit_run``, ``max_digits``).
         """
         from ...models.lm_quant import LM_PRECISIONS
 
@@ -134,7 +135,7 @@ class CosyVoice3(PromptFrontend):
             from ..llm import QWEN_DIR
 
             llm = load_llm3(model_dir, config.llm, device=device, precision=lm_precision)
-            text = TextFrontend(model_dir / QWEN_DIR, family=COSYVOICE3)
+            text = TextFrontend(model_dir / QWEN_DIR, family=COSYVOICE3, **(text_limits or {}))
         cache = PromptCache() if prompt_cache is True else (None if prompt_cache is False else prompt_cache)
         model = cls(config, llm, token2wav, tokenizer, speaker, text, prompt_cache=cache,
                     speakers=SpeakerStore(speaker_dir))

@@ -364,7 +364,10 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
                 frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
                 max_batch_size=8, decoupled=True, when=_cv3,
-                parameters=lambda ctx: {**_cv3_params(ctx), "lm_precision": ctx.tunables.lm_precision},
+                parameters=lambda ctx: {**_cv3_params(ctx), "lm_precision": ctx.tunables.lm_precision,
+                                        "max_text_chars": ctx.tunables.max_text_chars,
+                                        "max_text_digit_run": ctx.tunables.max_text_digit_run,
+                                        "max_text_digits": ctx.tunables.max_text_digits},
                 doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream, speaker_id not yet): the "
                     "cosyvoice3_dir folder in process, one request at a time per instance, chunks on the official "
                     "CosyVoice3 schedule"),

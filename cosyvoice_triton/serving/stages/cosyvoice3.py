@@ -108,11 +108,13 @@ class Cv3Service:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, tts: bool = True, lm_precision: str = "fp32", torch_threads: int = 1,
-             **kw: Any) -> Cv3Service:
-        """Load ``model_dir`` (a CosyVoice3 folder; another family is refused) on the CPU."""
+             text_limits: Mapping[str, int] | None = None, **kw: Any) -> Cv3Service:
+        """Load ``model_dir`` (a CosyVoice3 folder; another family is refused) on the CPU. ``text_limits``: the
+        text front end's (``max_chars``, ``max_digit_run``, ``max_digits``; a longer text is a client error)."""
         from ...models.cosyvoice3.pipeline import CosyVoice3
 
-        model = CosyVoice3.from_pretrained(model_dir, tts=tts, lm_precision=lm_precision, threads=torch_threads)
+        model = CosyVoice3.from_pretrained(model_dir, tts=tts, lm_precision=lm_precision, threads=torch_threads,
+                                           text_limits=text_limits)
         return cls(model, **kw)
 
     @contextlib.contextmanager

@@ -215,6 +215,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("model_dir", str, None, "the CosyVoice3 folder (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, ...)"),
         Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, int8 (PyTorch dynamic INT8) or fp32-ort",
               ("fp32", "int8", "fp32-ort")),
+        *(p for p in _TTS_SERVICE if p.name.startswith("max_text_")),
         *_CV3_COMMON,
     ),
     "cosyvoice3_vc": (

@@ -90,13 +90,12 @@ def _cmd_tts(args: argparse.Namespace) -> int:
     timer = StageTimer()
     t0 = time.perf_counter()
     if _is_cosyvoice3(args.model_dir):
+        from .frontend.text.cosyvoice3 import resolve_mode
         from .models.cosyvoice3.pipeline import CosyVoice3
 
         model = CosyVoice3.from_pretrained(args.model_dir, device=args.device, speaker_dir=args.speaker_dir,
                                            threads=args.threads or None)
-        mode = {"instruct": "instruct2"}.get(args.mode, args.mode) or (
-            "instruct2" if args.instruct is not None else
-            "zero_shot" if args.prompt_text is not None or args.speaker else "cross_lingual")
+        mode = resolve_mode(args.mode, args.prompt_text, args.instruct, speaker=bool(args.speaker))
         chunks = model.tts_stream(mode, text, stream=args.stream, seed=args.seed, timer=timer,
                                   prompt_wav=args.prompt_audio, prompt_text=args.prompt_text,
                                   instruct_text=args.instruct, speaker_id=args.speaker)

@@ -402,3 +402,13 @@ STAGES: Mapping[str, StageSpec] = MappingProxyType({
         doc="output sample rate, optional loudness normalisation, optional encoded bytes",
     ),
 })
+
+#: The CosyVoice3 models (render tunable ``cosyvoice3_dir``): ``cosyvoice3_tts_stream`` and ``cosyvoice3_tts`` take
+#: the tensors of ``cosyvoice_tts_stream`` / ``cosyvoice_tts``, ``cosyvoice3`` those of the official ``cosyvoice2``,
+#: ``cosyvoice3_vc`` those of ``cosyvoice_vc`` less ``seed`` (CosyVoice3's vocoder noise is a fixed buffer).
+CV3_TTS_STREAM_MODEL = "cosyvoice3_tts_stream"
+CV3_TTS_MODEL = "cosyvoice3_tts"
+CV3_VC_MODEL = "cosyvoice3_vc"
+CV3_OFFICIAL_MODEL = "cosyvoice3"
+CV3_VC_INPUTS: tuple[TensorSpec, ...] = (*VC_INPUTS, *(t for t in VC_OPTIONAL_INPUTS if t.name != "seed"))
+CV3_VC_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS

@@ -189,6 +189,17 @@ def speech_pair(source_s: float, prompt_s: float) -> tuple[np.ndarray, int, np.n
 
 
 @pytest.fixture(scope="session")
+def cv3_demo_dir(tmp_path_factory) -> Path:
+    """``cosyvoice-triton demo-model --family cosyvoice3 --seed 3``: the CosyVoice3 demo folder, once a session
+    (read only)."""
+    from cosyvoice_triton.__main__ import main
+
+    out = tmp_path_factory.mktemp("cv3demo") / "Fun-CosyVoice3-demo"
+    assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def en_speech() -> tuple[np.ndarray, int, np.ndarray, int]:
     """The bundled English prompt (3 s, 22.05 kHz) and source (5 s, 24 kHz) as read: (prompt, rate, source, rate)."""
     import soundfile as sf

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from ..clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
-from ..shapes import TTS_MODEL, TTS_STREAM_MODEL
+from ..shapes import CV3_TTS_MODEL, CV3_TTS_STREAM_MODEL, TTS_MODEL, TTS_STREAM_MODEL
 from .errors import GatewayError
 from .tenants import TOKENS_PER_SECOND
 
@@ -98,7 +98,7 @@ def backend_error(exc: BaseException) -> GatewayError:
 
 
 #: (whole, stream) Triton models of each family: CosyVoice3's are served with the render tunable cosyvoice3_dir
-TTS_MODELS = {"cosyvoice2": (TTS_MODEL, TTS_STREAM_MODEL), "cosyvoice3": ("cosyvoice3_tts", "cosyvoice3_tts_stream")}
+TTS_MODELS = {"cosyvoice2": (TTS_MODEL, TTS_STREAM_MODEL), "cosyvoice3": (CV3_TTS_MODEL, CV3_TTS_STREAM_MODEL)}
 
 
 class TritonBackend:

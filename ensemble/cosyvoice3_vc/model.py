@@ -7,11 +7,12 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.cosyvoice3 import CV3_VC_INPUTS, Cv3Service
+from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.tts import error_response
+from cosyvoice_triton.shapes import CV3_VC_INPUTS
 
 INPUTS = [t.name for t in CV3_VC_INPUTS] + ["seed"]  # seed: refused with its reason when sent
 

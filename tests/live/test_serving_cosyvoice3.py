@@ -22,12 +22,8 @@ ATOL = 1e-4  # another process, the same threads: float32 sums in another order 
 
 
 @pytest.fixture(scope="module")
-def cv3_dir(tmp_path_factory):
-    from cosyvoice_triton.__main__ import main
-
-    out = tmp_path_factory.mktemp("cv3served") / "Fun-CosyVoice3-demo"
-    assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
-    return out
+def cv3_dir(cv3_demo_dir):
+    return cv3_demo_dir
 
 
 @pytest.fixture(scope="module")

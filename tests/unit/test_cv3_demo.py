@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import FIXTURES, official_git
 
-from cosyvoice_triton.__main__ import build_parser, main
+from cosyvoice_triton.__main__ import build_parser
 from cosyvoice_triton.config import LLMConfig, load_hyperpyyaml
 from cosyvoice_triton.errors import CheckpointError, ConfigError, LLMError
 from cosyvoice_triton.family import COSYVOICE3_FILES, check_model_folder, model_family
@@ -43,10 +43,8 @@ OFFICIAL_YAML = "ace7c47:examples/libritts/cosyvoice3/conf/cosyvoice3.yaml"
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cv3") / "Fun-CosyVoice3-demo"
-    assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
-    return out
+def demo(cv3_demo_dir) -> Path:
+    return cv3_demo_dir
 
 
 def test_cli_default_family_is_cosyvoice2():

@@ -9,10 +9,10 @@ import threading
 import numpy as np
 import pytest
 
-from cosyvoice_triton.__main__ import main
 from cosyvoice_triton.errors import CosyVoiceError
+from cosyvoice_triton.frontend.text.cosyvoice3 import resolve_mode, with_system_prompt
 from cosyvoice_triton.frontend.text.tokenizer import ENDOFPROMPT
-from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service, resolve_mode, with_system_prompt
+from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
 from cosyvoice_triton.serving.stages.lm_engine import EngineBusy, JobCancelled
 
 TEXT = "Hello there, how are you today?"
@@ -20,10 +20,8 @@ PROMPT_TEXT = "A short prompt."
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("cv3svc") / "Fun-CosyVoice3-demo"
-    assert main(["demo-model", "--family", "cosyvoice3", "--out", str(out), "--seed", "3"]) == 0
-    return out
+def folder(cv3_demo_dir):
+    return cv3_demo_dir
 
 
 @pytest.fixture(scope="module")

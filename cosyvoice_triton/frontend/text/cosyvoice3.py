@@ -46,6 +46,35 @@ def cross_lingual_text(text: str) -> str:
     return f"{SYSTEM_PROMPT}{ENDOFPROMPT}{text}"
 
 
+_MODE_ALIASES = {"instruct": "instruct2"}  # CosyVoice2's name of the mode
+
+
+def resolve_mode(mode: str | None, prompt_text: str | None, instruct: str | None, *, speaker: bool = False) -> str:
+    """The CosyVoice3 mode of a request: ``mode`` (``instruct`` reads as ``instruct2``), else from the inputs:
+    instruct2 with an instruction, zero-shot with a prompt text (or a registered ``speaker``), else cross-lingual."""
+    if mode is None:
+        if instruct is not None:
+            return "instruct2"
+        return "zero_shot" if prompt_text is not None or speaker else "cross_lingual"
+    mode = _MODE_ALIASES.get(mode.strip(), mode.strip())
+    if mode not in MODES:
+        raise TextError(f"mode must be one of {', '.join(MODES)} for CosyVoice3, got {mode!r}")
+    return mode
+
+
+def with_system_prompt(mode: str, text: str, prompt_text: str | None, instruct: str | None
+                       ) -> tuple[str, str | None, str | None]:
+    """(text, prompt text, instruct text) with the official examples' system prompt and ``<|endofprompt|>`` where
+    the mode needs them and the caller left them out; what already holds ``<|endofprompt|>`` stays as given."""
+    if mode == "zero_shot" and prompt_text is not None and ENDOFPROMPT not in prompt_text:
+        prompt_text = zero_shot_prompt_text(prompt_text)
+    elif mode == "instruct2" and instruct is not None and ENDOFPROMPT not in instruct:
+        instruct = instruct_text(instruct)
+    elif mode == "cross_lingual" and ENDOFPROMPT not in text:
+        text = cross_lingual_text(text)
+    return text, prompt_text, instruct
+
+
 def require_endofprompt(prompt_text: str, text: str, *, mode: str, streamed: bool = False) -> None:
     """Raise :class:`TextError` when the CosyVoice3 LM would refuse this input for lack of ``<|endofprompt|>``.
 

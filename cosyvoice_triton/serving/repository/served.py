@@ -12,6 +12,12 @@ from typing import Any
 import numpy as np
 
 from ...shapes import (
+    CV3_OFFICIAL_MODEL,
+    CV3_TTS_MODEL,
+    CV3_TTS_STREAM_MODEL,
+    CV3_VC_INPUTS,
+    CV3_VC_MODEL,
+    CV3_VC_OUTPUTS,
     GRAPHS,
     SPEAKER_EMBEDDING_INPUTS,
     SPEAKER_EMBEDDING_MODEL,
@@ -37,14 +43,6 @@ from ...shapes import (
     TensorSpec,
 )
 from ..samples import stage_warmup_samples
-from ..stages.cosyvoice3 import (
-    CV3_OFFICIAL_MODEL,
-    CV3_TTS_MODEL,
-    CV3_TTS_STREAM_MODEL,
-    CV3_VC_INPUTS,
-    CV3_VC_MODEL,
-    CV3_VC_OUTPUTS,
-)
 from ..stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from ..stages.live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from ..stages.official_api import (

@@ -15,7 +15,8 @@ tensors as its ``cosyvoice2``) are the CosyVoice2 adapters of ``cosyvoice_tts`` 
 The mode comes from the inputs as for CosyVoice2 (``instruct_text``: instruct2; ``prompt_text``: zero-shot; neither:
 cross-lingual; or ``mode``). CosyVoice3's LM needs ``<|endofprompt|>`` after a system prompt: a prompt text,
 instruct text or cross-lingual text without it gets the official examples' ``You are a helpful assistant.`` and
-``<|endofprompt|>`` in front (:func:`with_system_prompt`), as the official runtime does to ``reference_text``.
+``<|endofprompt|>`` in front (:func:`~cosyvoice_triton.frontend.text.cosyvoice3.with_system_prompt`), as the
+official runtime does to ``reference_text``.
 
 One instance runs one request at a time (the model's streaming state is per instance); a request that waits longer
 than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable ``instances``).
@@ -34,9 +35,7 @@ import numpy as np
 
 from ...errors import TextError
 from ...frontend import audio
-from ...frontend.text.cosyvoice3 import MODES, cross_lingual_text, instruct_text, zero_shot_prompt_text
-from ...frontend.text.tokenizer import ENDOFPROMPT
-from ...shapes import VC_INPUTS, VC_OPTIONAL_INPUTS, VC_OUTPUTS, TensorSpec
+from ...frontend.text.cosyvoice3 import resolve_mode, with_system_prompt
 from .batching import RequestError
 from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled
@@ -45,39 +44,7 @@ from .postprocess import Postprocessor
 from .tts import bytes_input, speed_input
 from .vocoder import parse_seed
 
-__all__ = ["CV3_OFFICIAL_MODEL", "CV3_TTS_MODEL", "CV3_TTS_STREAM_MODEL", "CV3_VC_INPUTS", "CV3_VC_MODEL",
-           "CV3_VC_OUTPUTS", "Cv3Service", "resolve_mode", "with_system_prompt"]
-
-CV3_TTS_STREAM_MODEL = "cosyvoice3_tts_stream"
-CV3_TTS_MODEL = "cosyvoice3_tts"
-CV3_VC_MODEL = "cosyvoice3_vc"
-CV3_OFFICIAL_MODEL = "cosyvoice3"
-CV3_VC_INPUTS: tuple[TensorSpec, ...] = (*VC_INPUTS, *(t for t in VC_OPTIONAL_INPUTS if t.name != "seed"))
-CV3_VC_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS
-_MODE_ALIASES = {"instruct": "instruct2"}  # CosyVoice2's name of the mode
-
-
-def resolve_mode(mode: str | None, prompt_text: str | None, instruct: str | None) -> str:
-    """The CosyVoice3 mode of a request: ``mode`` (``instruct`` reads as ``instruct2``), else from the inputs."""
-    if mode is None:
-        return "instruct2" if instruct is not None else "zero_shot" if prompt_text is not None else "cross_lingual"
-    mode = _MODE_ALIASES.get(mode.strip(), mode.strip())
-    if mode not in MODES:
-        raise TextError(f"mode must be one of {', '.join(MODES)} for CosyVoice3, got {mode!r}")
-    return mode
-
-
-def with_system_prompt(mode: str, text: str, prompt_text: str | None, instruct: str | None
-                       ) -> tuple[str, str | None, str | None]:
-    """(text, prompt text, instruct text) with the official examples' system prompt and ``<|endofprompt|>`` where
-    the mode needs them and the client left them out; what already holds ``<|endofprompt|>`` stays as given."""
-    if mode == "zero_shot" and prompt_text is not None and ENDOFPROMPT not in prompt_text:
-        prompt_text = zero_shot_prompt_text(prompt_text)
-    elif mode == "instruct2" and instruct is not None and ENDOFPROMPT not in instruct:
-        instruct = instruct_text(instruct)
-    elif mode == "cross_lingual" and ENDOFPROMPT not in text:
-        text = cross_lingual_text(text)
-    return text, prompt_text, instruct
+__all__ = ["Cv3Service"]
 
 
 def _with_last(chunks: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
@@ -128,8 +95,8 @@ class Cv3Service:
             self._lock.release()
 
     # ------------------------------------------------------------------------------------------ text to speech
-    def tts_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any], bool]:
-        """Check one request's tensors: (mode, the keywords of ``CosyVoice3.tts_stream``, stream); a client error
+    def tts_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any]]:
+        """Check one request's tensors: (mode, the keywords of ``CosyVoice3.tts_stream``); a client error
         (:class:`~cosyvoice_triton.errors.CosyVoiceError`) naming what is wrong."""
         if t.get("text") is None:
             raise TextError("text: missing input (the text to speak, UTF-8)")
@@ -156,14 +123,14 @@ class Cv3Service:
             kw["prompt_text"] = prompt_text
         if instruct is not None:
             kw["instruct_text"] = instruct
-        return mode, kw, stream
+        return mode, kw
 
     def responses(self, t: Mapping[str, np.ndarray | None], *, cancelled: Callable[[], bool] = lambda: False
                   ) -> Iterator[dict[str, np.ndarray]]:
         """One ``cosyvoice3_tts_stream`` request as the response tensors of each chunk (``waveform [1, n]``,
         ``sample_rate``, ``chunk_index``) at the output rate; raises :class:`~.lm_engine.JobCancelled` once
         ``cancelled()`` turns true."""
-        mode, kw, _ = self.tts_request(t)
+        mode, kw = self.tts_request(t)
         rate = np.array([[self.sample_rate]], np.int32)
         with self._held():
             chunks = self.model.tts_stream(mode, **kw)

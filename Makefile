@@ -19,7 +19,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -112,6 +112,28 @@ else
 	@if [ ! -f models/cosyvoice2-demo-full/flow.pt ]; then $(MAKE) --no-print-directory demo-model DEMO_SIZE=full; fi
 	@$(MAKE) --no-print-directory $(OFFICIAL_DEPS)/.installed
 	$(CLI) bench-peer --model-dir models/cosyvoice2-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS) $(BENCH_PEER_ARGS)
+endif
+
+OFFICIAL_DEPS3 := build/official-deps3
+$(OFFICIAL_DEPS3)/.installed: | $(VENV)/.installed
+	@# the official CosyVoice3 imports at its requirements.txt pins, beside the venv, never in it; transformers
+	@# 4.51.3 (and its tokenizers): the official LM's one-token attention mask decodes other tokens under newer ones
+	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS3) diffusers==0.29.2 einops==0.8.2 conformer==0.3.2 \
+	  omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 importlib_metadata==10.2.0 zipp==4.1.2 HyperPyYAML==1.2.3 \
+	  ruamel.yaml==0.18.17 ruamel.yaml.clib==0.2.15 x-transformers==2.11.24 einx==0.4.3 loguru==0.7.3 frozendict==2.5.1 \
+	  transformers==4.51.3 tokenizers==0.21.4
+	touch $@
+
+BENCH_CV3_ARGS ?=
+bench-cv3: $(VENV)/.installed ## CosyVoice3 at full dims, the official code vs the library: token2wav, first streamed chunk, whole TTS, the DiT's share and GFLOP/s vs GEMM ceiling (OFFICIAL=checkout; without: the library alone)
+	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
+	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
+ifneq ($(OFFICIAL),)
+	@$(MAKE) --no-print-directory $(OFFICIAL_DEPS3)/.installed
+	$(CLI) bench-cv3 --model-dir models/cosyvoice3-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS3) \
+	  $(BENCH_CV3_ARGS)
+else
+	$(CLI) bench-cv3 --model-dir models/cosyvoice3-demo-full $(BENCH_CV3_ARGS)
 endif
 
 gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cachetools wheels that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels

@@ -51,6 +51,8 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
                   "cosyvoice_triton.bench.tts:main", "bench-tts --model-dir models/cosyvoice2-demo-full"),
     "bench-peer": ("the official code against the library and the served pipeline",
                    "cosyvoice_triton.bench.peer:main", "bench-peer --official ~/CosyVoice"),
+    "bench-cv3": ("CosyVoice3: the official code against the library at full dims",
+                  "cosyvoice_triton.bench.cosyvoice3:main", "bench-cv3 --official ~/CosyVoice"),
     "bench-gpu": ("the GPU scenario without Triton (VC batches, streaming TTS)", "cosyvoice_triton.bench.gpu:main",
                   "bench-gpu --size tiny --device cpu"),
     "bench-incremental": ("streaming token-to-wav with and without the incremental flow",

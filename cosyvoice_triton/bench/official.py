@@ -10,11 +10,13 @@ flow, HiFT).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -66,8 +68,58 @@ def import_official(checkout: str | Path, *modules: str) -> list[types.ModuleTyp
         _stub("lightning.pytorch")
         _stub("lightning.pytorch.utilities", rank_zero_only=lambda fn: fn)
     if (matcha / "matcha" / "utils").is_dir() and "matcha.utils" not in sys.modules:
-        _stub("matcha.utils", __path__=[str(matcha / "matcha" / "utils")])
+        # an attribute of the package too, as an import would make it: HyperPyYAML's !name: tags walk it
+        importlib.import_module("matcha").utils = _stub("matcha.utils", __path__=[str(matcha / "matcha" / "utils")])
     return [importlib.import_module(name) for name in modules]
+
+
+def stub_frontend_imports() -> None:
+    """Stub what the official front-end modules import and the model paths never call: ``whisper`` (its
+    ``log_mel_spectrogram``, for ``_extract_speech_token``) and ``whisper.tokenizer`` / ``tiktoken`` (the
+    CosyVoice1 tokenizer), imported by ``cosyvoice.tokenizer.tokenizer``, which a cosyvoice3.yaml names
+    (``get_tokenizer``); ``modelscope`` (``snapshot_download`` of ``cosyvoice.cli.cosyvoice``, for a model name)."""
+    for name, attrs in (("whisper", {"log_mel_spectrogram": None}), ("whisper.tokenizer", {"Tokenizer": object}),
+                        ("tiktoken", {"Encoding": object}), ("modelscope", {"snapshot_download": None})):
+        if name in sys.modules or not (name.startswith("whisper") or importlib.util.find_spec(name) is None):
+            continue
+        module = _stub(name, **attrs)
+        if "." in name:
+            parent, child = name.rsplit(".", 1)
+            setattr(sys.modules[parent], child, module)
+
+
+@contextlib.contextmanager
+def injected_multinomial(draws: Iterator[float]):
+    """Replace ``Tensor.multinomial`` / ``torch.multinomial`` (one sample from a 1-D tensor: what the official
+    samplers call) by :func:`~cosyvoice_triton.models.sampling.pick` on the next of ``draws``, the uniforms the
+    library's LM takes through ``draws=``: both sides then sample the same tokens from the same weights."""
+    from ..models.sampling import pick
+
+    original_method, original_fn = torch.Tensor.multinomial, torch.multinomial
+
+    def multinomial(probs, num_samples, replacement=False, *, generator=None, out=None):
+        if num_samples != 1 or probs.dim() != 1:
+            raise RuntimeError(f"draw injection handles one sample from a 1-D tensor, got {num_samples} from "
+                               f"{tuple(probs.shape)}")
+        return torch.tensor([pick(probs, next(draws))], dtype=torch.long, device=probs.device)
+
+    torch.Tensor.multinomial = torch.multinomial = multinomial
+    try:
+        yield
+    finally:
+        torch.Tensor.multinomial, torch.multinomial = original_method, original_fn
+
+
+def seed_causal_hift_noise(hift: torch.nn.Module, seed: int = 0) -> None:
+    """Redraw the noise buffers of an official ``CausalHiFTGenerator`` as its constructor draws them, from a
+    generator seeded with ``seed`` instead of torch's global one (whose state depends on what was built before):
+    it then holds the library's ``hift_noise_seed=seed`` noise."""
+    sine = hift.m_source.l_sin_gen
+    g = torch.Generator().manual_seed(seed)
+    sine.rand_ini = torch.rand(1, 9, generator=g)
+    sine.rand_ini[:, 0] = 0
+    sine.sine_waves = torch.rand(tuple(sine.sine_waves.shape), generator=g)
+    hift.m_source.uv = torch.rand(tuple(hift.m_source.uv.shape), generator=g)
 
 
 class _NoLLM(torch.nn.Module):

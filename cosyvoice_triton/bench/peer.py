@@ -241,10 +241,11 @@ def format_table(summary: dict) -> str:
 class Worker:
     """A side running in its own process: one JSON line per command on its stdout."""
 
-    def __init__(self, side: str, args: list[str], env: dict | None = None, log_path: Path | None = None):
+    def __init__(self, side: str, args: list[str], env: dict | None = None, log_path: Path | None = None,
+                 module: str = "cosyvoice_triton.bench.peer"):
         self.side = side
         self.log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen([sys.executable, "-m", "cosyvoice_triton.bench.peer", "--worker", side, *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--worker", side, *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      env=env, cwd=ROOT)
         self.ready = self._read()

@@ -38,7 +38,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -154,34 +153,14 @@ def model_timer():
 
 
 # ------------------------------------------------------------------------------------------------ official side
-def _stub_imports() -> None:
-    """``cosyvoice.cli.frontend`` imports whisper for ``_extract_speech_token`` (replaced here);
-    ``cosyvoice.cli.cosyvoice`` imports modelscope's ``snapshot_download`` (for a model name; never called); the
-    tokenizer module imports whisper's and tiktoken's for the CosyVoice1 tokenizer (not used)."""
-    import importlib.util
-
-    from cosyvoice_triton.bench.official import STUBBED
-
-    for name, attrs in (("whisper", {"log_mel_spectrogram": None}), ("whisper.tokenizer", {"Tokenizer": object}),
-                        ("tiktoken", {"Encoding": object}), ("modelscope", {"snapshot_download": None})):
-        if name not in sys.modules and (name.startswith("whisper") or importlib.util.find_spec(name) is None):
-            module = types.ModuleType(name)
-            for k, v in attrs.items():
-                setattr(module, k, v)
-            sys.modules[name] = module
-            if "." in name:
-                setattr(sys.modules[name.rsplit(".", 1)[0]], name.rsplit(".", 1)[1], module)
-            STUBBED.append(name)
-
-
 def official_cosyvoice3(official: Path, folder: Path, weights: Path, digests: dict, front: dict):
     """The official ``CosyVoice3`` object: its front end (text side official, speech side the project's outputs),
     its ``CosyVoice3Model`` with the official LM, flow and vocoder."""
     from hyperpyyaml import load_hyperpyyaml
 
-    from cosyvoice_triton.bench.official import import_official
+    from cosyvoice_triton.bench.official import import_official, stub_frontend_imports
 
-    _stub_imports()
+    stub_frontend_imports()
     cli, fe_mod, tok_mod = import_official(official, "cosyvoice.cli.cosyvoice", "cosyvoice.cli.frontend",
                                            "cosyvoice.tokenizer.tokenizer")
     model = t2w_oracle.official_model(t2w_oracle._Modules(official), weights, digests)

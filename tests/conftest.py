@@ -433,6 +433,37 @@ def gateway_process(triton_server, log: Path, *args: str, tenants: dict[str, str
         yield urls
 
 
+#: the official runtime's files the tests run or read, at the commit the official-interface tests pin
+OFFICIAL_COMMIT = "ace7c47"
+OFFICIAL_RUNTIME = "runtime/triton_trtllm"
+
+
+@pytest.fixture(scope="session")
+def official_runtime(tmp_path_factory) -> Path:
+    """The official runtime folder at ``OFFICIAL_COMMIT`` (client_grpc.py, client_http.py, the cosyvoice2
+    config), from ``$COSYVOICE_OFFICIAL_GIT``; skips without it."""
+    official = official_git()
+    out = tmp_path_factory.mktemp("official")
+    files = [f"{OFFICIAL_RUNTIME}/{f}"
+             for f in ("client_grpc.py", "client_http.py", "model_repo/cosyvoice2/config.pbtxt")]
+    archive = subprocess.run(["git", "-C", str(official), "archive", OFFICIAL_COMMIT, *files],
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        pytest.skip(f"{official} has no commit {OFFICIAL_COMMIT} with the runtime: {archive.stderr.decode()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
+    return out / OFFICIAL_RUNTIME
+
+
+def run_official_client(script: Path, *args: str, cwd: Path) -> str:
+    """Run one of the official runtime's clients unchanged; its output, after checking that it reported no error."""
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=PATIENCE_S, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert not any(w in out for w in ("error occurred", "Traceback", "Error processing", "failed.")), out[-3000:]
+    return out
+
+
 def official_git() -> Path:
     """``$COSYVOICE_OFFICIAL_GIT`` (a git folder of FunAudioLLM/CosyVoice), or skip the calling test."""
     if OFFICIAL_GIT is None or (not (OFFICIAL_GIT / "HEAD").exists() and not (OFFICIAL_GIT / ".git").exists()):

@@ -22,7 +22,8 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice2"], model=args["model_name"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.front = OfficialFront(pb_utils, offline_model=p["offline_model"], stream_model=p["stream_model"],
-                                   timeout_us=p["bls_timeout_us"])
+                                   timeout_us=p["bls_timeout_us"],
+                                   keep_empty_reference_text=p["keep_empty_reference_text"])
 
     def execute(self, requests):
         if self.decoupled:

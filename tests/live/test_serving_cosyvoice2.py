@@ -19,21 +19,17 @@ from __future__ import annotations
 import json
 import queue
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import FIXTURES, PATIENCE_S, official_git, served
+from conftest import FIXTURES, PATIENCE_S, run_official_client, served
 
 REFERENCE_TEXT = "the prompt says hello"
 TARGET_TEXT = "Hello there, this is a test of the official interface."
 RATE_IN, RATE_OUT = 16000, 24000
-OFFICIAL_COMMIT = "ace7c47"
-RUNTIME = "runtime/triton_trtllm"
 
 
 # ------------------------------------------------------------------------------------------------ in process
@@ -60,6 +56,8 @@ def test_pipeline_inputs_cut_the_padding_and_name_what_is_wrong():
     assert int(out["prompt_sample_rate"][0, 0]) == RATE_IN
     assert out["text"][0, 0].decode() == TARGET_TEXT and out["prompt_text"][0, 0].decode() == REFERENCE_TEXT
     assert "prompt_text" not in pipeline_inputs(_request(wave, reference_text=""))  # the official client's default
+    kept = pipeline_inputs(_request(wave, reference_text=""), keep_empty_reference_text=True)  # CosyVoice3's rule
+    assert kept["prompt_text"].tolist() == [[b""]]
     bad = {"reference_wav": ({"reference_wav": None}, "missing input(s) reference_wav"),
            "len": ({"reference_wav_len": None}, "missing input(s) reference_wav_len"),
            "larger": ({"reference_wav_len": np.array([[1601]], np.int32)}, "larger than reference_wav's 1600"),
@@ -134,20 +132,6 @@ def _config_json(path: Path) -> dict:
     from google.protobuf.json_format import MessageToDict
 
     return MessageToDict(text_format.Parse(path.read_text(), pb2.ModelConfig()), preserving_proto_field_name=True)
-
-
-@pytest.fixture(scope="module")
-def official_runtime(tmp_path_factory) -> Path:
-    """The official runtime folder (client_grpc.py, client_http.py, the cosyvoice2 config) at commit ace7c47."""
-    official = official_git()
-    out = tmp_path_factory.mktemp("official")
-    files = [f"{RUNTIME}/client_grpc.py", f"{RUNTIME}/client_http.py", f"{RUNTIME}/model_repo/cosyvoice2/config.pbtxt"]
-    archive = subprocess.run(["git", "-C", str(official), "archive", OFFICIAL_COMMIT, *files],
-                             capture_output=True, check=False)
-    if archive.returncode != 0:
-        pytest.skip(f"{official} has no commit {OFFICIAL_COMMIT} with the runtime: {archive.stderr.decode()[:200]}")
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive.stdout, check=True)
-    return out / RUNTIME
 
 
 @pytest.fixture(scope="module")
@@ -337,10 +321,11 @@ def test_bad_input_on_the_stream(streaming, reference, change, words):
 
 def test_official_client_grpc_streaming(streaming, reference, official_runtime, tmp_path):
     path = reference[1]
-    out = _run_client(official_runtime / "client_grpc.py", "--server-addr", streaming.host, "--server-port",
-                      str(streaming.ports["grpc"]), "--reference-audio", str(path), "--reference-text", REFERENCE_TEXT,
-                      "--target-text", TARGET_TEXT, "--model-name", "cosyvoice2", "--mode", "streaming",
-                      "--log-dir", str(tmp_path), cwd=tmp_path)
+    out = run_official_client(official_runtime / "client_grpc.py", "--server-addr", streaming.host,
+                              "--server-port", str(streaming.ports["grpc"]), "--reference-audio", str(path),
+                              "--reference-text", REFERENCE_TEXT, "--target-text", TARGET_TEXT,
+                              "--model-name", "cosyvoice2", "--mode", "streaming", "--log-dir", str(tmp_path),
+                              cwd=tmp_path)
     written, sr = sf.read(tmp_path / "test.wav", dtype="float32")
     assert sr == RATE_OUT, out
     import tritonclient.grpc as grpcclient
@@ -360,15 +345,6 @@ def _same_as_pcm16(written: np.ndarray, want: np.ndarray):
     """The client's 16-bit file holds our answer: same length, each sample within a 16-bit step."""
     assert written.size == want.size > 0
     np.testing.assert_allclose(written, np.clip(want, -1, 1), atol=2 / 32768)
-
-
-def _run_client(script: Path, *args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=PATIENCE_S, check=False)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-3000:]
-    assert not any(w in out for w in ("error occurred", "Traceback", "Error processing", "failed.")), out[-3000:]
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ offline
@@ -428,16 +404,18 @@ def test_official_clients_offline(offline, reference, official_runtime, tmp_path
                       client_timeout=PATIENCE_S).as_numpy("waveform").reshape(-1)
     finally:
         g.close()
-    out = _run_client(official_runtime / "client_grpc.py", "--server-addr", offline.host, "--server-port",
-                      str(offline.ports["grpc"]), "--reference-audio", str(path), "--reference-text", REFERENCE_TEXT,
-                      "--target-text", TARGET_TEXT, "--model-name", "cosyvoice2", "--mode", "offline",
-                      "--log-dir", str(tmp_path / "grpc"), cwd=tmp_path)
+    out = run_official_client(official_runtime / "client_grpc.py", "--server-addr", offline.host,
+                              "--server-port", str(offline.ports["grpc"]), "--reference-audio", str(path),
+                              "--reference-text", REFERENCE_TEXT, "--target-text", TARGET_TEXT,
+                              "--model-name", "cosyvoice2", "--mode", "offline", "--log-dir", str(tmp_path / "grpc"),
+                              cwd=tmp_path)
     written, sr = sf.read(tmp_path / "grpc" / "test.wav", dtype="float32")
     assert sr == RATE_OUT and "Mode: offline" in out
     _same_as_pcm16(written, own)
-    _run_client(official_runtime / "client_http.py", "--server-url", offline.http_url, "--reference-audio", str(path),
-                "--reference-text", REFERENCE_TEXT, "--target-text", TARGET_TEXT, "--model-name", "cosyvoice2",
-                "--output-audio", str(tmp_path / "http.wav"), cwd=tmp_path)
+    run_official_client(official_runtime / "client_http.py", "--server-url", offline.http_url,
+                        "--reference-audio", str(path), "--reference-text", REFERENCE_TEXT, "--target-text",
+                        TARGET_TEXT, "--model-name", "cosyvoice2", "--output-audio", str(tmp_path / "http.wav"),
+                        cwd=tmp_path)
     written, sr = sf.read(tmp_path / "http.wav", dtype="float32")
     assert sr == RATE_OUT
     _same_as_pcm16(written, own)

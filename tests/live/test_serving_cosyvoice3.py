@@ -145,6 +145,58 @@ def test_the_official_interface_answers_the_stream_chunks(server, speech):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_an_empty_reference_text_is_zero_shot_with_the_system_prompt_as_officially(server, library, speech):
+    """The official CosyVoice3 runtime puts its system prompt before a reference_text without ``<|endofprompt|>``,
+    an empty one included, and speaks zero-shot: the prompt's speech tokens lead the LM. ``cosyvoice3`` does the
+    same (not the cross-lingual answer an absent transcript gets from cosyvoice3_tts_stream)."""
+    from scipy.signal import resample_poly
+
+    from cosyvoice_triton.frontend.text.cosyvoice3 import zero_shot_prompt_text
+
+    p, _, _, _ = speech
+    ref16 = resample_poly(p, 320, 441).astype(np.float32)
+    official = {"reference_wav": ref16[None], "reference_wav_len": np.array([[ref16.size]], np.int32),
+                "reference_text": np.array([[b""]], object), "target_text": np.array([[TEXT.encode()]], object)}
+    chunks, error, final = _stream(server, "cosyvoice3", official)
+    assert error is None and final and chunks
+    prompt = {"text": official["target_text"], "prompt_audio": ref16[None],
+              "prompt_sample_rate": np.array([[16000]], np.int32)}
+    system_only = np.array([[zero_shot_prompt_text("").encode()]], object)
+    want = [c["waveform"][0] for c in library.responses({**prompt, "prompt_text": system_only})]
+    assert [c.size for c in chunks] == [w.size for w in want]
+    for got, w in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(got, w, atol=ATOL)
+    cross = np.concatenate([c["waveform"][0] for c in library.responses(prompt)])
+    assert cross.size != sum(w.size for w in want) or not np.allclose(cross, np.concatenate(want), atol=ATOL)
+
+
+def test_the_official_grpc_client_runs_unchanged_on_cosyvoice3(server, speech, official_runtime, tmp_path):
+    """``client_grpc.py --model-name cosyvoice3 --mode streaming``, as the official run_cosyvoice3.sh benchmarks it
+    (here with one reference and one text instead of its dataset): the WAV it writes is cosyvoice3_tts_stream's
+    answer to the same request, within 16-bit rounding."""
+    from conftest import run_official_client
+    from scipy.signal import resample_poly
+
+    p, _, _, _ = speech
+    ref16 = resample_poly(p, 320, 441).astype(np.float32)
+    path = tmp_path / "reference_16k.wav"
+    sf.write(path, ref16, 16000, subtype="FLOAT")
+    out = run_official_client(official_runtime / "client_grpc.py", "--server-addr", server.host, "--server-port",
+                              str(server.ports["grpc"]), "--reference-audio", str(path), "--reference-text",
+                              PROMPT_TEXT, "--target-text", TEXT, "--model-name", "cosyvoice3", "--mode", "streaming",
+                              "--log-dir", str(tmp_path), cwd=tmp_path)
+    written, sr = sf.read(tmp_path / "test.wav", dtype="float32")
+    assert sr == 24000 and "Mode: streaming" in out
+    sent = sf.read(path, dtype="float32")[0]  # what the client read and sent
+    own, error, final = _stream(server, "cosyvoice3_tts_stream", {
+        "text": np.array([[TEXT.encode()]], object), "prompt_audio": sent[None],
+        "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": np.array([[PROMPT_TEXT.encode()]], object)})
+    assert error is None and final
+    want = np.clip(np.concatenate(own), -1, 1)
+    assert written.size == want.size > 0
+    np.testing.assert_allclose(written, want, atol=2 / 32768)
+
+
 def test_conversion_is_the_library_conversion(server, library, speech):
     p, psr, s, ssr = speech
     arrays = {"source_audio": s[None], "source_sample_rate": np.array([[ssr]], np.int32),

@@ -385,6 +385,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 OFFICIAL_OPTIONAL, max_batch_size=8, params_key=OFFICIAL_MODEL,
                 decoupled=lambda ctx: ctx.tunables.cosyvoice3_decoupled, when=_cv3_official,
                 parameters=lambda ctx: {"offline_model": CV3_TTS_MODEL, "stream_model": CV3_TTS_STREAM_MODEL,
+                                        "keep_empty_reference_text": True,
                                         "bls_timeout_us": ctx.tunables.bls_timeout_us},
                 doc="the official CosyVoice runtime's CosyVoice3 interface (as cosyvoice2's): "
                     f"{CV3_TTS_STREAM_MODEL} when decoupled (tunable cosyvoice3_decoupled), else {CV3_TTS_MODEL}"),

@@ -160,6 +160,9 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "cosyvoice2": (  # the official runtime's interface (serving/stages/official_api.py)
         Param("offline_model", str, "cosyvoice_tts", "the TTS model a request is sent to when not decoupled"),
         Param("stream_model", str, "cosyvoice_tts_stream", "the decoupled TTS model a request streams from"),
+        Param("keep_empty_reference_text", bool, False, "pass an empty reference_text on as an empty prompt_text "
+              "(CosyVoice3: zero-shot with the system prompt alone, as the official CosyVoice3 runtime) instead of "
+              "speaking without a transcript"),
         _BLS_TIMEOUT,
     ),
     "speakers": (

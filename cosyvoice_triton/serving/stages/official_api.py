@@ -55,9 +55,13 @@ def _one_int(x: np.ndarray, name: str) -> int:
     return int(arr.reshape(-1)[0])
 
 
-def pipeline_inputs(tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+def pipeline_inputs(tensors: Mapping[str, np.ndarray | None], *, keep_empty_reference_text: bool = False
+                    ) -> dict[str, np.ndarray]:
     """An official request's tensors -> the TTS pipeline's (``text``, ``prompt_audio`` + ``prompt_sample_rate``,
-    ``prompt_text``); :class:`~.batching.RequestError` (INVALID_ARGUMENT) naming what is wrong."""
+    ``prompt_text``); :class:`~.batching.RequestError` (INVALID_ARGUMENT) naming what is wrong. An empty
+    ``reference_text`` is dropped (spoken without a transcript), or with ``keep_empty_reference_text`` passed on as
+    an empty ``prompt_text`` (the CosyVoice3 models: zero-shot with the system prompt alone, as the official
+    CosyVoice3 runtime treats it)."""
     missing = [n for n in INPUT_NAMES if tensors.get(n) is None]
     if missing:
         raise RequestError(f"missing input(s) {', '.join(missing)}: a request needs reference_wav (16 kHz samples), "
@@ -78,7 +82,7 @@ def pipeline_inputs(tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.nd
     out = {"text": np.array([[target.encode()]], object),
            "prompt_audio": np.ascontiguousarray(wav[:, :length], np.float32),
            "prompt_sample_rate": np.array([[REFERENCE_SAMPLE_RATE]], np.int32)}
-    if reference.strip():  # an empty transcript (the official client's default): spoken without one
+    if reference.strip() or keep_empty_reference_text:  # empty: the official client's default
         out["prompt_text"] = np.array([[reference.encode()]], object)
     return out
 
@@ -110,9 +114,14 @@ def answer_error(pb, exc: BaseException):
 class OfficialFront:
     """One official request through ``offline_model`` (whole answers) or ``stream_model`` (chunks) by BLS."""
 
-    def __init__(self, pb, *, offline_model: str, stream_model: str, timeout_us: int = 0):
+    def __init__(self, pb, *, offline_model: str, stream_model: str, timeout_us: int = 0,
+                 keep_empty_reference_text: bool = False):
         self.pb, self.offline_model, self.stream_model = pb, offline_model, stream_model
         self.kwargs = {"timeout": int(timeout_us)} if timeout_us else {}
+        self.keep_empty_reference_text = keep_empty_reference_text
+
+    def _inputs(self, tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+        return pipeline_inputs(tensors, keep_empty_reference_text=self.keep_empty_reference_text)
 
     def _request(self, model: str, inputs: Mapping[str, np.ndarray]):
         pb = self.pb
@@ -129,7 +138,7 @@ class OfficialFront:
 
     def whole(self, tensors: Mapping[str, np.ndarray | None]) -> np.ndarray:
         """The whole answer ``[1, M]`` (``offline_model``)."""
-        res = self._request(self.offline_model, pipeline_inputs(tensors)).exec()
+        res = self._request(self.offline_model, self._inputs(tensors)).exec()
         if res.has_error():
             err = res.error()
             raise CalleeError(err.message(), err.code() if hasattr(err, "code") else
@@ -139,7 +148,7 @@ class OfficialFront:
     def chunks(self, tensors: Mapping[str, np.ndarray | None],
                cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """The streamed chunks ``[1, m]`` (``stream_model``); stops the callee's stream when ``cancelled()``."""
-        inputs = {**pipeline_inputs(tensors), "stream": np.ones((1, 1), bool)}
+        inputs = {**self._inputs(tensors), "stream": np.ones((1, 1), bool)}
         responses = self._request(self.stream_model, inputs).exec(decoupled=True)
         for res in responses:
             if cancelled is not None and cancelled():

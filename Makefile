@@ -98,10 +98,12 @@ bench-preprocess: $(VENV)/.installed ## cost of preprocess's optional VAD trim /
 	$(CLI) bench-preprocess
 
 OFFICIAL_DEPS := build/official-deps
+#: the official flow / HiFT imports at the pins of its requirements.txt
+OFFICIAL_FLOW_PINS := diffusers==0.29.2 einops==0.8.2 conformer==0.3.2 omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 \
+  importlib_metadata==10.2.0 zipp==4.1.2
 $(OFFICIAL_DEPS)/.installed: | $(VENV)/.installed
 	@# the official flow / HiFT imports (its requirements.txt pins), beside the venv, never in it
-	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS) diffusers==0.29.2 einops==0.8.2 conformer==0.3.2 \
-	  omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 importlib_metadata==10.2.0 zipp==4.1.2
+	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS) $(OFFICIAL_FLOW_PINS)
 	touch $@
 
 BENCH_PEER_ARGS ?=
@@ -118,8 +120,7 @@ OFFICIAL_DEPS3 := build/official-deps3
 $(OFFICIAL_DEPS3)/.installed: | $(VENV)/.installed
 	@# the official CosyVoice3 imports at its requirements.txt pins, beside the venv, never in it; transformers
 	@# 4.51.3 (and its tokenizers): the official LM's one-token attention mask decodes other tokens under newer ones
-	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS3) diffusers==0.29.2 einops==0.8.2 conformer==0.3.2 \
-	  omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 importlib_metadata==10.2.0 zipp==4.1.2 HyperPyYAML==1.2.3 \
+	$(VENV)/bin/pip install --quiet --no-deps --target $(OFFICIAL_DEPS3) $(OFFICIAL_FLOW_PINS) HyperPyYAML==1.2.3 \
 	  ruamel.yaml==0.18.17 ruamel.yaml.clib==0.2.15 x-transformers==2.11.24 einx==0.4.3 loguru==0.7.3 frozendict==2.5.1 \
 	  transformers==4.51.3 tokenizers==0.21.4
 	touch $@

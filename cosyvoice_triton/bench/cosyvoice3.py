@@ -53,7 +53,6 @@ FIXTURES = resources.path("tests/fixtures")
 DEFAULT_MODEL_DIR = ROOT / "models" / "cosyvoice3-demo-full"
 DEFAULT_OFFICIAL_DEPS = ROOT / "build" / "official-deps3"
 MODULE = "cosyvoice_triton.bench.cosyvoice3"
-SYSTEM = "You are a helpful assistant.<|endofprompt|>"
 DEFAULT_TEXT = "Good morning."  # random weights often decode to max_len, 20 tokens per text token: a short text
 DEFAULT_PROMPT_TEXT = "A short prompt in a clear voice."
 CASES = ("token2wav", "vc_first_chunk", "tts", "tts_first_chunk")
@@ -102,17 +101,6 @@ class _Clock:
                 "estimator_frames": list(self.frames)}
 
 
-def estimator_flops(estimator, frames: int) -> int:
-    """Matmul FLOPs of ONE call of the DiT estimator on the CFG batch of 2 at ``frames`` mel frames."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    x = torch.randn(2, 80, frames)
-    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        estimator(x, torch.ones(2, 1, frames), x, torch.rand(2), torch.randn(2, 80), x)
-    return counter.get_total_flops()
-
-
 def lm_draws() -> list[float]:
     """The uniforms both sides' LM sampling consumes, in order (one per step, two when a token repeats)."""
     return np.random.default_rng(SEED).random(MAX_DRAWS).tolist()
@@ -131,9 +119,11 @@ def _timed_stream(chunks) -> tuple[list[np.ndarray], float]:
 # ------------------------------------------------------------------------------------------------ library side
 
 def _prepare_inputs(model, ns, path: Path) -> None:
+    from ..frontend.text.cosyvoice3 import zero_shot_prompt_text
+
     x = model.frontend_vc(ns.source, ns.prompt)
-    (seg,) = model.segments("zero_shot", ns.text, prompt_wav=ns.prompt, prompt_text=SYSTEM + ns.prompt_text,
-                            text_frontend=False)
+    (seg,) = model.segments("zero_shot", ns.text, prompt_wav=ns.prompt,
+                            prompt_text=zero_shot_prompt_text(ns.prompt_text), text_frontend=False)
     p = seg.prompt
     np.savez(path, source_tokens=x.source_tokens, vc_prompt_tokens=x.prompt_tokens, vc_prompt_mel=x.prompt_mel,
              vc_embedding=x.embedding, text_tokens=seg.text_tokens, prompt_text_tokens=seg.lm_prompt_text_tokens,
@@ -142,7 +132,8 @@ def _prepare_inputs(model, ns, path: Path) -> None:
 
 
 def _library(ns, inputs_path: Path):
-
+    from ..family import COSYVOICE3
+    from ..frontend.text.cosyvoice3 import zero_shot_prompt_text
     from ..models.cosyvoice3.pipeline import CosyVoice3, Segment
     from ..speakers import SpeakerPrompt
 
@@ -159,7 +150,7 @@ def _library(ns, inputs_path: Path):
                       lm_prompt_speech_tokens=z["llm_prompt_tokens"],
                       prompt=SpeakerPrompt(prompt_tokens=z["prompt_tokens"], prompt_mel=z["prompt_mel"],
                                            embedding=z["embedding"], prompt_text_tokens=z["prompt_text_tokens"],
-                                           prompt_text=SYSTEM + ns.prompt_text, family="cosyvoice3"))
+                                           prompt_text=zero_shot_prompt_text(ns.prompt_text), family=COSYVOICE3))
     tokens_seen: list[int] = []
 
     def lm_tokens():
@@ -266,10 +257,12 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
         if not command or command[0] == "quit":
             break
         if command[0] == "flops":  # FLOPs of the estimator at the frame counts a case used
+            from .vc import estimator_call_flops  # here: it imports the library (the official side never asks)
+
             frames = [int(f) for f in command[1:]]
             for f in frames:
                 if f not in flops_cache:
-                    flops_cache[f] = estimator_flops(estimator, f)
+                    flops_cache[f] = estimator_call_flops(estimator, f)
             _emit({"flops": sum(flops_cache[f] for f in frames)})
             continue
         case = command[1]

@@ -41,10 +41,15 @@ def gemm_ceiling(n: int = 2048, repeats: int = 5) -> float:
 
 def estimator_flops(model: CosyVoice2, mel_frames: int) -> int:
     """FLOPs of ONE estimator call on the CFG batch of 2 at ``mel_frames`` frames."""
-    est = model.flow.decoder.estimator
+    return estimator_call_flops(model.flow.decoder.estimator, mel_frames)
+
+
+def estimator_call_flops(estimator: torch.nn.Module, mel_frames: int) -> int:
+    """FLOPs of ONE call of a flow estimator (``x, mask, mu, t, spks, cond``: CosyVoice2's U-Net, CosyVoice3's DiT)
+    on the CFG batch of 2 at ``mel_frames`` frames, counted by torch."""
     x = torch.randn(2, 80, mel_frames)
     with torch.inference_mode(), FlopCounterMode(display=False) as counter:
-        est(x, torch.ones(2, 1, mel_frames), x, torch.rand(2), torch.randn(2, 80), x)
+        estimator(x, torch.ones(2, 1, mel_frames), x, torch.rand(2), torch.randn(2, 80), x)
     return counter.get_total_flops()
 
 

@@ -505,6 +505,7 @@ def run_peer_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str |
               "--source", source, "--prompt", prompt]
     sides: dict = {}
     runners: dict = {}
+    dead: dict[str, str] = {}  # sides that failed: their reason (the finally below reads it even after a failed start)
     result = {"model_dir": str(model_dir), "threads": threads, "rounds": rounds, "source": source, "prompt": prompt,
               "sides": sides, "ceiling_gflops": ceilings, "notes": notes}
     try:
@@ -541,7 +542,7 @@ def run_peer_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str |
             sides["served"] = {"skipped": "--no-served"}
         for name, r in runners.items():
             sides[name] = {"seconds": [], "graph_seconds": {}, "load_s": r.ready["load_s"]}
-        names, dead = list(runners), {}
+        names = list(runners)
         for i in range(rounds + 1):
             order = names[i % len(names):] + names[:i % len(names)]
             label = "warm-up" if i == 0 else f"round {i}"

@@ -246,22 +246,24 @@ class AsyncCosyVoiceClient(wire._ClientBase):
         return wire._output(res, "speaker_embedding", np.float32)
 
     async def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
-                               prompt_text: str | None = None, encoded: bool = False, priority: int | None = None):
+                               prompt_text: str | None = None, encoded: bool = False, priority: int | None = None,
+                               family: str = "cosyvoice2"):
         audio_, sr = wire._payload(prompt, prompt_sr, "prompt", encoded)
-        return wire._speaker_prompt(await self._infer(wire.SPEAKERS_MODEL, wire.build_speaker_inputs(
+        return wire._speaker_prompt(await self._infer(wire.speakers_model(family), wire.build_speaker_inputs(
             self._module, "register", speaker_id, prompt=audio_, prompt_sr=sr, prompt_text=prompt_text),
-            priority=priority))
+            priority=priority), family)
 
-    async def get_speaker(self, speaker_id: str):
+    async def get_speaker(self, speaker_id: str, *, family: str = "cosyvoice2"):
         inputs = wire.build_speaker_inputs(self._module, "get", speaker_id)
-        return wire._speaker_prompt(await self._infer(wire.SPEAKERS_MODEL, inputs))
+        return wire._speaker_prompt(await self._infer(wire.speakers_model(family), inputs), family)
 
-    async def list_speakers(self) -> list[str]:
-        return wire._ids(await self._infer(wire.SPEAKERS_MODEL, wire.build_speaker_inputs(self._module, "list")))
+    async def list_speakers(self, *, family: str = "cosyvoice2") -> list[str]:
+        return wire._ids(await self._infer(wire.speakers_model(family),
+                                           wire.build_speaker_inputs(self._module, "list")))
 
-    async def delete_speaker(self, speaker_id: str) -> None:
+    async def delete_speaker(self, speaker_id: str, *, family: str = "cosyvoice2") -> None:
         inputs = wire.build_speaker_inputs(self._module, "delete", speaker_id)
-        await self._infer(wire.SPEAKERS_MODEL, inputs, retry=False)
+        await self._infer(wire.speakers_model(family), inputs, retry=False)
 
 
 #: The older names of :class:`AsyncCosyVoiceClient`, kept as aliases.

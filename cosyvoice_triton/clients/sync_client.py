@@ -300,24 +300,28 @@ class CosyVoiceClient(wire._ClientBase):
     # ------------------------------------------------------------------------------- speakers
 
     def register_speaker(self, speaker_id: str, prompt, *, prompt_sr: int | None = None,
-                         prompt_text: str | None = None, encoded: bool = False, priority: int | None = None):
-        """Register (or replace) ``speaker_id`` from prompt audio (and its transcript); returns its
+                         prompt_text: str | None = None, encoded: bool = False, priority: int | None = None,
+                         family: str = "cosyvoice2"):
+        """Register (or replace) ``speaker_id`` from prompt audio (and its transcript) with the speakers model of
+        ``family`` (``cosyvoice3``: ``cosyvoice3_speakers``); returns its
         :class:`~cosyvoice_triton.speakers.SpeakerPrompt` as the server computed it."""
         audio_, sr = wire._payload(prompt, prompt_sr, "prompt", encoded)
         inputs = wire.build_speaker_inputs(self._module, "register", speaker_id, prompt=audio_, prompt_sr=sr,
                                            prompt_text=prompt_text)
-        res = self._infer(wire.SPEAKERS_MODEL, inputs, priority=priority)
-        return wire._speaker_prompt(res)
+        res = self._infer(wire.speakers_model(family), inputs, priority=priority)
+        return wire._speaker_prompt(res, family)
 
-    def get_speaker(self, speaker_id: str):
+    def get_speaker(self, speaker_id: str, *, family: str = "cosyvoice2"):
         inputs = wire.build_speaker_inputs(self._module, "get", speaker_id)
-        return wire._speaker_prompt(self._infer(wire.SPEAKERS_MODEL, inputs))
+        return wire._speaker_prompt(self._infer(wire.speakers_model(family), inputs), family)
 
-    def list_speakers(self) -> list[str]:
-        return wire._ids(self._infer(wire.SPEAKERS_MODEL, wire.build_speaker_inputs(self._module, "list")))
+    def list_speakers(self, *, family: str = "cosyvoice2") -> list[str]:
+        return wire._ids(self._infer(wire.speakers_model(family), wire.build_speaker_inputs(self._module, "list")))
 
-    def delete_speaker(self, speaker_id: str) -> None:  # not retried: a lost answer would make it "not found"
-        self._infer(wire.SPEAKERS_MODEL, wire.build_speaker_inputs(self._module, "delete", speaker_id), retry=False)
+    def delete_speaker(self, speaker_id: str, *, family: str = "cosyvoice2") -> None:  # not retried: a lost answer
+        # would make it "not found"
+        self._infer(wire.speakers_model(family), wire.build_speaker_inputs(self._module, "delete", speaker_id),
+                    retry=False)
 
 
 #: The older names of :class:`CosyVoiceClient` (from when it served voice conversion only), kept as aliases.

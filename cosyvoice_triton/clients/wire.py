@@ -20,16 +20,20 @@ import numpy as np
 from ..admin import admin_headers, given_admin_key
 from ..errors import AudioError
 from ..frontend import audio
+from ..shapes import CV3_SPEAKERS_MODEL
 from .retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 VC_STREAM_MODEL = "cosyvoice_vc_stream"
 SPEAKERS_MODEL = "speakers"
+#: The speakers model of each model family (CosyVoice3's: rendered with the tunable cosyvoice3_dir)
+SPEAKERS_MODELS = {"cosyvoice2": SPEAKERS_MODEL, "cosyvoice3": CV3_SPEAKERS_MODEL}
 
-__all__ = ["DEFAULT_URLS", "PROTOCOLS", "SPEAKERS_MODEL", "VC_STREAM_MODEL", "JsonFields", "Pair", "PriorityError",
-           "StreamChunk", "StreamStats", "VCError", "VCResult", "build_inputs", "build_speaker_inputs",
-           "build_tts_inputs", "config_priority_levels", "connect", "inference_statistics", "load_input"]
+__all__ = ["DEFAULT_URLS", "PROTOCOLS", "SPEAKERS_MODEL", "SPEAKERS_MODELS", "VC_STREAM_MODEL", "JsonFields", "Pair",
+           "PriorityError", "StreamChunk", "StreamStats", "VCError", "VCResult", "build_inputs", "build_speaker_inputs",
+           "build_tts_inputs", "config_priority_levels", "connect", "inference_statistics", "load_input",
+           "speakers_model"]
 
 PROTOCOLS = ("http", "grpc")
 DEFAULT_URLS = {"http": "127.0.0.1:8000", "grpc": "127.0.0.1:8001"}
@@ -407,7 +411,14 @@ def _stream_url(url: str, model: str) -> str:
     return f"{url if '://' in url else 'http://' + url}/v2/models/{model}/generate_stream"
 
 
-def _speaker_prompt(result):
+def speakers_model(family: str) -> str:
+    """The speakers model of ``family`` (:data:`SPEAKERS_MODELS`); ValueError for another name."""
+    if family not in SPEAKERS_MODELS:
+        raise ValueError(f"family must be one of {', '.join(SPEAKERS_MODELS)}, got {family!r}")
+    return SPEAKERS_MODELS[family]
+
+
+def _speaker_prompt(result, family: str = "cosyvoice2"):
     from ..speakers import SpeakerPrompt
 
     text = result.as_numpy("prompt_text")
@@ -415,7 +426,8 @@ def _speaker_prompt(result):
                          prompt_mel=result.as_numpy("prompt_mel")[0].astype(np.float32),
                          embedding=result.as_numpy("embedding")[0].astype(np.float32),
                          prompt_text_tokens=result.as_numpy("prompt_text_tokens")[0].astype(np.int32),
-                         prompt_text=bytes(text.reshape(-1)[0]).decode("utf-8") if text is not None else "")
+                         prompt_text=bytes(text.reshape(-1)[0]).decode("utf-8") if text is not None else "",
+                         family=family)
 
 
 def _ids(result) -> list[str]:

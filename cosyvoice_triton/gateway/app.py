@@ -71,6 +71,12 @@ def _param_error(exc: ValidationError) -> GatewayError:
     return GatewayError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")
 
 
+def served_families(config: GatewayConfig) -> tuple[str, ...]:
+    """The model families the gateway speaks with: CosyVoice2, and CosyVoice3 where ``cosyvoice3`` is one of
+    ``models``."""
+    return ("cosyvoice2", "cosyvoice3") if "cosyvoice3" in config.models else ("cosyvoice2",)
+
+
 def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC) -> SpeechJob:
     """The request's checks that need no model, then the job for the backend (a registered voice by its id in
     ``ns``, the caller's namespace)."""
@@ -104,9 +110,6 @@ def speech_job(req: SpeechRequest, config: GatewayConfig, ns: Namespace = PUBLIC
         if req.reference_text is not None:
             raise GatewayError(400, "reference_text needs reference_audio", param="reference_text",
                                code="invalid_value")
-        if family == "cosyvoice3":
-            raise GatewayError(400, "voice: registered voices are not served for cosyvoice3 yet; send "
-                               "reference_audio (and reference_text)", param="voice", code="unsupported_value")
         voice = ns.scoped(voice)
     reference = None if req.reference_audio is None else audio.reference_bytes(req.reference_audio)
     return SpeechJob(text=req.input, voice=voice, instruct=instruction(req.instructions), seed=req.seed,
@@ -153,7 +156,8 @@ def create_app(config: GatewayConfig | None = None, backend=None, live=None) -> 
     async def lifespan(app: FastAPI):
         own = app.state.backend is None
         if own:
-            app.state.backend = TritonBackend(config.triton_grpc, timeout=config.backend_timeout_s)
+            app.state.backend = TritonBackend(config.triton_grpc, timeout=config.backend_timeout_s,
+                                              families=served_families(config))
         await upstream.start()
         grpc_server = None
         if config.grpc_port:

@@ -7,6 +7,7 @@ message only."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import grpc
 import numpy as np
 
 from ..clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
+from ..clients.wire import speakers_model
 from ..shapes import CV3_TTS_MODEL, CV3_TTS_STREAM_MODEL, TTS_MODEL, TTS_STREAM_MODEL
 from .errors import GatewayError
 from .tenants import TOKENS_PER_SECOND
@@ -102,14 +104,17 @@ TTS_MODELS = {"cosyvoice2": (TTS_MODEL, TTS_STREAM_MODEL), "cosyvoice3": (CV3_TT
 
 
 class TritonBackend:
-    """The TTS models on one Triton server (gRPC address ``url``); one channel, reused."""
+    """The TTS models on one Triton server (gRPC address ``url``); one channel, reused. ``families``: the model
+    families served there: a voice is registered with each family's speakers model (each computes its own prompt
+    from the recording), so that one id speaks with either; the first one's is the voices' list and lengths."""
 
-    def __init__(self, url: str, *, timeout: float = 300.0):
+    def __init__(self, url: str, *, timeout: float = 300.0, families: tuple[str, ...] = ("cosyvoice2",)):
         import tritonclient.grpc as grpcclient
         import tritonclient.grpc.aio as aio
 
         self.url, self.timeout, self._module = url, float(timeout), grpcclient
         self._client = aio.InferenceServerClient(url)
+        self.speaker_models = tuple(speakers_model(f) for f in families)
 
     def _inputs(self, job: SpeechJob) -> list:
         return build_tts_inputs(self._module, job.text, prompt=job.reference_audio, prompt_sr=job.reference_rate,
@@ -175,29 +180,49 @@ class TritonBackend:
                 call.cancel()
 
     async def voices(self) -> list[str]:
-        """Every id the ``speakers`` model holds (all tenants')."""
-        res = await self._speakers("list")
+        """Every id the listing speakers model holds (all tenants')."""
+        res = await self._speakers("list", model=self.speaker_models[0])
         ids = res.as_numpy("speaker_ids")
         return [] if ids is None else [bytes(x).decode("utf-8") for x in ids.reshape(-1)]
 
-    async def _speakers(self, *args, outputs: tuple[str, ...] = ("speaker_ids",), **kw):
+    async def _speakers(self, *args, outputs: tuple[str, ...] = ("speaker_ids",), model: str = SPEAKERS_MODEL,
+                        **kw):
         try:
             return await self._client.infer(
-                SPEAKERS_MODEL, build_speaker_inputs(self._module, *args, **kw), client_timeout=self.timeout,
+                model, build_speaker_inputs(self._module, *args, **kw), client_timeout=self.timeout,
                 outputs=[self._module.InferRequestedOutput(n) for n in outputs])
         except Exception as exc:
             raise backend_error(exc) from exc
 
     async def register_voice(self, voice: str, wave: np.ndarray, sample_rate: int, text: str | None) -> None:
-        """Register (or replace) ``voice`` from float32 samples at ``sample_rate`` (and their transcript)."""
-        await self._speakers("register", voice, prompt=wave, prompt_sr=sample_rate, prompt_text=text)
+        """Register (or replace) ``voice`` from float32 samples at ``sample_rate`` (and their transcript) with every
+        family's speakers model, the listing one last: a refusal of any leaves the voice listed as it was, and one
+        registered in part is removed from the others again."""
+        *others, listed = self.speaker_models
+        done = []
+        try:
+            for model in (*others, listed):
+                await self._speakers("register", voice, prompt=wave, prompt_sr=sample_rate, prompt_text=text,
+                                     model=model)
+                done.append(model)
+        except GatewayError:
+            for model in done:
+                with contextlib.suppress(GatewayError):
+                    await self._speakers("delete", voice, model=model)
+            raise
 
     async def delete_voice(self, voice: str) -> None:
-        await self._speakers("delete", voice)
+        """Delete ``voice`` from every family's speakers model (the listing one first; one that never had it, e.g.
+        registered before the family was served, is skipped)."""
+        listed, *others = self.speaker_models
+        await self._speakers("delete", voice, model=listed)
+        for model in others:
+            with contextlib.suppress(GatewayError):
+                await self._speakers("delete", voice, model=model)
 
     async def voice_seconds(self, voice: str) -> float:
         """How long ``voice``'s stored prompt is (its speech tokens, 25 a second)."""
-        res = await self._speakers("get", voice, outputs=("prompt_tokens",))
+        res = await self._speakers("get", voice, outputs=("prompt_tokens",), model=self.speaker_models[0])
         return res.as_numpy("prompt_tokens").size / TOKENS_PER_SECOND
 
     async def close(self) -> None:

@@ -1,17 +1,20 @@
 """Triton Python-backend adapter of ``cosyvoice3_tts_stream`` (decoupled): the tensors of ``cosyvoice_tts_stream``,
 answered by a CosyVoice3 folder in process (``cosyvoice_triton.serving.stages.cosyvoice3.Cv3Service``). Each request
 gets a worker thread that sends one response per chunk (or per text segment when ``stream`` is false), then the
-FINAL flag; ``finalize()`` waits for the streams in flight."""
+FINAL flag; ``finalize()`` waits for the streams in flight. A ``speaker_id`` is fetched from the CosyVoice3 speakers
+model (parameter ``speakers_model``) by BLS."""
 
 import threading
 
 import triton_python_backend_utils as pb_utils
 
+from cosyvoice_triton.family import COSYVOICE3
 from cosyvoice_triton.serving.stages import triton_io
 from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.speakers import BlsSpeakers
 from cosyvoice_triton.serving.stages.tts import send_stream
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS, TTS_WHOLE_INPUTS
 
@@ -26,7 +29,9 @@ class TritonPythonModel:
                                    output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"],
                                    text_limits={"max_chars": p["max_text_chars"],
                                                 "max_digit_run": p["max_text_digit_run"],
-                                                "max_digits": p["max_text_digits"]})
+                                                "max_digits": p["max_text_digits"]},
+                                   speakers=BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=p["bls_timeout_us"],
+                                                        family=COSYVOICE3) if p["speakers_model"] else None)
         self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                     audio_out=True, first_chunk=True)
         self.workers = set()

@@ -226,7 +226,13 @@ def test_bad_requests_name_what_is_wrong_and_the_server_stays(server, speech):
     chunks, error, final = _stream(server, "cosyvoice3_tts_stream",
                                    _tts(speech, speaker_id=np.array([[b"alice"]], object)))
     assert error is not None and not chunks
-    assert "speaker_id: registered speakers are not served for CosyVoice3" in str(error), str(error)
+    assert "give prompt audio or a speaker_id, not both" in str(error), str(error)
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", {
+        "text": np.array([[TEXT.encode()]], object), "speaker_id": np.array([[b"nobody-here"]], object)})
+    assert error is not None and not chunks and str(error).startswith("unknown speaker 'nobody-here'"), str(error)
+    status, body = _http_json(server, "cosyvoice3_tts", {"text": np.array([[TEXT.encode()]], object),
+                                                         "speaker_id": np.array([[b"nobody-here"]], object)})
+    assert status == 400 and "unknown speaker 'nobody-here'" in body["error"], body
     chunks, error, final = _stream(server, "cosyvoice3_tts_stream", _tts(speech))
     assert error is None and final and chunks
 
@@ -254,11 +260,92 @@ def test_the_gateway_speaks_cosyvoice3_by_model_name(server, speech, tmp_path):
         np.testing.assert_allclose(got, np.clip(want, -1, 1), atol=2 / 32768)
         status, text = http_post(urls.http, "/v1/audio/speech", json.dumps(
             {"model": "cosyvoice3", "input": TEXT, "voice": "alloy"}).encode(), {"Content-Type": "application/json"})
-        assert status == 400 and b"not served for cosyvoice3" in text, text
+        assert status == 400 and b"alloy" in text, text  # no such voice registered
     with gateway_process(server, tmp_path / "gateway2.log") as urls:  # not named in --models: refused at the door
         status, text = http_post(urls.http, "/v1/audio/speech", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
         assert status == 400 and b"cosyvoice3" in text and b"not served here" in text, text
+
+
+def test_registered_speakers_speak_cosyvoice3(server, library, cv3_dir, speech, tmp_path):
+    """A speaker registered with ``cosyvoice3_speakers`` speaks through ``speaker_id`` on ``cosyvoice3_tts_stream``
+    the library's answer with the prompt the same front end computes in process (zero-shot with its transcript)."""
+    from cosyvoice_triton.clients.client import VCClient
+    from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
+    from cosyvoice_triton.serving.stages.speakers import build_service
+
+    p, psr, _, _ = speech
+    with VCClient(server.grpc_url, protocol="grpc", timeout=PATIENCE_S) as c:
+        served = c.register_speaker("carol", p, prompt_sr=psr, prompt_text=PROMPT_TEXT, family="cosyvoice3")
+        assert "carol" in c.list_speakers(family="cosyvoice3") and "carol" not in c.list_speakers()
+        assert served.family == "cosyvoice3" and served.prompt_text.endswith("<|endofprompt|>" + PROMPT_TEXT)
+    local = build_service({"model_dir": str(cv3_dir), "family": "cosyvoice3", "capacity": 10, "min_seconds": 0.1,
+                           "max_seconds": 30.0, "prompt_cache_entries": 0, "prompt_cache_mb": 0.0,
+                           "speaker_dir": str(tmp_path / "speakers")}, graph_fn=None)
+    local.store.put("carol", local.prompt(p[None], np.array([[psr]], np.int32), None, PROMPT_TEXT))
+    want = [c["waveform"][0] for c in Cv3Service(library.model, speakers=local.get).responses(
+        {"text": np.array([[TEXT.encode()]], object), "speaker_id": np.array([[b"carol"]], object)})]
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", {
+        "text": np.array([[TEXT.encode()]], object), "speaker_id": np.array([[b"carol"]], object)})
+    assert error is None and final, error
+    assert [c.size for c in chunks] == [w.size for w in want] and len(want) >= 2
+    for got, w in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(got, w, atol=ATOL)
+    with VCClient(server.http_url, protocol="http", timeout=PATIENCE_S) as c:
+        assert c.get_speaker("carol", family="cosyvoice3").prompt_text == served.prompt_text
+        c.delete_speaker("carol", family="cosyvoice3")
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", {
+        "text": np.array([[TEXT.encode()]], object), "speaker_id": np.array([[b"carol"]], object)})
+    assert error is not None and "carol" in str(error) and not chunks
+
+
+def test_the_gateways_voices_speak_both_families_per_tenant(server, speech, tmp_path):
+    """A voice registered at the gateway is registered with both families' speakers models: ``model="cosyvoice3"``
+    speaks it (CosyVoice3's prompt, the tenant's id), ``cosyvoice2`` too; another tenant cannot; deleting it
+    removes it from both."""
+    import io
+
+    import requests
+    from conftest import gateway_process
+
+    from cosyvoice_triton.gateway.tenants import Namespace
+
+    p, psr, _, _ = speech
+    buf = io.BytesIO()
+    sf.write(buf, p, psr, format="WAV", subtype="FLOAT")
+    keys = {"acme": "key-acme-cv3", "other": "key-other-cv3"}
+    with gateway_process(server, tmp_path / "gateway.log", "--models", "cosyvoice2,cosyvoice3",
+                         tenants=keys) as urls:
+        base = f"http://{urls.http}"
+
+        def auth(tenant):
+            return {"authorization": f"Bearer {keys[tenant]}"}
+
+        def speak(tenant, model):
+            return requests.post(f"{base}/v1/audio/speech", headers=auth(tenant), timeout=PATIENCE_S, json={
+                "model": model, "input": TEXT, "voice": "dana", "response_format": "wav"})
+
+        r = requests.post(f"{base}/v1/audio/voices", headers=auth("acme"), timeout=PATIENCE_S,
+                       data={"id": "dana", "text": PROMPT_TEXT}, files={"audio": ("dana.wav", buf.getvalue())})
+        assert r.status_code == 201, r.text
+        r3 = speak("acme", "cosyvoice3")
+        assert r3.status_code == 200, r3.text[:500]
+        got, rate = sf.read(io.BytesIO(r3.content), dtype="float32")
+        status, direct = _http_json(server, "cosyvoice3_tts", {
+            "text": np.array([[TEXT.encode()]], object),
+            "speaker_id": np.array([[Namespace("acme").scoped("dana").encode()]], object)})
+        assert status == 200, direct
+        want = np.asarray({o["name"]: o for o in direct["outputs"]}["waveform"]["data"], np.float32)
+        assert rate == 24000 and got.size == want.size
+        np.testing.assert_allclose(got, np.clip(want, -1, 1), atol=2 / 32768)
+        assert speak("acme", "cosyvoice2").status_code == 200
+        refused = speak("other", "cosyvoice3")
+        assert refused.status_code == 400 and "dana" in refused.text, refused.text
+        deleted = requests.delete(f"{base}/v1/audio/voices/dana", headers=auth("acme"), timeout=PATIENCE_S)
+        assert deleted.status_code == 200, deleted.text
+        gone = speak("acme", "cosyvoice3")
+        assert gone.status_code == 400 and "dana" in gone.text, gone.text
+        assert speak("acme", "cosyvoice2").status_code == 400
 
 
 def test_cosyvoice3_has_the_official_configs_tensors(serving_assets, cv3_dir, tmp_path):

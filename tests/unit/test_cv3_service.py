@@ -97,7 +97,8 @@ def test_conversion_is_the_library_conversion(service, speech):
     ({}, "prompt_audio", "prompt_audio"),
     ({"mode": _b("sft")}, None, "mode must be one of"),
     ({"speed": np.array([[2.0]], np.float32)}, None, "speed: only non-streaming"),
-    ({"speaker_id": _b("alice")}, None, "speaker_id: registered speakers are not served for CosyVoice3"),
+    ({"speaker_id": _b("alice")}, "prompt_audio", "speaker_id: this server has no CosyVoice3 speakers model"),
+    ({"speaker_id": _b("alice")}, None, "prompt audio or a speaker_id, not both"),
     ({"prompt_sample_rate": np.array([[0]], np.int32)}, None, "prompt_sample_rate"),
 ])
 def test_bad_tts_requests_name_what_is_wrong(service, speech, extra, drop, match):
@@ -106,7 +107,7 @@ def test_bad_tts_requests_name_what_is_wrong(service, speech, extra, drop, match
         req.pop(drop)
     if drop == "prompt_audio":
         req.pop("prompt_sample_rate")
-        match = "a voice prompt is needed"
+        match = match if "speaker_id" in extra else "a voice prompt is needed"
     with pytest.raises(CosyVoiceError, match=match):
         list(service.responses(req))
 
@@ -168,3 +169,88 @@ def test_text_limits_are_the_services(service, folder, speech):
     with pytest.raises(CosyVoiceError, match="digit"):
         list(limited.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT), text=_b("call 123456"))))
     assert len(list(small.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT), **long_text)))) >= 1
+
+
+# ------------------------------------------------------------------------------------- registered speakers
+@pytest.fixture(scope="module")
+def speakers(folder, tmp_path_factory):
+    """``cosyvoice3_speakers``' service on the demo folder (its store in a temporary folder)."""
+    from cosyvoice_triton.serving.stages.speakers import build_service
+
+    params = {"model_dir": str(folder), "family": "cosyvoice3", "capacity": 10, "min_seconds": 0.1,
+              "max_seconds": 30.0, "prompt_cache_entries": 0, "prompt_cache_mb": 0.0,
+              "speaker_dir": str(tmp_path_factory.mktemp("cv3speakers"))}
+    return build_service(params, graph_fn=None)
+
+
+def _register(speakers, speech, speaker_id, text=None):
+    p, psr, _, _ = speech
+    req = {"action": _b("register"), "speaker_id": _b(speaker_id), "prompt_audio": p[None],
+           "prompt_sample_rate": np.array([[psr]], np.int32)}
+    if text is not None:
+        req["prompt_text"] = _b(text)
+    return speakers.handle(req)
+
+
+def test_a_registered_speaker_is_the_librarys_prompt(service, speakers, speech):
+    """The CosyVoice3 speakers model computes what ``CosyVoice3.prompt`` does (the transcript with the system prompt
+    in front) and marks it CosyVoice3; a CosyVoice2 speakers model's prompt is refused by name."""
+    p, psr, _, _ = speech
+    _register(speakers, speech, "alice", PROMPT_TEXT)
+    got = speakers.get("alice")
+    want = service.model.prompt(p, prompt_sr=psr, prompt_text=with_system_prompt("zero_shot", "", PROMPT_TEXT,
+                                                                                  None)[1])
+    assert got.family == "cosyvoice3" and got.prompt_text == want.prompt_text and ENDOFPROMPT in got.prompt_text
+    np.testing.assert_array_equal(got.prompt_tokens, want.prompt_tokens)
+    np.testing.assert_array_equal(got.prompt_text_tokens, want.prompt_text_tokens)
+    np.testing.assert_array_equal(got.prompt_mel, want.prompt_mel)
+    np.testing.assert_allclose(got.embedding, want.embedding, atol=1e-5)  # the fbank's mean subtracted twice
+    from cosyvoice_triton.serving.stages.speakers import SpeakerService
+
+    cv2 = SpeakerService(speakers.store, speakers.pre, speakers.graphs)  # the same store read as CosyVoice2's
+    with pytest.raises(CosyVoiceError, match="registered with a cosyvoice3 model"):
+        cv2.get("alice")
+
+
+def test_tts_with_a_speaker_id_is_tts_with_its_prompt(service, speakers, speech):
+    """``speaker_id`` speaks zero-shot with the registered transcript (no mode given), as the same prompt given
+    to the library; one registered without a transcript speaks cross-lingually."""
+    _register(speakers, speech, "alice", PROMPT_TEXT)
+    _register(speakers, speech, "bob")
+    served = Cv3Service(service.model, speakers=speakers.get)
+    got = np.concatenate([r["waveform"][0] for r in served.responses({"text": _b(TEXT), "speaker_id": _b("alice")})])
+    want = np.concatenate(list(service.model.tts_stream("zero_shot", TEXT, speaker=speakers.get("alice"),
+                                                        stream=True, seed=0)))
+    np.testing.assert_array_equal(got, want)
+    by_audio = np.concatenate([r["waveform"][0] for r in service.responses(_tts(speech,
+                                                                                prompt_text=_b(PROMPT_TEXT)))])
+    assert by_audio.size == got.size
+    np.testing.assert_allclose(got, by_audio, atol=1e-3)  # only the embedding's rounding differs
+    cross = np.concatenate([r["waveform"][0] for r in served.responses({"text": _b(TEXT), "speaker_id": _b("bob")})])
+    want = np.concatenate(list(service.model.tts_stream("cross_lingual", with_system_prompt(
+        "cross_lingual", TEXT, None, None)[0], speaker=speakers.get("bob"), stream=True, seed=0)))
+    np.testing.assert_array_equal(cross, want)
+
+
+def test_a_given_speaker_stands_alone_and_is_cosyvoice3s(service, speakers, speech):
+    import dataclasses
+
+    p, psr, _, _ = speech
+    _register(speakers, speech, "alice", PROMPT_TEXT)
+    alice = speakers.get("alice")
+    with pytest.raises(CosyVoiceError, match="stands alone"):
+        service.model.segments("zero_shot", TEXT, speaker=alice, prompt_wav=p, prompt_sr=psr)
+    with pytest.raises(CosyVoiceError, match="registered with a cosyvoice2 model"):
+        service.model.segments("zero_shot", TEXT, speaker=dataclasses.replace(alice, family="cosyvoice2"))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"prompt_text": _b(PROMPT_TEXT)}, "prompt_text belongs to prompt audio"),
+    ({"speaker_id": _b("nobody")}, "nobody"),
+    ({"speaker_id": _b("../x")}, "speaker"),
+])
+def test_bad_speaker_requests_name_what_is_wrong(service, speakers, speech, extra, match):
+    _register(speakers, speech, "alice", PROMPT_TEXT)
+    served = Cv3Service(service.model, speakers=speakers.get)
+    with pytest.raises(CosyVoiceError, match=match):
+        list(served.responses({"text": _b(TEXT), "speaker_id": _b("alice"), **extra}))

@@ -165,13 +165,14 @@ class CosyVoice3(PromptFrontend):
     # ------------------------------------------------------------------------------------------- text to speech
     def segments(self, mode: str, text: str | bytes, *, prompt_wav=None, prompt_sr: int | None = None,
                  prompt_text: str | bytes | None = None, instruct_text: str | bytes | None = None,
-                 speaker_id: str | None = None, text_frontend: bool = True,
+                 speaker_id: str | None = None, speaker: SpeakerPrompt | None = None, text_frontend: bool = True,
                  timer: StageTimer = _NO_TIMER) -> list[Segment]:
         """The LM and flow inputs of each text segment of ``mode`` (:data:`MODES`), as the official
         ``inference_<mode>`` arranges them: the text normalised and split (``text_frontend``), the prompt text
         normalised unsplit, the instruct text as given. ``<|endofprompt|>`` must be in the prompt / instruct text or
         the text (:func:`~cosyvoice_triton.frontend.text.cosyvoice3.require_endofprompt`: a :class:`TextError`
-        that says where it belongs). The prompt is ``prompt_wav`` or a registered ``speaker_id``."""
+        that says where it belongs). The prompt is ``prompt_wav``, a registered ``speaker_id``, or ``speaker``: a
+        CosyVoice3 prompt already looked up elsewhere (a server's speakers model), used as a registered one."""
         front = self._text()
         if mode not in MODES:
             raise TextError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -180,7 +181,8 @@ class CosyVoice3(PromptFrontend):
                             "<|endofprompt|>'")
         if mode != "instruct2" and instruct_text is not None:
             raise TextError(f"instruct_text is only used by instruct2, not {mode}")
-        if mode == "zero_shot" and prompt_text is None and speaker_id is None:
+        registered = speaker_id is not None or speaker is not None
+        if mode == "zero_shot" and prompt_text is None and not registered:
             raise TextError("zero_shot needs prompt_text: 'You are a helpful assistant.<|endofprompt|>' and the "
                             "transcript of the prompt audio")
         if mode != "zero_shot" and prompt_text is not None:
@@ -189,8 +191,13 @@ class CosyVoice3(PromptFrontend):
         lm_prompt_raw = {"zero_shot": prompt_text, "instruct2": instruct_text}.get(mode)
         if lm_prompt_raw is not None:
             lm_prompt_raw = front.check(lm_prompt_raw, what="instruct text" if mode == "instruct2" else "prompt text")
-        speaker = self._speaker(prompt_wav, prompt_sr, prompt_text, speaker_id, timer)
-        if mode == "zero_shot" and speaker_id is not None:
+        if speaker is None:
+            speaker = self._speaker(prompt_wav, prompt_sr, prompt_text, speaker_id, timer)
+        elif prompt_wav is not None or speaker_id is not None or prompt_text is not None:
+            raise TextError("a given speaker prompt stands alone: no prompt audio, speaker_id or prompt text with it")
+        else:
+            speaker = speaker.require_family(self.family, "given")
+        if mode == "zero_shot" and registered:
             lm_prompt_raw = speaker.prompt_text
         require_endofprompt(lm_prompt_raw or "", raw_text, mode=mode)
         with timer.stage("frontend"):

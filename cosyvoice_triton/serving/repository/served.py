@@ -13,6 +13,7 @@ import numpy as np
 
 from ...shapes import (
     CV3_OFFICIAL_MODEL,
+    CV3_SPEAKERS_MODEL,
     CV3_TTS_MODEL,
     CV3_TTS_STREAM_MODEL,
     CV3_VC_INPUTS,
@@ -363,12 +364,24 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
                 max_batch_size=8, decoupled=True, when=_cv3,
                 parameters=lambda ctx: {**_cv3_params(ctx), "lm_precision": ctx.tunables.lm_precision,
+                                        "speakers_model": CV3_SPEAKERS_MODEL,
+                                        "bls_timeout_us": ctx.tunables.bls_timeout_us,
                                         "max_text_chars": ctx.tunables.max_text_chars,
                                         "max_text_digit_run": ctx.tunables.max_text_digit_run,
                                         "max_text_digits": ctx.tunables.max_text_digits},
-                doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream, speaker_id not yet): the "
-                    "cosyvoice3_dir folder in process, one request at a time per instance, chunks on the official "
-                    "CosyVoice3 schedule"),
+                doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream): the cosyvoice3_dir folder "
+                    "in process, one request at a time per instance, chunks on the official CosyVoice3 schedule; "
+                    f"a speaker_id from {CV3_SPEAKERS_MODEL} (BLS)"),
+    ServedModel(CV3_SPEAKERS_MODEL, "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
+                frozenset(t.name for t in SPEAKER_INPUTS[1:]), params_key="speakers", when=_cv3,
+                parameters=lambda ctx: {
+                    "model_dir": str(ctx.cosyvoice3_dir), "family": "cosyvoice3",
+                    "speaker_dir": str(Path(ctx.tunables.speaker_dir) / "cosyvoice3"),
+                    "capacity": ctx.tunables.speaker_capacity, "min_seconds": ctx.tunables.min_seconds,
+                    "max_seconds": ctx.tunables.max_seconds, **_prompt_cache_params(ctx)},
+                doc="register / get / list / delete CosyVoice3 speakers (one instance owns the store, in "
+                    "<speaker_dir>/cosyvoice3): speech_tokenizer_v3 and CAM++ of the cosyvoice3_dir folder in "
+                    "process"),
     ServedModel(CV3_TTS_MODEL, "ensemble/cosyvoice_tts", (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS),
                 TTS_OUTPUTS, frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS)), max_batch_size=8,
                 params_key=TTS_MODEL, when=_cv3,

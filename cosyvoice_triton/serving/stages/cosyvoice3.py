@@ -18,9 +18,13 @@ instruct text or cross-lingual text without it gets the official examples' ``You
 ``<|endofprompt|>`` in front (:func:`~cosyvoice_triton.frontend.text.cosyvoice3.with_system_prompt`), as the
 official runtime does to ``reference_text``.
 
+A ``speaker_id`` is a speaker registered with ``cosyvoice3_speakers`` (the ``speakers`` tensors, CosyVoice3's
+prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id -> SpeakerPrompt``); with no
+``mode``, a speaker registered with a transcript speaks zero-shot, one without cross-lingually.
+
 One instance runs one request at a time (the model's streaming state is per instance); a request that waits longer
 than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable ``instances``).
-Not served yet for CosyVoice3: registered speakers (``speaker_id``), live sessions, the batched graphs.
+Not served yet for CosyVoice3: live sessions, the batched graphs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 from ...errors import TextError
 from ...frontend import audio
 from ...frontend.text.cosyvoice3 import resolve_mode, with_system_prompt
+from ...speakers import SpeakerPrompt
 from .batching import RequestError
 from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled
@@ -64,8 +69,10 @@ class Cv3Service:
     behind the served tensors; see the module docstring."""
 
     def __init__(self, model, *, min_seconds: float = audio.MIN_SECONDS, max_seconds: float = audio.MAX_SECONDS,
-                 output_sample_rate: int = 0, wait_timeout_s: float = 60.0):
+                 output_sample_rate: int = 0, wait_timeout_s: float = 60.0,
+                 speakers: Callable[[str], SpeakerPrompt] | None = None):
         self.model = model
+        self.speakers = speakers
         self.pre = Preprocessor(model.config.mel, sample_rate=model.sample_rate, min_seconds=min_seconds,
                                 max_seconds=max_seconds)
         self.post = Postprocessor(model_sample_rate=model.sample_rate, output_sample_rate=output_sample_rate)
@@ -100,25 +107,36 @@ class Cv3Service:
         (:class:`~cosyvoice_triton.errors.CosyVoiceError`) naming what is wrong."""
         if t.get("text") is None:
             raise TextError("text: missing input (the text to speak, UTF-8)")
-        if t.get("speaker_id") is not None:
-            raise RequestError("speaker_id: registered speakers are not served for CosyVoice3 yet; send the prompt "
-                               "audio (prompt_audio with prompt_sample_rate, or prompt_audio_bytes)")
         text = bytes_input(t["text"], "text")
         prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
         instruct = bytes_input(t.get("instruct_text"), "instruct_text")
-        mode = resolve_mode(bytes_input(t.get("mode"), "mode"), prompt_text, instruct)
-        if all(t.get(n) is None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes")):
-            raise TextError("a voice prompt is needed: prompt_audio with prompt_sample_rate, or prompt_audio_bytes")
-        wav, sr = self.pre.utterance("prompt", t.get("prompt_audio"), t.get("prompt_sample_rate"),
-                                     t.get("prompt_audio_bytes"))
+        speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
+        has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
+        kw: dict[str, Any] = {}
+        if speaker_id is not None:
+            if has_audio:
+                raise TextError("give prompt audio or a speaker_id, not both")
+            if prompt_text is not None:
+                raise TextError("prompt_text belongs to prompt audio: register the speaker with its text instead")
+            if self.speakers is None:
+                raise TextError("speaker_id: this server has no CosyVoice3 speakers model")
+            kw["speaker"] = self.speakers(speaker_id)
+        elif not has_audio:
+            raise TextError("a voice prompt is needed: prompt_audio with prompt_sample_rate, or prompt_audio_bytes "
+                            "(or a registered speaker_id)")
+        else:
+            kw["prompt_wav"], kw["prompt_sr"] = self.pre.utterance("prompt", t.get("prompt_audio"),
+                                                                   t.get("prompt_sample_rate"),
+                                                                   t.get("prompt_audio_bytes"))
+        mode = resolve_mode(bytes_input(t.get("mode"), "mode"), prompt_text, instruct,
+                            speaker="speaker" in kw and bool(kw["speaker"].prompt_text))
         stream = streaming(t)
         speed = speed_input(t.get("speed"))
         if stream and speed != 1.0:
             raise RequestError("speed: only non-streaming answers change speed (cosyvoice3_tts, or stream=false), "
                                "as the official code's")
         text, prompt_text, instruct = with_system_prompt(mode, text, prompt_text, instruct)
-        kw: dict[str, Any] = {"text": text, "prompt_wav": wav, "prompt_sr": sr, "seed": parse_seed(t.get("seed")),
-                              "stream": stream, "speed": speed}
+        kw.update(text=text, seed=parse_seed(t.get("seed")), stream=stream, speed=speed)
         if prompt_text is not None:
             kw["prompt_text"] = prompt_text
         if instruct is not None:

@@ -165,8 +165,11 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
               "speaking without a transcript"),
         _BLS_TIMEOUT,
     ),
-    "speakers": (
-        Param("model_dir", str, None, "the CosyVoice2 folder (mel settings; CosyVoice-BlankEN/ for transcripts)"),
+    "speakers": (  # also cosyvoice3_speakers (family cosyvoice3)
+        Param("model_dir", str, None, "the model folder (mel settings; CosyVoice-BlankEN/ for transcripts)"),
+        Param("family", str, "cosyvoice2", "the folder's family: cosyvoice2 (its tokenizer and CAM++ are the graph "
+              "models below, by BLS) or cosyvoice3 (speech_tokenizer_v3.onnx and campplus.onnx in process)",
+              ("cosyvoice2", "cosyvoice3")),
         Param("speaker_dir", str, "build/speakers", "where speakers persist (relative: the server's work dir)"),
         Param("capacity", int, 1000, "most speakers kept (LRU in memory, persisted files)"),
         Param("min_seconds", float, 0.1, "shortest accepted prompt"),
@@ -219,6 +222,9 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, int8 (PyTorch dynamic INT8) or fp32-ort",
               ("fp32", "int8", "fp32-ort")),
         *(p for p in _TTS_SERVICE if p.name.startswith("max_text_")),
+        Param("speakers_model", str, "", "the Triton model of registered CosyVoice3 speakers (speaker_id; empty: "
+              "speaker_id is refused)"),
+        _BLS_TIMEOUT,
         *_CV3_COMMON,
     ),
     "cosyvoice3_vc": (

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import SpeakerError
-from ...family import COSYVOICE2
+from ...family import COSYVOICE2, COSYVOICE3
 from ...prompt_cache import PromptCache, prompt_key
 from ...shapes import TensorSpec
 from ...speakers import SpeakerPrompt, SpeakerStore, validate_speaker_id
@@ -28,7 +28,7 @@ from .flow import GraphFn
 from .frontend import Preprocessor
 
 __all__ = ["ACTIONS", "SPEAKER_INPUTS", "SPEAKER_OUTPUTS", "BlsSpeakers", "SpeakerService", "build_service",
-           "bytes_scalar", "compute_prompt", "prompt_tensors"]
+           "build_service3", "bytes_scalar", "compute_prompt", "prompt_tensors"]
 
 ACTIONS = ("register", "get", "list", "delete")
 _B = "batch"
@@ -67,12 +67,12 @@ def bytes_scalar(value, name: str) -> str:
 
 
 def compute_prompt(pre: Preprocessor, graphs: Mapping[str, GraphFn], audio: tuple, *, token_mel_ratio: int,
-                   prompt_text: str | None = None, prompt_text_tokens=None) -> SpeakerPrompt:
+                   prompt_text: str | None = None, prompt_text_tokens=None, family: str = COSYVOICE2) -> SpeakerPrompt:
     """``CosyVoice2.prompt`` with the graphs: ``audio`` = (samples, sample rate, encoded bytes) as the request
     gives them; the speech tokens (``speech_tokenizer``), the CAM++ embedding (``speaker_encoder``), the 24 kHz
     mel cut with the tokens to 2 frames per token, and the transcript with its (already computed) text tokens.
     With ``pre.prompt_cache``, a recording seen before (same samples, rate and ``pre.options``) skips the front
-    end and both graphs."""
+    end and both graphs. ``family``: the model family of the graphs (the prompt is marked with it)."""
     wave, sr = pre.utterance("prompt", *audio)
 
     def compute() -> dict[str, np.ndarray]:
@@ -95,7 +95,8 @@ def compute_prompt(pre: Preprocessor, graphs: Mapping[str, GraphFn], audio: tupl
     text_tokens = np.zeros(0, np.int32) if prompt_text_tokens is None else np.asarray(prompt_text_tokens, np.int32)
     return SpeakerPrompt(prompt_tokens=tokens[:n], prompt_mel=np.ascontiguousarray(mel[: token_mel_ratio * n]),
                          embedding=entry["embedding"],
-                         prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text)
+                         prompt_text_tokens=text_tokens, prompt_text="" if prompt_text is None else prompt_text,
+                         family=family)
 
 
 def prompt_tensors(prompt: SpeakerPrompt) -> dict[str, np.ndarray]:
@@ -117,13 +118,19 @@ class SpeakerService:
         text_frontend: ``() -> TextFrontend`` (built on first use; ``None``: registration with a transcript is
             refused, the model folder has no text front end).
         token_mel_ratio: mel frames per speech token (2).
+        family: the model family whose prompts this store holds (speakers of another family are refused).
+        transcript: the transcript as the family's LM reads it (CosyVoice3: the system prompt and
+            ``<|endofprompt|>`` in front, :func:`~cosyvoice_triton.frontend.text.cosyvoice3.zero_shot_prompt_text`,
+            unless it already holds them); kept and tokenized in that form.
     """
 
     def __init__(self, store: SpeakerStore, pre: Preprocessor, graphs: Mapping[str, GraphFn], *,
-                 text_frontend: Callable[[], Any] | None = None, token_mel_ratio: int = 2):
+                 text_frontend: Callable[[], Any] | None = None, token_mel_ratio: int = 2,
+                 family: str = COSYVOICE2, transcript: Callable[[str], str] = str):
         self.store, self.pre, self.graphs = store, pre, graphs
         self._text_factory, self._text = text_frontend, None
         self.ratio = int(token_mel_ratio)
+        self.family, self.transcript = family, transcript
 
     def text(self):
         if self._text is None:
@@ -135,14 +142,18 @@ class SpeakerService:
 
     def prompt(self, prompt_audio=None, prompt_sample_rate=None, prompt_audio_bytes=None,
                prompt_text: str | None = None) -> SpeakerPrompt:
-        """The prompt of a recording (and its transcript), as ``CosyVoice2.prompt`` computes it."""
+        """The prompt of a recording (and its transcript), as the family's ``prompt`` (``CosyVoice2.prompt``,
+        ``CosyVoice3.prompt``) computes it."""
+        if prompt_text is not None:
+            prompt_text = self.transcript(prompt_text)
         text_tokens = None if prompt_text is None else self.text().prompt_tokens(prompt_text)
         return compute_prompt(self.pre, self.graphs, (prompt_audio, prompt_sample_rate, prompt_audio_bytes),
-                              token_mel_ratio=self.ratio, prompt_text=prompt_text, prompt_text_tokens=text_tokens)
+                              token_mel_ratio=self.ratio, prompt_text=prompt_text, prompt_text_tokens=text_tokens,
+                              family=self.family)
 
     def get(self, speaker_id: str) -> SpeakerPrompt:
-        """A speaker for synthesis: one registered with a CosyVoice2 model (the served family), else SpeakerError."""
-        return self.store.get(speaker_id, family=COSYVOICE2)
+        """A speaker for synthesis: one registered with a model of the served family, else SpeakerError."""
+        return self.store.get(speaker_id, family=self.family)
 
     def handle(self, tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         """One request's outputs; raises :class:`~cosyvoice_triton.errors.CosyVoiceError` for bad input."""
@@ -181,12 +192,15 @@ TEXT_DIR = "CosyVoice-BlankEN"
 
 def build_service(params: Mapping[str, Any], graph_fn: Callable[[str, str], GraphFn]) -> SpeakerService:
     """The service of a ``speakers`` model from its config parameters (``MODEL_PARAMS["speakers"]``);
-    ``graph_fn(model, graph)``: a callable of the Triton model ``model`` serving graph ``graph``. A relative
-    ``speaker_dir`` is under the server's working directory."""
+    ``graph_fn(model, graph)``: a callable of the Triton model ``model`` serving graph ``graph`` (CosyVoice2; a
+    CosyVoice3 folder's graphs run in process: :func:`build_service3`). A relative ``speaker_dir`` is under the
+    server's working directory."""
     from pathlib import Path
 
     from ...config import ModelConfig
 
+    if params.get("family", COSYVOICE2) == COSYVOICE3:
+        return build_service3(params)
     model_dir = Path(params["model_dir"])
     config = ModelConfig.from_yaml(model_dir / "cosyvoice2.yaml")
     graph_models = (params["tokenizer_model"], params["speaker_encoder_model"])
@@ -213,12 +227,12 @@ _NOT_THE_ID = ("internal error: ", "Stub process", "Failed for execute", "Reques
 
 
 class BlsSpeakers:
-    """``speaker_id -> SpeakerPrompt`` by a BLS ``get`` to the ``speakers`` model (``pb``:
+    """``speaker_id -> SpeakerPrompt`` by a BLS ``get`` to the ``speakers`` model of ``family`` (``pb``:
     ``triton_python_backend_utils``). An unknown or bad id comes back as the model's INVALID_ARG, raised as a
     :class:`~cosyvoice_triton.errors.SpeakerError` with its message."""
 
-    def __init__(self, pb, model: str = "speakers", *, timeout_us: int = 0):
-        self.pb, self.model, self.timeout_us = pb, model, int(timeout_us)
+    def __init__(self, pb, model: str = "speakers", *, timeout_us: int = 0, family: str = COSYVOICE2):
+        self.pb, self.model, self.timeout_us, self.family = pb, model, int(timeout_us), family
 
     def __call__(self, speaker_id: str) -> SpeakerPrompt:
         pb = self.pb
@@ -240,4 +254,38 @@ class BlsSpeakers:
                              prompt_mel=out["prompt_mel"].astype(np.float32),
                              embedding=out["embedding"].astype(np.float32),
                              prompt_text_tokens=out["prompt_text_tokens"].astype(np.int32),
-                             prompt_text=bytes_scalar(out["prompt_text"], "prompt_text"))
+                             prompt_text=bytes_scalar(out["prompt_text"], "prompt_text"), family=self.family)
+
+
+def build_service3(params: Mapping[str, Any]) -> SpeakerService:
+    """The service of a CosyVoice3 ``speakers`` model (``cosyvoice3_speakers``): the folder's
+    ``speech_tokenizer_v3.onnx`` and ``campplus.onnx`` in process, its mel settings and text front end; a
+    transcript gets the system prompt in front as the official zero-shot examples write it."""
+    from pathlib import Path
+
+    from ...frontend.speech_models import SpeakerEncoder, SpeechTokenizer
+    from ...frontend.text.cosyvoice3 import with_system_prompt
+    from ...models.cosyvoice3.config import read_cosyvoice3_yaml
+    from ...models.cosyvoice3.pipeline import SPEECH_TOKENIZER
+
+    model_dir = Path(params["model_dir"])
+    config = read_cosyvoice3_yaml(model_dir)
+    tokenizer = SpeechTokenizer(model_dir / SPEECH_TOKENIZER, version="v3")
+    encoder = SpeakerEncoder(model_dir / "campplus.onnx")
+    pre = Preprocessor(config.mel, sample_rate=config.sample_rate, min_seconds=params["min_seconds"],
+                       max_seconds=params["max_seconds"],
+                       prompt_cache=PromptCache.from_params(params["prompt_cache_entries"], params["prompt_cache_mb"]),
+                       model_id=f"{model_dir.resolve()}|{SPEECH_TOKENIZER}|campplus.onnx")
+    graphs = {"speech_tokenizer": lambda t: {"speech_tokens": tokenizer.tokenize(t["whisper_mel"],
+                                                                                 t["whisper_mel_len"])[0]},
+              "speaker_encoder": lambda t: {"speaker_embedding": encoder.embed(t["fbank"])}}
+
+    def text():
+        from ...frontend.text import TextFrontend
+        from ...models.llm import QWEN_DIR
+
+        return TextFrontend(model_dir / QWEN_DIR, family=COSYVOICE3)
+
+    store = SpeakerStore(Path(params["speaker_dir"]).resolve(), capacity=params["capacity"])
+    return SpeakerService(store, pre, graphs, text_frontend=text, token_mel_ratio=config.flow.token_mel_ratio,
+                          family=COSYVOICE3, transcript=lambda t: with_system_prompt("zero_shot", "", t, None)[1])

@@ -126,15 +126,16 @@ $(OFFICIAL_DEPS3)/.installed: | $(VENV)/.installed
 	touch $@
 
 BENCH_CV3_ARGS ?=
-bench-cv3: $(VENV)/.installed ## CosyVoice3 at full dims, the official code vs the library: token2wav, first streamed chunk, whole TTS, the DiT's share and GFLOP/s vs GEMM ceiling (OFFICIAL=checkout; without: the library alone)
+FLOW_PRECISION ?= fp32
+bench-cv3: $(VENV)/.installed ## CosyVoice3 at full dims, the official code vs the library: token2wav, first streamed chunk, whole TTS, the DiT's share and GFLOP/s vs GEMM ceiling (OFFICIAL=checkout; without: the library alone; FLOW_PRECISION=int8: the library's DiT blocks in INT8)
 	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
 	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
 ifneq ($(OFFICIAL),)
 	@$(MAKE) --no-print-directory $(OFFICIAL_DEPS3)/.installed
 	$(CLI) bench-cv3 --model-dir models/cosyvoice3-demo-full --official $(OFFICIAL) --official-deps $(OFFICIAL_DEPS3) \
-	  $(BENCH_CV3_ARGS)
+	  --flow-precision $(FLOW_PRECISION) $(BENCH_CV3_ARGS)
 else
-	$(CLI) bench-cv3 --model-dir models/cosyvoice3-demo-full $(BENCH_CV3_ARGS)
+	$(CLI) bench-cv3 --model-dir models/cosyvoice3-demo-full --flow-precision $(FLOW_PRECISION) $(BENCH_CV3_ARGS)
 endif
 
 gpu-wheels: $(VENV)/.installed ## PyYAML (CPython 3.10-3.13, x86-64) and cachetools wheels that loadtest/gpu.sh installs on a bare GPU machine -> build/gpu-wheels

@@ -138,7 +138,7 @@ def _library(ns, inputs_path: Path):
     from ..speakers import SpeakerPrompt
 
     model = CosyVoice3.from_pretrained(ns.model_dir, threads=ns.threads, onnx_threads=ns.threads,
-                                       prompt_cache=False)
+                                       prompt_cache=False, flow_precision=ns.flow_precision)
     if not inputs_path.is_file():
         _prepare_inputs(model, ns, inputs_path)
     z = dict(np.load(inputs_path))
@@ -171,7 +171,34 @@ def _library(ns, inputs_path: Path):
         chunks, first = _timed_stream(t2w.token2wav_stream(lm_tokens(), *tts_prompt))
         return chunks, first, len(tokens_seen)
 
+    _flows.append(model.flow)
     return model.flow.decoder.estimator, clock, run
+
+
+def _mel_vs_fp32(ns, inputs_path: Path, estimator) -> dict:
+    """The quality report's flow-stage errors (mel rel RMS, mean |log-mel error| in dB) of this side's flow at
+    ``--flow-precision`` against the same folder's fp32 flow, on the token2wav case's mel (non-streaming)."""
+    import math
+
+    import torch
+
+    from ..models.cosyvoice3.config import read_cosyvoice3_yaml
+    from ..models.cosyvoice3.flow import load_flow3
+
+    z = dict(np.load(inputs_path))
+    ref_flow = load_flow3(Path(ns.model_dir) / "flow.pt", read_cosyvoice3_yaml(ns.model_dir).flow).eval()
+    flow = next(m for m in _flows if m.decoder.estimator is estimator)
+    args = (torch.as_tensor(z["source_tokens"][None], dtype=torch.int32),
+            torch.as_tensor(z["vc_prompt_tokens"][None], dtype=torch.int32),
+            torch.as_tensor(z["vc_prompt_mel"][None]), torch.as_tensor(z["vc_embedding"][None]))
+    with torch.inference_mode():
+        ref = ref_flow.inference(*args, streaming=False, finalize=True)[0][0].numpy()
+        got = flow.inference(*args, streaming=False, finalize=True)[0][0].numpy()
+    return {"mel_rel_rms": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+            "mel_db": float(np.abs(got - ref).mean()) * 20 / math.log(10), "frames": int(ref.shape[-1])}
+
+
+_flows: list = []  # the library side's flow (for mel_vs_fp32)
 
 
 # ------------------------------------------------------------------------------------------------ official side
@@ -230,6 +257,7 @@ def _official(ns, inputs_path: Path):
             chunks, first = _timed_stream(o["tts_speech"][0].numpy() for o in model.tts(**kw, stream=stream))
         return chunks, (first if stream else None), (last_tokens[0] if kw is tts else None)
 
+    _flows.append(model.flow)
     return model.flow.decoder.estimator, clock, run
 
 
@@ -256,6 +284,9 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
         command = line.split()
         if not command or command[0] == "quit":
             break
+        if command[0] == "mel_vs_fp32":  # the library's flow against an fp32 one on the token2wav case's mel
+            _emit(_mel_vs_fp32(ns, inputs_path, estimator))
+            continue
         if command[0] == "flops":  # FLOPs of the estimator at the frame counts a case used
             from .vc import estimator_call_flops  # here: it imports the library (the official side never asks)
 
@@ -323,7 +354,8 @@ def _fmt(x, spec: str = ".2f", none: str = "-") -> str:
 
 
 def format_table(summary: dict, meta: dict) -> str:
-    lines = [f"CosyVoice3 at full dims, official code vs library (PyTorch fp32); commit {meta['commit']}; "
+    lines = [f"CosyVoice3 at full dims, official code vs library (PyTorch, flow "
+             f"{meta.get('flow_precision', 'fp32')}); commit {meta['commit']}; "
              f"{meta['machine']}; {meta['threads']} threads per side; medians of {meta['rounds']} rounds; GEMM "
              f"ceiling {summary['ceiling_gflops']:.0f} GFLOP/s", "",
              "| case | side | seconds | first chunk s | audio s | RTF | DiT s (share) | DiT GFLOP/s (of ceiling) "
@@ -353,7 +385,7 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str | Path
               official_deps: str | Path = DEFAULT_OFFICIAL_DEPS, source: str | None = None,
               prompt: str | None = None, text: str = DEFAULT_TEXT, prompt_text: str = DEFAULT_PROMPT_TEXT,
               cases: tuple[str, ...] = CASES, rounds: int = 2, threads: int = 2,
-              out_dir: str | Path = "build/bench-cv3") -> dict:
+              out_dir: str | Path = "build/bench-cv3", flow_precision: str = "fp32") -> dict:
     from ..loadtest.live import commit
     from ..loadtest.setup import machine
 
@@ -366,7 +398,7 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str | Path
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "inputs.npz").unlink(missing_ok=True)
     meta = {"commit": commit(), "machine": machine(), "threads": threads, "rounds": rounds,
-            "model_dir": str(model_dir), "text": text, "prompt_text": prompt_text,
+            "model_dir": str(model_dir), "text": text, "prompt_text": prompt_text, "flow_precision": flow_precision,
             "source": str(source or FIXTURES / "source_en_5s.wav"),
             "prompt": str(prompt or FIXTURES / "prompt_en_3s.wav")}
     print(f"bench-cv3: {model_dir}, {threads} threads per side, {rounds} timed rounds after 1 warm-up; "
@@ -374,7 +406,8 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str | Path
     ceilings = [gemm_ceiling(threads)]
     print(f"  GEMM ceiling {ceilings[0]:.1f} GFLOP/s", flush=True)
     common = ["--model-dir", str(model_dir), "--threads", str(threads), "--out-dir", str(out_dir),
-              "--source", meta["source"], "--prompt", meta["prompt"], "--text", text, "--prompt-text", prompt_text]
+              "--source", meta["source"], "--prompt", meta["prompt"], "--text", text, "--prompt-text", prompt_text,
+              "--flow-precision", flow_precision]
     runners: dict[str, Worker] = {}
     runs: dict = {c: {} for c in cases}
     result = {"meta": meta, "cases": list(cases), "runs": runs, "ceiling_gflops": ceilings, "ready": {},
@@ -407,6 +440,17 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, official: str | Path
                     if i:
                         runs[case].setdefault(name, []).append(out)
                 print(f"  {label} {case}: " + "; ".join(figures), flush=True)
+        if flow_precision != "fp32":
+            from ..export.quality import BAR
+
+            q = result["quality"] = runners["library"].call("mel_vs_fp32")
+            ok = q["mel_rel_rms"] <= BAR.mel_rel_rms and q["mel_db"] <= BAR.mel_db
+            result["notes"].append(
+                f"library flow {flow_precision} against fp32 (token2wav mel, {q['frames']} frames): mel rel RMS "
+                f"{q['mel_rel_rms']:.2e}, mean |log-mel error| {q['mel_db']:.3f} dB: "
+                f"{'within' if ok else 'OUTSIDE'} the quality report's flow bar ({BAR.mel_rel_rms:g}, "
+                f"{BAR.mel_db:g} dB)")
+            print("  " + result["notes"][-1], flush=True)
         for case in cases:
             frames = runs[case].get("library", [{}])[-1].get("estimator_frames", [])
             if frames:
@@ -452,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out-dir", default="build/bench-cv3")
+    p.add_argument("--flow-precision", default="fp32", choices=("fp32", "int8"),
+                   help="the library's flow (int8: the DiT blocks on PyTorch's CPU INT8; its mel is also compared "
+                   "with the fp32 flow's against the quality report's bar)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.worker:
@@ -459,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     run_bench(ns.model_dir, official=ns.official, official_deps=ns.official_deps, source=ns.source,
               prompt=ns.prompt, text=ns.text, prompt_text=ns.prompt_text,
               cases=tuple(c for c in ns.cases.split(",") if c), rounds=ns.rounds, threads=ns.threads,
-              out_dir=ns.out_dir)
+              out_dir=ns.out_dir, flow_precision=ns.flow_precision)
     return 0
 
 

@@ -25,6 +25,7 @@ class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_stream"], model=args["model_name"])
         self.tts = Cv3Service.load(p["model_dir"], lm_precision=p["lm_precision"], torch_threads=p["torch_threads"],
+                                   flow_precision=p["flow_precision"],
                                    min_seconds=p["min_seconds"], max_seconds=p["max_seconds"],
                                    output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"],
                                    text_limits={"max_chars": p["max_text_chars"],

@@ -21,6 +21,7 @@ class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_vc"], model=args["model_name"])
         self.vc = Cv3Service.load(p["model_dir"], tts=False, torch_threads=p["torch_threads"],
+                                  flow_precision=p["flow_precision"],
                                   min_seconds=p["min_seconds"], max_seconds=p["max_seconds"],
                                   output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"])
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"],

@@ -381,3 +381,21 @@ def test_cosyvoice3_has_the_official_configs_tensors(serving_assets, cv3_dir, tm
     assert tensors(ours, "input") == tensors(official, "input")
     assert tensors(ours, "output") == tensors(official, "output")
     assert ours["model_transaction_policy"] == {"decoupled": True}
+
+
+def test_the_flow_precision_tunable_reaches_both_models(serving_assets, cv3_dir, tmp_path):
+    """``cosyvoice3_flow_precision`` is rendered into the parameters of both models that load the flow; the
+    speakers model has no flow."""
+    import re
+
+    from cosyvoice_triton.serving.repository import render_repository
+
+    for value in ("int8", "fp32"):
+        repo = tmp_path / value
+        render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
+                          cosyvoice3_dir=str(cv3_dir), cosyvoice3_flow_precision=value)
+        for model in ("cosyvoice3_vc", "cosyvoice3_tts_stream"):
+            text = (repo / model / "config.pbtxt").read_text()
+            found = re.search(r'key: "flow_precision"\s*value: \{\s*string_value: "(\w+)"', text)
+            assert found and found.group(1) == value, (model, text[:2000])
+        assert "flow_precision" not in (repo / "cosyvoice3_speakers" / "config.pbtxt").read_text()

@@ -105,3 +105,14 @@ def test_tiny_run(cv3_demo_dir, tmp_path, capsys):
     for case in bench.CASES:
         assert s[case]["waveform_rel_diff"] <= 1e-3, case
         assert s[case]["official"]["tokens"] == s[case]["library"]["tokens"], case
+
+
+def test_tiny_run_with_an_int8_flow(cv3_demo_dir, tmp_path, capsys):
+    """``--flow-precision int8``: the library's flow in INT8, its token2wav mel compared with the fp32 flow's
+    against the quality report's bar, the precision named in the table."""
+    result = bench.run_bench(cv3_demo_dir, cases=("token2wav",), rounds=1, threads=1, out_dir=tmp_path / "out",
+                             flow_precision="int8")
+    q = result["quality"]
+    assert 0 < q["mel_rel_rms"] <= 0.05 and q["mel_db"] <= 0.5 and q["frames"] > 0
+    assert any("within the quality report's flow bar" in n for n in result["notes"])
+    assert "flow int8" in capsys.readouterr().out

@@ -44,6 +44,7 @@ from ...streaming import StreamSchedule
 from ...threads import ThreadChoice, configure
 from ..speed import check_speed
 from .config import CosyVoice3Config, read_cosyvoice3_yaml
+from .dit_quant import FLOW_PRECISIONS, quantize_flow3
 from .flow import load_flow3
 from .hift import load_hift3
 from .llm import CosyVoice3LM, drop_long_silences, load_llm3
@@ -97,7 +98,8 @@ class CosyVoice3(PromptFrontend):
                         tts: bool = True, prompt_cache: PromptCache | bool = True, lm_precision: str = "fp32",
                         hift_noise_seed: int = 0, speaker_dir: str | Path | None = None,
                         stream_schedule: StreamSchedule | None = None, threads: int | None = None,
-                        spinning: bool | None = None, text_limits: Mapping[str, int] | None = None) -> CosyVoice3:
+                        spinning: bool | None = None, text_limits: Mapping[str, int] | None = None,
+                        flow_precision: str = "fp32") -> CosyVoice3:
         """Load a CosyVoice3 model folder (the official one, or a demo folder of the same layout).
 
         Every loader is strict (keys and shapes, ``weights_only``). A folder of another family (by the official
@@ -108,11 +110,17 @@ class CosyVoice3(PromptFrontend):
         ``prompt_cache``, ``speaker_dir``: as for :meth:`CosyVoice2.from_pretrained
         <cosyvoice_triton.pipeline.CosyVoice2.from_pretrained>`. ``stream_schedule``: other streaming hops.
         ``text_limits``: keywords of the text front end's limits (``max_chars``, ``max_digit_run``, ``max_digits``).
+        ``flow_precision``: ``fp32``, or ``int8`` (the DiT blocks' Linear layers on PyTorch's CPU INT8:
+        :mod:`.dit_quant`).
         """
         from ...models.lm_quant import LM_PRECISIONS
 
         if lm_precision not in LM_PRECISIONS:
             raise ConfigError(f"lm_precision must be one of {', '.join(LM_PRECISIONS)}, got {lm_precision!r}")
+        if flow_precision not in FLOW_PRECISIONS:
+            raise ConfigError(f"flow_precision must be one of {', '.join(FLOW_PRECISIONS)}, got {flow_precision!r}")
+        if flow_precision != "fp32" and torch.device(device).type != "cpu":
+            raise ConfigError(f"flow_precision {flow_precision} is PyTorch's CPU INT8: load on the CPU (device cpu)")
         model_dir = Path(model_dir)
         family = model_family(model_dir)
         if family != COSYVOICE3:
@@ -121,7 +129,7 @@ class CosyVoice3(PromptFrontend):
         check_model_folder(model_dir, COSYVOICE3)
         config = read_cosyvoice3_yaml(model_dir)
         choice = configure(threads, spinning)
-        flow = load_flow3(model_dir / "flow.pt", config.flow)
+        flow = quantize_flow3(load_flow3(model_dir / "flow.pt", config.flow), flow_precision)
         hift = load_hift3(model_dir / "hift.pt", config.hift, noise_seed=hift_noise_seed)
         token2wav = Token2Wav3(flow, hift, device=device, schedule=stream_schedule)
         tokenizer = SpeechTokenizer(model_dir / SPEECH_TOKENIZER, version="v3", intra_op_threads=onnx_threads,

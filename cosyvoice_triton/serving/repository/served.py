@@ -268,7 +268,7 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
     tun = ctx.tunables
     return {"model_dir": str(ctx.cosyvoice3_dir), "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds,
             "wait_timeout_s": tun.tts_wait_timeout_s, "output_sample_rate": tun.output_sample_rate,
-            "torch_threads": tun.torch_threads}
+            "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision}
 
 
 def _stream_state_params(ctx: RenderContext) -> dict[str, Any]:

@@ -170,6 +170,9 @@ class Tunables:
     cosyvoice3_dir: str = ""
     #: ``cosyvoice3``: decoupled (chunks over a gRPC stream, the official default) or whole answers
     cosyvoice3_decoupled: bool = True
+    #: The CosyVoice3 flow's precision: ``fp32``, or ``int8`` (the DiT blocks' Linear layers on PyTorch's CPU INT8,
+    #: within the quality report's bar: models/cosyvoice3/dit_quant.py)
+    cosyvoice3_flow_precision: str = "fp32"
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -191,6 +194,9 @@ class Tunables:
             raise RenderError(f"tunable lm_backend must be python or tensorrtllm, got {self.lm_backend!r}")
         if self.tts not in ("auto", "on", "off"):
             raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
+        if self.cosyvoice3_flow_precision not in ("fp32", "int8"):
+            raise RenderError(f"tunable cosyvoice3_flow_precision must be fp32 or int8, got "
+                              f"{self.cosyvoice3_flow_precision!r}")
         if self.lm_precision not in ("fp32", "int8", "fp32-ort"):
             raise RenderError(f"tunable lm_precision must be fp32 or int8 (PyTorch) or fp32-ort (onnxruntime), got "
                               f"{self.lm_precision!r}")

@@ -82,13 +82,14 @@ class Cv3Service:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, tts: bool = True, lm_precision: str = "fp32", torch_threads: int = 1,
-             text_limits: Mapping[str, int] | None = None, **kw: Any) -> Cv3Service:
+             text_limits: Mapping[str, int] | None = None, flow_precision: str = "fp32", **kw: Any) -> Cv3Service:
         """Load ``model_dir`` (a CosyVoice3 folder; another family is refused) on the CPU. ``text_limits``: the
-        text front end's (``max_chars``, ``max_digit_run``, ``max_digits``; a longer text is a client error)."""
+        text front end's (``max_chars``, ``max_digit_run``, ``max_digits``; a longer text is a client error);
+        ``flow_precision``: ``fp32`` or ``int8`` (:mod:`~cosyvoice_triton.models.cosyvoice3.dit_quant`)."""
         from ...models.cosyvoice3.pipeline import CosyVoice3
 
         model = CosyVoice3.from_pretrained(model_dir, tts=tts, lm_precision=lm_precision, threads=torch_threads,
-                                           text_limits=text_limits)
+                                           text_limits=text_limits, flow_precision=flow_precision)
         return cls(model, **kw)
 
     @contextlib.contextmanager

@@ -63,6 +63,8 @@ _CV3_COMMON = (
     Param("max_seconds", float, 30.0, "longest accepted prompt / source audio"),
     Param("wait_timeout_s", float, 60.0, "a request that waits longer for the instance is refused (UNAVAILABLE)"),
     Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
+    Param("flow_precision", str, "fp32", "the flow's DiT blocks: fp32, or int8 (PyTorch's CPU INT8 Linear)",
+          ("fp32", "int8")),
     _TORCH_THREADS,
 )
 

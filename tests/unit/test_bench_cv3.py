@@ -114,5 +114,9 @@ def test_tiny_run_with_an_int8_flow(cv3_demo_dir, tmp_path, capsys):
                              flow_precision="int8")
     q = result["quality"]
     assert 0 < q["mel_rel_rms"] <= 0.05 and q["mel_db"] <= 0.5 and q["frames"] > 0
+    assert set(q["flow_s"]) == {"fp32", "int8"} and min(q["flow_s"].values()) > 0
     assert any("within the quality report's flow bar" in n for n in result["notes"])
     assert "flow int8" in capsys.readouterr().out
+    fp32 = bench.run_bench(cv3_demo_dir, cases=("token2wav",), rounds=1, threads=1, out_dir=tmp_path / "fp32")
+    assert "quality" not in fp32
+    assert result["flops"]["token2wav"] == fp32["flops"]["token2wav"] > 0  # counted on an fp32 DiT

@@ -171,11 +171,10 @@ def _library(ns, inputs_path: Path):
         chunks, first = _timed_stream(t2w.token2wav_stream(lm_tokens(), *tts_prompt))
         return chunks, first, len(tokens_seen)
 
-    _flows.append(model.flow)
-    return model.flow.decoder.estimator, clock, run
+    return model.flow, clock, run
 
 
-def _mel_vs_fp32(ns, inputs_path: Path, estimator) -> dict:
+def _mel_vs_fp32(ns, inputs_path: Path, flow) -> dict:
     """The quality report's flow-stage errors (mel rel RMS, mean |log-mel error| in dB) of this side's flow at
     ``--flow-precision`` against the same folder's fp32 flow, on the token2wav case's mel (non-streaming), and both
     flows' median time over 3 interleaved runs in this process (``flow_s``)."""
@@ -188,27 +187,22 @@ def _mel_vs_fp32(ns, inputs_path: Path, estimator) -> dict:
 
     z = dict(np.load(inputs_path))
     ref_flow = load_flow3(Path(ns.model_dir) / "flow.pt", read_cosyvoice3_yaml(ns.model_dir).flow).eval()
-    flow = next(m for m in _flows if m.decoder.estimator is estimator)
     args = (torch.as_tensor(z["source_tokens"][None], dtype=torch.int32),
             torch.as_tensor(z["vc_prompt_tokens"][None], dtype=torch.int32),
             torch.as_tensor(z["vc_prompt_mel"][None]), torch.as_tensor(z["vc_embedding"][None]))
-    times: dict[str, list[float]] = {"fp32": [], ns.flow_precision: []}
+    flows = {"fp32": ref_flow, ns.flow_precision: flow}
+    times: dict[str, list[float]] = {name: [] for name in flows}
+    mels = {}
     with torch.inference_mode():
         for rep in range(3):  # interleaved, the order alternating: the same background load hits both
-            for name, f in ((("fp32", ref_flow), (ns.flow_precision, flow))[::1 if rep % 2 else -1]):
+            for name in list(flows)[::1 if rep % 2 else -1]:
                 t0 = time.perf_counter()
-                mel = f.inference(*args, streaming=False, finalize=True)[0][0].numpy()
+                mels[name] = flows[name].inference(*args, streaming=False, finalize=True)[0][0].numpy()
                 times[name].append(time.perf_counter() - t0)
-                if name == "fp32":
-                    ref = mel
-                else:
-                    got = mel
+    ref, got = mels["fp32"], mels[ns.flow_precision]
     return {"mel_rel_rms": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
             "mel_db": float(np.abs(got - ref).mean()) * 20 / math.log(10), "frames": int(ref.shape[-1]),
             "flow_s": {k: statistics.median(v) for k, v in times.items()}}
-
-
-_flows: list = []  # the library side's flow (for mel_vs_fp32)
 
 
 # ------------------------------------------------------------------------------------------------ official side
@@ -267,8 +261,7 @@ def _official(ns, inputs_path: Path):
             chunks, first = _timed_stream(o["tts_speech"][0].numpy() for o in model.tts(**kw, stream=stream))
         return chunks, (first if stream else None), (last_tokens[0] if kw is tts else None)
 
-    _flows.append(model.flow)
-    return model.flow.decoder.estimator, clock, run
+    return model.flow, clock, run
 
 
 # ------------------------------------------------------------------------------------------------ worker
@@ -281,11 +274,12 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
     inputs_path = out_dir / "inputs.npz"
     t0 = time.perf_counter()
     if side == "library":
-        estimator, clock, run = _library(ns, inputs_path)
+        flow, clock, run = _library(ns, inputs_path)
     elif side == "official":
-        estimator, clock, run = _official(ns, inputs_path)
+        flow, clock, run = _official(ns, inputs_path)
     else:
         raise SystemExit(f"bench-cv3: unknown worker side {side!r}")
+    estimator = flow.decoder.estimator
     ready = {"load_s": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb(),
              "estimator_params": sum(p.numel() for p in estimator.parameters())}
     _emit(ready)
@@ -296,7 +290,7 @@ def worker_main(side: str, ns: argparse.Namespace) -> int:
         if not command or command[0] == "quit":
             break
         if command[0] == "mel_vs_fp32":  # the library's flow against an fp32 one on the token2wav case's mel
-            _emit(_mel_vs_fp32(ns, inputs_path, estimator))
+            _emit(_mel_vs_fp32(ns, inputs_path, flow))
             continue
         if command[0] == "flops":  # FLOPs of the estimator at the frame counts a case used
             from .vc import estimator_call_flops  # here: it imports the library (the official side never asks)

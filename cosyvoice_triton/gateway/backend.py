@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ..clients.client import SPEAKERS_MODEL, VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
+from ..clients.client import VC_STREAM_MODEL, build_inputs, build_speaker_inputs, build_tts_inputs
 from ..clients.wire import speakers_model
 from ..shapes import CV3_TTS_MODEL, CV3_TTS_STREAM_MODEL, TTS_MODEL, TTS_STREAM_MODEL
 from .errors import GatewayError
@@ -185,8 +185,7 @@ class TritonBackend:
         ids = res.as_numpy("speaker_ids")
         return [] if ids is None else [bytes(x).decode("utf-8") for x in ids.reshape(-1)]
 
-    async def _speakers(self, *args, outputs: tuple[str, ...] = ("speaker_ids",), model: str = SPEAKERS_MODEL,
-                        **kw):
+    async def _speakers(self, *args, model: str, outputs: tuple[str, ...] = ("speaker_ids",), **kw):
         try:
             return await self._client.infer(
                 model, build_speaker_inputs(self._module, *args, **kw), client_timeout=self.timeout,

@@ -271,6 +271,13 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
             "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision}
 
 
+def _speakers_params(ctx: RenderContext, model_dir: Path, speaker_dir: str) -> dict[str, Any]:
+    """What a speakers model of either family reads, but its family and BLS timeout."""
+    tun = ctx.tunables
+    return {"model_dir": str(model_dir), "speaker_dir": speaker_dir, "capacity": tun.speaker_capacity,
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_prompt_cache_params(ctx)}
+
+
 def _stream_state_params(ctx: RenderContext) -> dict[str, Any]:
     """The streams' flow state (serving/stages/stream_state.py): its flow runs where the graphs run (cuda in the onnx
     and trt flavors unless their instances are put on the CPU), else on the ``device`` tunable."""
@@ -314,10 +321,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                     "speaker_encoder"),
     ServedModel("speakers", "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), parameters=lambda ctx: {
-                    "model_dir": str(ctx.model_dir), "speaker_dir": ctx.tunables.speaker_dir,
-                    "capacity": ctx.tunables.speaker_capacity, "min_seconds": ctx.tunables.min_seconds,
-                    "max_seconds": ctx.tunables.max_seconds, "bls_timeout_us": ctx.tunables.bls_timeout_us,
-                    **_prompt_cache_params(ctx)},
+                    **_speakers_params(ctx, ctx.model_dir, ctx.tunables.speaker_dir),
+                    "bls_timeout_us": ctx.tunables.bls_timeout_us},
                 doc="register / get / list / delete speakers (one instance owns the store); BLS: speech_tokenizer, "
                     "speaker_encoder"),
     ServedModel(VC_STREAM_MODEL, f"ensemble/{VC_STREAM_MODEL}", VC_STREAM_INPUTS, VC_STREAM_OUTPUTS,
@@ -375,10 +380,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
     ServedModel(CV3_SPEAKERS_MODEL, "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), params_key="speakers", when=_cv3,
                 parameters=lambda ctx: {
-                    "model_dir": str(ctx.cosyvoice3_dir), "family": "cosyvoice3",
-                    "speaker_dir": str(Path(ctx.tunables.speaker_dir) / "cosyvoice3"),
-                    "capacity": ctx.tunables.speaker_capacity, "min_seconds": ctx.tunables.min_seconds,
-                    "max_seconds": ctx.tunables.max_seconds, **_prompt_cache_params(ctx)},
+                    **_speakers_params(ctx, ctx.cosyvoice3_dir, str(Path(ctx.tunables.speaker_dir) / "cosyvoice3")),
+                    "family": "cosyvoice3"},
                 doc="register / get / list / delete CosyVoice3 speakers (one instance owns the store, in "
                     "<speaker_dir>/cosyvoice3): speech_tokenizer_v3 and CAM++ of the cosyvoice3_dir folder in "
                     "process"),

@@ -46,7 +46,7 @@ from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled
 from .metrics import streaming
 from .postprocess import Postprocessor
-from .tts import bytes_input, speed_input
+from .tts import bytes_input, registered_voice, speed_input
 from .vocoder import parse_seed
 
 __all__ = ["Cv3Service"]
@@ -111,26 +111,16 @@ class Cv3Service:
         text = bytes_input(t["text"], "text")
         prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
         instruct = bytes_input(t.get("instruct_text"), "instruct_text")
-        speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
-        has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
+        _, speaker = registered_voice(t, prompt_text, self.speakers, speakers_name="CosyVoice3 speakers model")
         kw: dict[str, Any] = {}
-        if speaker_id is not None:
-            if has_audio:
-                raise TextError("give prompt audio or a speaker_id, not both")
-            if prompt_text is not None:
-                raise TextError("prompt_text belongs to prompt audio: register the speaker with its text instead")
-            if self.speakers is None:
-                raise TextError("speaker_id: this server has no CosyVoice3 speakers model")
-            kw["speaker"] = self.speakers(speaker_id)
-        elif not has_audio:
-            raise TextError("a voice prompt is needed: prompt_audio with prompt_sample_rate, or prompt_audio_bytes "
-                            "(or a registered speaker_id)")
+        if speaker is not None:
+            kw["speaker"] = speaker
         else:
             kw["prompt_wav"], kw["prompt_sr"] = self.pre.utterance("prompt", t.get("prompt_audio"),
                                                                    t.get("prompt_sample_rate"),
                                                                    t.get("prompt_audio_bytes"))
         mode = resolve_mode(bytes_input(t.get("mode"), "mode"), prompt_text, instruct,
-                            speaker="speaker" in kw and bool(kw["speaker"].prompt_text))
+                            speaker=speaker is not None and bool(speaker.prompt_text))
         stream = streaming(t)
         speed = speed_input(t.get("speed"))
         if stream and speed != 1.0:

@@ -62,7 +62,8 @@ from .vocoder import parse_seed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_input", "service_from_params"]
+__all__ = ["LiveResponses", "TTSPlan", "TTSService", "build_service", "bytes_input", "registered_voice",
+           "service_from_params"]
 
 #: ``flow(item) -> mel [80, T]`` (the ``flow`` stage) and ``hift(mel, seed) -> waveform`` (the ``hift`` stage).
 FlowFn = Callable[[FlowItem], np.ndarray]
@@ -122,6 +123,31 @@ def speed_input(value: np.ndarray | None) -> float:
         raise RequestError(f"speed: expected one float, got {value.dtype} of shape {list(value.shape)}")
     return check_speed(value.reshape(()).item())
 
+
+
+def registered_voice(t: Mapping[str, np.ndarray | None], prompt_text: str | None,
+                     speakers: SpeakerFn | None, *, speakers_name: str = "speakers model"
+                     ) -> tuple[str | None, SpeakerPrompt | None]:
+    """A TTS request's voice: ``(speaker_id, its prompt by speakers(speaker_id))``, or ``(None, None)`` when the
+    voice is the prompt audio. Refused (:class:`TextError`): neither, both, a ``prompt_text`` beside a
+    ``speaker_id`` (it belongs to the audio), a ``speaker_id`` where there are no ``speakers`` (the
+    ``speakers_name`` that is missing)."""
+    speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
+    has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
+    if not has_audio and speaker_id is None:
+        raise TextError("prompt_text without prompt audio: send prompt_audio with prompt_sample_rate, or "
+                        "prompt_audio_bytes (or a registered speaker_id)" if prompt_text is not None else
+                        "a voice prompt is needed: prompt_audio with prompt_sample_rate, prompt_audio_bytes, or "
+                        "a registered speaker_id")
+    if has_audio and speaker_id is not None:
+        raise TextError("give prompt audio or a speaker_id, not both")
+    if speaker_id is None:
+        return None, None
+    if prompt_text is not None:
+        raise TextError("prompt_text belongs to prompt audio: register the speaker with its text instead")
+    if speakers is None:
+        raise TextError(f"speaker_id: this server has no {speakers_name}")
+    return speaker_id, speakers(speaker_id)
 
 class TTSService:
     """The served TTS of one model folder (see the module docstring).
@@ -208,24 +234,10 @@ class TTSService:
         seed; ``segments`` is empty."""
         prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
         instruct = bytes_input(t.get("instruct_text"), "instruct_text")
-        speaker_id = bytes_input(t.get("speaker_id"), "speaker_id")
         mode = bytes_input(t.get("mode"), "mode")
         seed = parse_seed(t.get("seed"))
-        has_audio = any(t.get(n) is not None for n in ("prompt_audio", "prompt_sample_rate", "prompt_audio_bytes"))
-        if not has_audio and speaker_id is None:
-            raise TextError("prompt_text without prompt audio: send prompt_audio with prompt_sample_rate, or "
-                            "prompt_audio_bytes (or a registered speaker_id)" if prompt_text is not None else
-                            "a voice prompt is needed: prompt_audio with prompt_sample_rate, prompt_audio_bytes, or "
-                            "a registered speaker_id")
-        if has_audio and speaker_id is not None:
-            raise TextError("give prompt audio or a speaker_id, not both")
-        if speaker_id is not None:
-            if prompt_text is not None:
-                raise TextError("prompt_text belongs to prompt audio: register the speaker with its text instead")
-            if self.speakers is None:
-                raise TextError("speaker_id: this server has no speakers model")
-            speaker = self.speakers(speaker_id)
-        else:
+        speaker_id, speaker = registered_voice(t, prompt_text, self.speakers)
+        if speaker is None:
             speaker = self.prompt(t, prompt_text)
         mode, lm_text, lm_speech = lm_prompt(self.text, speaker, mode=mode, instruct=instruct)
         return TTSPlan([], lm_text, lm_speech, speaker, seed, mode, speaker_id)

@@ -1,33 +1,38 @@
-"""Live decoding of the CosyVoice2 LM: text tokens arrive while speech tokens are produced (official
-``Qwen2LM.inference_bistream``).
+"""Live decoding of the CosyVoice2 and CosyVoice3 LMs: text tokens arrive while speech tokens are produced (official
+``Qwen2LM.inference_bistream``, which serves both).
 
 The text is an iterable of token chunks (one id, or several). Text and speech are interleaved by the yaml's
 ``mix_ratio`` ``(n_text, n_speech)`` = (5, 15):
 
-- the input starts with ``sos``; the prompt text's tokens start the text cache;
+- the input starts with ``sos``; CosyVoice3's prompt text up to and including ``<|endofprompt|>`` follows it at
+  once (``live_prompt`` of the LM); the rest of the prompt text (all of it for CosyVoice2) starts the text cache;
 - while prompt speech tokens remain, each block of 5 cached text tokens goes in followed by the next 15
   prompt speech tokens (the last block may hold fewer);
-- once they are used up, 5 text tokens go in and speech tokens are sampled (end-of-speech masked) until the
-  *fill token* (``speech_token_size + 2``); it is forced when the count of decoded tokens (fill tokens
-  included) reaches the next fill index, first ``(P // 15 + 1) * 15 - P`` for ``P`` prompt speech tokens, then
-  16 after each fill, so that every group holds 15 speech tokens. After a fill, the next 5 text tokens replace
-  the input (the fill itself is never fed);
+- once they are used up, 5 text tokens go in (only when nothing but ``sos`` is in yet) and speech tokens are
+  sampled (the official ``ignore_eos`` mask on id ``speech_token_size``: end-of-speech in CosyVoice2, ``sos`` in
+  CosyVoice3) until the *fill token* (``speech_token_size + 2``; CosyVoice3: ``+ 3``); it is forced when the
+  count of decoded tokens (fill tokens included) reaches the next fill index, first ``(P // 15 + 1) * 15 - P``
+  for ``P`` prompt speech tokens, then 16 after each fill, so that every group holds 15 speech tokens. After a
+  fill, the next 5 text tokens replace the input (the fill itself is never fed);
 - when the text ends, the rest of the text cache and ``task_id`` follow the last input, and tokens are sampled
   until end-of-speech.
 
 Fill tokens are not yielded, but they stay in the decoded history that the repetition-aware sampling looks at,
 as in the official code. Draws follow :mod:`.sampling` (a forced fill consumes none), so with the same injected
-draws the tokens are those of the official code (tests/fixtures/llm_oracle, ``bistream_*.npz``).
+draws the tokens are those of the official code (tests/fixtures/llm_oracle and cv3_llm_oracle,
+``bistream_*.npz``).
 
 Where the official code returns normally this returns the same tokens, its quirks included: prompt speech
 tokens still unused when the text ends are dropped; after a fill, the input that produced it (already in the KV
-cache) is fed once more at the end of the text; the final phase samples with no length limit. Where it raises
-or could run without end, this stops instead, with :attr:`LiveDecode.stop_reason`:
+cache) is fed once more at the end of the text; the final phase samples with no length limit; with a prompt
+(CosyVoice3's system prompt, or prompt speech tokens) the first tokens are sampled before any text of the stream
+is in. Where it raises or could run without end, this stops instead, with :attr:`LiveDecode.stop_reason`:
 
 - ``"eos"``: end-of-speech (the official normal end);
-- ``"unexpected_token"``: a stop id other than the expected one was sampled (``speech_token_size + 1`` while
-  text is read, which the official code does not mask; or ``+1`` / ``+2`` after the text): the official code
-  raises ``ValueError``. The token is not yielded (:attr:`LiveDecode.stop_token` holds it);
+- ``"unexpected_token"``: a stop id other than the expected one was sampled (any stop id but the fill token
+  while text is read, which the official code does not mask: ``speech_token_size + 1`` in CosyVoice2, end-of-speech
+  and the 196 other stop ids in CosyVoice3; any but end-of-speech after the text): the official code raises
+  ``ValueError``. The token is not yielded (:attr:`LiveDecode.stop_token` holds it);
 - ``"max_len"``: the final phase has produced ``int(text_tokens * max_token_text_ratio)`` speech tokens in all
   (the official ``inference`` bound; ``inference_bistream`` has none), or any phase ``max_tokens`` (the room of
   what consumes them: the flow takes a bounded number with the prompt's);
@@ -37,8 +42,8 @@ or could run without end, this stops instead, with :attr:`LiveDecode.stop_reason
 An empty chunk runs the mixing step as in the official loop: after a fill token, a backlog of 5 cached text tokens
 (left by a chunk of many tokens) is released and the next 15 speech tokens are decoded, so the same tokens come out
 at the same pieces as in the official code. A text that ends without a single token raises
-:class:`~..errors.LLMError`. Decoding runs on
-its own KV cache, one request at a time (not in :class:`.llm.BatchDecoder`'s batch).
+:class:`~..errors.LLMError`; so does a CosyVoice3 prompt text without ``<|endofprompt|>`` (the official code
+asserts). Decoding runs on its own KV cache, one request at a time (not in :class:`.llm.BatchDecoder`'s batch).
 
 Attention is causal over the whole cache, the semantics of the official code under its transformers 4.51.
 """
@@ -81,10 +86,12 @@ class LiveDecode(Iterator[int]):
         if n_text < 1 or n_speech < 1:
             raise LLMError(f"mix_ratio must be two positive counts, got {lm.config.mix_ratio}")
         self.mix = (n_text, n_speech)
-        _, prompt_text, prompt_speech = lm.check_inputs((0,), prompt_text_tokens, prompt_speech_tokens)
+        prompt_text = lm._tokens(prompt_text_tokens, "prompt_text_tokens", lm.text_vocab_size, allow_empty=True)
+        head, prompt_text = lm.live_prompt(prompt_text)
+        _, _, prompt_speech = lm.check_inputs((0,), torch.cat([head, prompt_text]), prompt_speech_tokens)
         lm.length_bounds(1, 0, max_token_text_ratio)  # checks the ratio
         self.max_token_text_ratio = max_token_text_ratio
-        self.fill_token = lm.speech_token_size + 2
+        self.fill_token = int(lm.fill_token)
         self.draw = make_draw(draws)
         self.cancelled = cancelled or (lambda: False)
         self.on_step = on_step
@@ -93,7 +100,7 @@ class LiveDecode(Iterator[int]):
         self.text_tokens = 0
         self.stop_reason: str | None = None
         self.stop_token = -1
-        self._gen = self._run(iter(text_chunks), prompt_text, prompt_speech)
+        self._gen = self._run(iter(text_chunks), head, prompt_text, prompt_speech)
 
     def __next__(self) -> int:
         return next(self._gen)
@@ -110,15 +117,15 @@ class LiveDecode(Iterator[int]):
         return self.lm._tokens(chunk, "text chunk", self.lm.text_vocab_size, allow_empty=True)
 
     @torch.inference_mode()
-    def _run(self, chunks: Iterator[Any], prompt_text: torch.Tensor, prompt_speech: torch.Tensor) -> Iterator[int]:
+    def _run(self, chunks: Iterator[Any], head: torch.Tensor, prompt_text: torch.Tensor, prompt_speech: torch.Tensor
+             ) -> Iterator[int]:
         lm, (n_text, n_speech) = self.lm, self.mix
         dev = lm.llm_decoder.weight.device
         embed_text = lm.qwen.embed_tokens
-        sos = lm.llm_embedding.weight[lm.sos : lm.sos + 1][None]
-        task = lm.llm_embedding.weight[lm.task_id : lm.task_id + 1][None]
+        task = lm.special_embedding(lm.task_id)[None]
         speech_left = lm.speech_embedding(prompt_speech.to(dev))[None]
         text_cache = embed_text(prompt_text.to(dev))[None]
-        lm_input = sos
+        lm_input = torch.cat([lm.special_embedding(lm.sos)[None], embed_text(head.to(dev))[None]], dim=1)
         self._cache, self._length = None, 0
         n_prompt = prompt_speech.numel()
         next_fill = (int(n_prompt / n_speech) + 1) * n_speech - n_prompt
@@ -185,7 +192,7 @@ class LiveDecode(Iterator[int]):
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """One model call on the inputs ``x`` [1, T, D] after the cache: the last position's log-probabilities
-        [speech_token_size + 3], or None after stopping (cancelled, out of positions)."""
+        [the LM's outputs], or None after stopping (cancelled, out of positions)."""
         if self.cancelled():
             self._stop("cancelled")
             return None
@@ -199,7 +206,7 @@ class LiveDecode(Iterator[int]):
     def _sample(self, logp: torch.Tensor, *, ignore_eos: bool) -> int:
         if self.on_step is not None:
             self.on_step(len(self.decoded), logp.clone())
-        return sample_token(logp, self.decoded, self.draw, self.sampling, eos_token=self.lm.eos_token,
+        return sample_token(logp, self.decoded, self.draw, self.sampling, eos_token=self.lm.min_len_masked_token,
                             ignore_eos=ignore_eos)
 
     def _stop(self, reason: str, token: int = -1) -> None:
@@ -212,7 +219,7 @@ class LiveDecode(Iterator[int]):
 
 def live_decode(lm, text_chunks: Iterable[Any], prompt_text_tokens: Any = (), prompt_speech_tokens: Any = (),
                 **options: Any) -> LiveDecode:
-    """:class:`LiveDecode` of ``lm`` (a :class:`.llm.Qwen2LM`); inputs are checked now, decoding runs as the
-    result is consumed. ``options``: ``draws``, ``sampling``, ``max_token_text_ratio``, ``max_tokens``,
+    """:class:`LiveDecode` of ``lm`` (a :class:`.llm.Qwen2LM`, or CosyVoice3's); inputs are checked now, decoding
+    runs as the result is consumed. ``options``: ``draws``, ``sampling``, ``max_token_text_ratio``, ``max_tokens``,
     ``cancelled``, ``on_step``."""
     return LiveDecode(lm, text_chunks, prompt_text_tokens, prompt_speech_tokens, **options)

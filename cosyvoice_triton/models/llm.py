@@ -270,6 +270,7 @@ class Qwen2LM(nn.Module):
         self.config = llm_config
         self.speech_token_size = llm_config.speech_token_size
         self.eos_token = self.speech_token_size
+        self.fill_token = self.speech_token_size + 2  # live (bistream) decoding: a group of speech tokens ends
         self.stop_token_ids = tuple(self.speech_token_size + i for i in range(3))
         self.llm_embedding = nn.Embedding(2, llm_config.llm_input_size)
         self.llm = Qwen2Encoder(qwen_config)
@@ -348,6 +349,11 @@ class Qwen2LM(nn.Module):
         """The id masked while fewer than ``min_len`` tokens are sampled: the official ``sampling_ids`` masks
         ``speech_token_size``, which is end-of-speech here."""
         return self.speech_token_size
+
+    def live_prompt(self, prompt_text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Live (bistream) decoding's split of the prompt text tokens: (what goes in right after sos, what starts
+        the text cache that is mixed with the prompt speech tokens). CosyVoice2: nothing, all of it."""
+        return prompt_text[:0], prompt_text
 
     def lm_input(self, text_tokens: Any, prompt_text_tokens: Any = (), prompt_speech_tokens: Any = ()) -> torch.Tensor:
         """The prompt embedding ``[1, T, D]``: sos, text (prompt text first), task id, prompt speech."""

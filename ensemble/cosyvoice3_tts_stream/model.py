@@ -8,13 +8,11 @@ import threading
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.family import COSYVOICE3
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
+from cosyvoice_triton.serving.stages.cosyvoice3 import build_tts_service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
-from cosyvoice_triton.serving.stages.speakers import BlsSpeakers
 from cosyvoice_triton.serving.stages.tts import send_stream
 from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS, TTS_WHOLE_INPUTS
 
@@ -24,15 +22,7 @@ INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS,
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_stream"], model=args["model_name"])
-        self.tts = Cv3Service.load(p["model_dir"], lm_precision=p["lm_precision"], torch_threads=p["torch_threads"],
-                                   flow_precision=p["flow_precision"],
-                                   min_seconds=p["min_seconds"], max_seconds=p["max_seconds"],
-                                   output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"],
-                                   text_limits={"max_chars": p["max_text_chars"],
-                                                "max_digit_run": p["max_text_digit_run"],
-                                                "max_digits": p["max_text_digits"]},
-                                   speakers=BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=p["bls_timeout_us"],
-                                                        family=COSYVOICE3) if p["speakers_model"] else None)
+        self.tts = build_tts_service(pb_utils, p)
         self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                     audio_out=True, first_chunk=True)
         self.workers = set()

@@ -13,8 +13,7 @@ code's name (``INVALID_ARGUMENT: ...``)."""
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving.stages.live import LiveSessions, SessionGauge
-from cosyvoice_triton.serving.stages.live_tts import LIVE_TTS_INPUTS, serve_session
+from cosyvoice_triton.serving.stages.live_tts import live_tts_sessions
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.stream_state import StateGauge
@@ -28,12 +27,7 @@ class TritonPythonModel:
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice_tts_live"], model=args["model_name"])
         self.tts = build_service(pb_utils, p, on_state_change=StateGauge(pb_utils, args["model_name"],
                                                                          args["model_version"]))
-        ratio = p["max_token_text_ratio"]
-        self.sessions = LiveSessions(pb_utils, lambda ctx: serve_session(self.tts, ctx, max_token_text_ratio=ratio),
-                                     [t.name for t in LIVE_TTS_INPUTS], max_sessions=p["max_sessions"],
-                                     max_queued=p["max_queued"], idle_timeout_s=p["text_timeout_s"],
-                                     advance="arrival", on_idle="end", name=args["model_name"],
-                                     on_change=SessionGauge(pb_utils, args["model_name"], args["model_version"]))
+        self.sessions = live_tts_sessions(pb_utils, self.tts, p, args)
 
     def execute(self, requests):
         for request in requests:

@@ -36,6 +36,7 @@ def server(serving_assets, cv3_dir, tmp_path_factory):
                                cosyvoice3_dir=str(cv3_dir))
     assert {"cosyvoice3_tts_stream", "cosyvoice3_tts", "cosyvoice3_vc", "cosyvoice3", "cosyvoice_vc"} <= set(
         report.models)
+    assert report.models["cosyvoice3_tts_live"] == "python (decoupled)"
     with served(repo) as s:
         yield s
 
@@ -394,8 +395,117 @@ def test_the_flow_precision_tunable_reaches_both_models(serving_assets, cv3_dir,
         repo = tmp_path / value
         render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                           cosyvoice3_dir=str(cv3_dir), cosyvoice3_flow_precision=value)
-        for model in ("cosyvoice3_vc", "cosyvoice3_tts_stream"):
+        for model in ("cosyvoice3_vc", "cosyvoice3_tts_stream", "cosyvoice3_tts_live"):
             text = (repo / model / "config.pbtxt").read_text()
             found = re.search(r'key: "flow_precision"\s*value: \{\s*string_value: "(\w+)"', text)
             assert found and found.group(1) == value, (model, text[:2000])
         assert "flow_precision" not in (repo / "cosyvoice3_speakers" / "config.pbtxt").read_text()
+
+
+# ------------------------------------------------------------------------------------------------- live TTS
+LIVE_PIECES = ["Hello there, ", "this is ", "CosyVoice3 ", "speaking ", "a text ", "that arrives ", "in pieces."]
+
+
+def test_live_text_is_spoken_as_it_arrives_and_equals_the_library(server, library, speech):
+    """``cosyvoice3_tts_live`` over a gRPC stream (sequence batcher, one piece per request): the chunks are
+    ``Cv3Service.live``'s in process with the same pieces and seed (tests/unit/test_cv3_live.py: they start before
+    the text ends), each on the newest piece's sender."""
+    import time
+
+    from test_serving_live import Stream
+    from test_serving_tts_live import _chunks, _collect, _text
+
+    from cosyvoice_triton.frontend.text.live import LiveText
+
+    p, psr, _, _ = speech
+    first = {"prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32),
+             "prompt_text": np.array([[PROMPT_TEXT.encode()]], object), "seed": np.array([[5]], np.int64)}
+    s = Stream(server, 301, model="cosyvoice3_tts_live")
+    try:
+        for k, piece in enumerate(LIVE_PIECES):
+            s.send({**(first if k == 0 else {}), **_text(piece)}, start=k == 0)
+            time.sleep(0.2)  # paced like a writer
+        s.send(_text(b""), end=True)
+        outs, errors, _ = _collect(s, [], len(LIVE_PIECES) + 1)
+    finally:
+        s.close()
+    assert not errors, errors
+    chunks = _chunks(outs)
+    assert [c[0] for c in chunks] == list(range(len(chunks))) and chunks
+    feed = LiveText([piece.encode() for piece in LIVE_PIECES])
+    feed.end()
+    want = list(library.live(first, feed))
+    assert len(chunks) == len(want)
+    for (_, _, o), w in zip(chunks, want, strict=True):
+        np.testing.assert_allclose(o["waveform"][0], w["waveform"][0], atol=ATOL)
+    for _, rid, o in chunks:  # each chunk on the sender of the newest piece when it was computed
+        assert int(o["text_pieces"].ravel()[0]) == int(rid[1:]) + 1, rid
+
+
+def test_live_bad_first_piece_is_invalid_argument(server, speech):
+    from test_serving_live import Stream
+    from test_serving_tts_live import _collect, _text
+
+    p, psr, _, _ = speech
+    s = Stream(server, 302, model="cosyvoice3_tts_live")
+    try:
+        s.send({"prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32),
+                "mode": np.array([[b"sft"]], object), **_text("Hello.")}, start=True)
+        s.send(_text(b""), end=True)
+        _, errors, _ = _collect(s, [], 2)
+    finally:
+        s.close()
+    assert any(e.startswith("INVALID_ARGUMENT: ") and "mode must be one of" in e for e in errors), errors
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", _tts(speech))  # the server still answers
+    assert error is None and final and chunks
+
+
+def test_live_sessions_through_the_gateway_are_the_tenants_own(server, library, speech, tmp_path):
+    """``cosyvoice3_tts_live`` at the gateway's gRPC entry point with two tenants' keys: tenant A's piece without a
+    start on tenant B's open sequence id is refused as an unknown id, B's session goes on and answers what it
+    answers alone; A then opens its own session on the same id and gets its own audio."""
+    from conftest import gateway_process, wait_until
+    from test_gateway_sessions_live import Tenant
+
+    from cosyvoice_triton.frontend.text.live import LiveText
+
+    model, sid = "cosyvoice3_tts_live", 77
+    p, psr, _, _ = speech
+    pieces = ["Hello there, ", "this is ", "a live session."]
+
+    def first(seed):
+        return {"prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32),
+                "seed": np.array([[seed]], np.int64)}
+
+    def text(piece):
+        return {"text": np.array([[piece.encode()]], object)}
+
+    def alone(seed):
+        feed = LiveText([piece.encode() for piece in pieces])
+        feed.end()
+        return np.concatenate([r["waveform"][0] for r in library.live(first(seed), feed)])
+
+    with gateway_process(server, tmp_path / "gateway.log", tenants={"a": "sk-cv3-a", "b": "sk-cv3-b"}) as urls:
+        a, b = Tenant(urls, "sk-cv3-a"), Tenant(urls, "sk-cv3-b")
+        try:
+            b.send(model, {**first(1), **text(pieces[0])}, sid, start=True)
+            a.send(model, text("not yours"), sid)
+            wait_until(lambda: a.pump() >= 1, "A's piece answered")
+            assert a.errors and "START" in a.errors[0] and not a.audio, a.errors
+            for piece in pieces[1:]:
+                b.send(model, text(piece), sid)
+            b.send(model, text(""), sid, end=True)
+            b.wait_answered("B's session")
+            assert not b.errors, b.errors
+            np.testing.assert_allclose(b.waveform(), alone(1), atol=ATOL)
+            a.errors.clear()
+            a.sent = len(a.finals)
+            for k, piece in enumerate(pieces):
+                a.send(model, {**(first(2) if k == 0 else {}), **text(piece)}, sid, start=k == 0)
+            a.send(model, text(""), sid, end=True)
+            a.wait_answered("A's session")
+            assert not a.errors, a.errors
+            np.testing.assert_allclose(a.waveform(), alone(2), atol=ATOL)
+        finally:
+            a.close()
+            b.close()

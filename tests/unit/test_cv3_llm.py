@@ -10,6 +10,7 @@ regenerated from the oracle's seeded draws and checked against the recorded dige
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 import shutil
@@ -22,6 +23,7 @@ from conftest import FIXTURES, official_git, oracle_meta, oracle_script, rel_err
 from lm_oracle import CountedDraws
 
 from cosyvoice_triton.errors import CheckpointError, ConfigError, LLMError
+from cosyvoice_triton.models.bistream import live_decode
 from cosyvoice_triton.models.cosyvoice3.llm import (
     ENDOFPROMPT,
     SILENT_TOKENS,
@@ -260,3 +262,68 @@ def test_drop_long_silences():
     tokens = [7, *s[:7], 9, s[0], s[1], 10, *[s[2]] * 6]
     assert list(drop_long_silences(tokens)) == [7, *s[:5], 9, s[0], s[1], 10, *[s[2]] * 5]
     assert list(drop_long_silences([])) == []
+
+
+# ------------------------------------------------------------------------------------------- live (bistream)
+
+BISTREAM_CASES = ["bistream_runout", "bistream_left", "bistream_instruct", "bistream_chunks"]
+
+
+def bistream_case(name: str) -> dict[str, np.ndarray]:
+    with np.load(ORACLE / f"{name}.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def _live(lm, z, **options):
+    bounds = np.cumsum([0, *z["chunk_sizes"]])
+    chunks = [z["text"][a:b] for a, b in itertools.pairwise(bounds)]
+    draw, logps = CountedDraws(z["draws"]), []
+    decode = live_decode(lm, chunks, z["prompt_text"], z["prompt_speech_token"], draws=draw,
+                         on_step=lambda step, logp: logps.append(logp), **options)
+    return list(decode), decode, draw, logps
+
+
+def test_bistream_cases_cover_the_layouts():
+    cases = {n: bistream_case(n) for n in BISTREAM_CASES}
+    assert set(meta()["bistream_cases"]) == set(BISTREAM_CASES)
+    assert {str(z["mode"]) for z in cases.values()} == {"zero_shot", "instruct"}
+    assert max(cases["bistream_chunks"]["chunk_sizes"]) > 1
+    left = cases["bistream_left"]  # prompt speech left over when the text ends
+    assert len(left["prompt_speech_token"]) > 15 * ((len(left["text"]) + len(left["prompt_text"])) // 5)
+    errors = {str(z["error"]) for z in cases.values()}  # the official code raises at each end (see its page)
+    assert {e.rsplit(" ", 1)[-1] for e in errors} >= {"6561", "6562", "6618"}
+
+
+@pytest.mark.parametrize("name", BISTREAM_CASES)
+def test_live_decoding_matches_official_bistream(lm, name):
+    """Tokens, draws and per-step log-probs equal to the official ``inference_bistream`` on CosyVoice3's layout;
+    where it raises ``should not get token N`` this stops with ``unexpected_token`` N."""
+    z = bistream_case(name)
+    tokens, decode, draw, logps = _live(lm, z)
+    assert tokens == z["tokens"].tolist()
+    assert draw.used == int(z["draws_used"])
+    assert len(logps) == len(z["sampled"])
+    for got, ref in zip(logps, z["logp"], strict=False):
+        assert rel_err(got.numpy(), ref) <= LOGP_BAR
+    assert decode.decoded[-1] == int(z["sampled"][-1])
+    assert decode.fill_token == 6564  # CosyVoice3's fill: S + 3
+    stop = int(str(z["error"]).rsplit(" ", 1)[-1])
+    assert (decode.stop_reason, decode.stop_token) == ("unexpected_token", stop)
+
+
+def test_live_decoding_feeds_the_system_prompt_first(lm):
+    """Moving ``<|endofprompt|>`` changes what goes in after sos: the log-probs of the first step change (the
+    CosyVoice2 layout, all of the prompt text in the text cache, is not CosyVoice3's)."""
+    z = bistream_case("bistream_chunks")
+    prompt = z["prompt_text"].tolist()
+    at = prompt.index(ENDOFPROMPT)
+    moved = dict(z, prompt_text=np.array([*prompt[:at], *prompt[at + 1:-1], ENDOFPROMPT, prompt[-1]], np.int32))
+    _, _, _, logps = _live(lm, moved)
+    assert rel_err(logps[0].numpy(), z["logp"][0]) > 1e-3
+
+
+def test_live_decoding_needs_endofprompt_in_the_prompt_text(lm):
+    z = bistream_case("bistream_runout")
+    prompt = [t for t in z["prompt_text"].tolist() if t != ENDOFPROMPT]
+    with pytest.raises(LLMError, match="endofprompt"):
+        live_decode(lm, [z["text"]], prompt, z["prompt_speech_token"], draws=z["draws"].tolist())

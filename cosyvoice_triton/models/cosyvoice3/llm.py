@@ -106,6 +106,20 @@ class CosyVoice3LM(Qwen2LM):
             )
         return text, prompt_text, speech
 
+    def live_prompt(self, prompt_text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the official ``inference_bistream`` for CosyVoice3: the prompt text up to and including its first
+        ``<|endofprompt|>`` goes in right after sos, the rest starts the text cache. A prompt text without it is
+        refused (the official code asserts)."""
+        hits = (prompt_text == ENDOFPROMPT).nonzero()
+        if not len(hits):
+            raise LLMError(
+                f"live decoding needs <|endofprompt|> (text token {ENDOFPROMPT}) in the prompt text: the system "
+                "prompt (and a zero-shot transcript after it, or the instruction before it) comes first, the text "
+                "then arrives piece by piece"
+            )
+        end = int(hits[0, 0]) + 1
+        return prompt_text[:end], prompt_text[end:]
+
 
 def drop_long_silences(tokens: Iterable[int], silent: frozenset[int] = SILENT_TOKENS,
                        max_run: int = MAX_SILENT_RUN) -> Iterator[int]:

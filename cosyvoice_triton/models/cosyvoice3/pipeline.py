@@ -25,7 +25,7 @@ turns them into audio, non-streaming (with ``speed``) or on the official streami
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,8 @@ from ...errors import CheckpointError, ConfigError, LLMError, TextError
 from ...family import COSYVOICE2, COSYVOICE3, FAMILY_YAML, check_model_folder, model_family
 from ...frontend import features
 from ...frontend.speech_models import SpeakerEncoder, SpeechTokenizer
-from ...frontend.text.cosyvoice3 import require_endofprompt
+from ...frontend.text.cosyvoice3 import cross_lingual_text, require_endofprompt
+from ...pipeline import LiveAudio
 from ...prompt_cache import PromptCache
 from ...prompt_frontend import _NO_TIMER, PromptFrontend, StageTimer, VCInputs, prompt_options
 from ...speakers import SpeakerPrompt, SpeakerStore
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 SPEECH_TOKENIZER = "speech_tokenizer_v3.onnx"
 #: The modes of :meth:`CosyVoice3.tts_stream` (the official method names without ``inference_``).
 MODES = ("zero_shot", "cross_lingual", "instruct2")
+_NO_PROMPT = {"prompt_wav": None, "prompt_sr": None, "prompt_text": None, "instruct_text": None, "speaker_id": None,
+              "speaker": None}
 
 
 @dataclass
@@ -182,6 +185,21 @@ class CosyVoice3(PromptFrontend):
         that says where it belongs). The prompt is ``prompt_wav``, a registered ``speaker_id``, or ``speaker``: a
         CosyVoice3 prompt already looked up elsewhere (a server's speakers model), used as a registered one."""
         front = self._text()
+        raw_text = front.check(text)
+        lm_text, lm_speech, speaker = self._lm_prompt(
+            mode, raw_text, prompt_wav=prompt_wav, prompt_sr=prompt_sr, prompt_text=prompt_text,
+            instruct_text=instruct_text, speaker_id=speaker_id, speaker=speaker, timer=timer)
+        with timer.stage("frontend"):
+            pieces = front.tts_segments(raw_text, text_frontend=text_frontend)
+        return [Segment(text=s, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
+                        lm_prompt_speech_tokens=lm_speech, prompt=speaker) for s, ids in pieces]
+
+    def _lm_prompt(self, mode: str, raw_text: str | None, *, prompt_wav, prompt_sr: int | None,
+                   prompt_text: str | bytes | None, instruct_text: str | bytes | None, speaker_id: str | None,
+                   speaker: SpeakerPrompt | None, timer: StageTimer) -> tuple[np.ndarray, np.ndarray, SpeakerPrompt]:
+        """(LM prompt text tokens, LM prompt speech tokens, the flow's prompt) of ``mode``; ``raw_text``: the
+        checked text, or None for text arriving in pieces (cross-lingual: the system prompt is the prompt text)."""
+        front = self._text()
         if mode not in MODES:
             raise TextError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if mode == "instruct2" and instruct_text is None:
@@ -195,10 +213,12 @@ class CosyVoice3(PromptFrontend):
                             "transcript of the prompt audio")
         if mode != "zero_shot" and prompt_text is not None:
             raise TextError(f"prompt_text is only used by zero_shot, not {mode}")
-        raw_text = front.check(text)
+        streamed = raw_text is None
         lm_prompt_raw = {"zero_shot": prompt_text, "instruct2": instruct_text}.get(mode)
         if lm_prompt_raw is not None:
             lm_prompt_raw = front.check(lm_prompt_raw, what="instruct text" if mode == "instruct2" else "prompt text")
+        elif streamed:
+            lm_prompt_raw = cross_lingual_text("")
         if speaker is None:
             speaker = self._speaker(prompt_wav, prompt_sr, prompt_text, speaker_id, timer)
         elif prompt_wav is not None or speaker_id is not None or prompt_text is not None:
@@ -207,20 +227,50 @@ class CosyVoice3(PromptFrontend):
             speaker = speaker.require_family(self.family, "given")
         if mode == "zero_shot" and registered:
             lm_prompt_raw = speaker.prompt_text
-        require_endofprompt(lm_prompt_raw or "", raw_text, mode=mode)
+        require_endofprompt(lm_prompt_raw or "", raw_text or "", mode=mode, streamed=streamed)
         with timer.stage("frontend"):
             if mode == "zero_shot":
                 lm_text = speaker.prompt_text_tokens
-            elif mode == "instruct2":
+            elif mode == "instruct2" or streamed:
                 lm_text = front.tokenizer.encode(lm_prompt_raw)
             else:
                 lm_text = np.zeros(0, np.int32)
-            pieces = front.tts_segments(raw_text, text_frontend=text_frontend)
         lm_speech = speaker.prompt_tokens if mode == "zero_shot" else np.zeros(0, np.int32)
-        return [Segment(text=s, text_tokens=np.asarray(ids, np.int32),
-                        lm_prompt_text_tokens=np.asarray(lm_text, np.int32).reshape(-1),
-                        lm_prompt_speech_tokens=np.asarray(lm_speech, np.int32).reshape(-1), prompt=speaker)
-                for s, ids in pieces]
+        return (np.asarray(lm_text, np.int32).reshape(-1), np.asarray(lm_speech, np.int32).reshape(-1), speaker)
+
+    def tts_live(self, mode: str, text_pieces: Iterable[str | bytes], *, seed: int | None = 0, draws=None,
+                 max_token_text_ratio: float = 20, cancelled=None, timer: StageTimer = _NO_TIMER,
+                 **prompt) -> LiveAudio:
+        """Text to speech while the text arrives (official ``inference_<mode>`` with a text generator): float32
+        chunks at 24 kHz on the streaming schedule, the first as soon as the LM has its speech tokens, before the
+        text ends.
+
+        ``text_pieces``: ``str`` / UTF-8 ``bytes`` pieces; it may block (a
+        :class:`~cosyvoice_triton.frontend.text.live.LiveText`). Each piece is tokenized on its own, not
+        normalised, token by token to the LM (the official ``_extract_text_token_generator``), which decodes with
+        :class:`~cosyvoice_triton.models.bistream.LiveDecode` on CosyVoice3's layout: the prompt text up to
+        ``<|endofprompt|>`` first. Its silent-token filter (``llm_job``) runs before the flow. ``mode`` and
+        ``prompt``: as :meth:`segments`. The official code asserts a prompt text with ``<|endofprompt|>``, which
+        cross-lingual mode has not; here cross-lingual takes the official examples' system prompt
+        (``"You are a helpful assistant.<|endofprompt|>"``, which they put in front of a cross-lingual text) as its
+        prompt text. Where the official decoding raises (a stop id sampled while the text is read), this ends
+        (:attr:`~cosyvoice_triton.pipeline.LiveAudio.stop_reason` ``unexpected_token``) with the audio so far.
+        ``cancelled``: a callable checked before every LM step (stop reason ``cancelled``)."""
+        from ...frontend.text.live import piece_tokens
+        from ..bistream import live_decode
+
+        front = self._text()
+        lm_text, lm_speech, speaker = self._lm_prompt(mode, None, timer=timer, **{**_NO_PROMPT, **prompt})
+        if draws is None and seed is not None:
+            draws = torch.Generator().manual_seed(int(seed))
+        tokens = piece_tokens(front.tokenizer, text_pieces, max_chars=front.max_chars, strict_tags=front.strict_tags)
+        decode = live_decode(self.llm, tokens, lm_text, lm_speech, draws=draws, cancelled=cancelled,
+                             max_token_text_ratio=max_token_text_ratio)
+        inputs = VCInputs(source_tokens=np.zeros(0, np.int32), prompt_tokens=np.array(speaker.prompt_tokens),
+                          prompt_mel=np.array(speaker.prompt_mel), embedding=np.array(speaker.embedding))
+        chunks = self._token2wav(inputs, timer.each(drop_long_silences(decode), "llm"), stream=True, speed=1.0,
+                                 timer=timer)
+        return LiveAudio(chunks, decode)
 
     def speech_tokens(self, segment: Segment, *, draws=None) -> Iterator[int]:
         """The speech tokens the flow gets for one segment, as they are sampled: the LM's, less the silent tokens

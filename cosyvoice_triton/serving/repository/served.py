@@ -14,6 +14,7 @@ import numpy as np
 from ...shapes import (
     CV3_OFFICIAL_MODEL,
     CV3_SPEAKERS_MODEL,
+    CV3_TTS_LIVE_MODEL,
     CV3_TTS_MODEL,
     CV3_TTS_STREAM_MODEL,
     CV3_VC_INPUTS,
@@ -271,6 +272,19 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
             "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision}
 
 
+def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
+    return {**_cv3_params(ctx), "lm_precision": tun.lm_precision, "speakers_model": CV3_SPEAKERS_MODEL,
+            "bls_timeout_us": tun.bls_timeout_us, "max_text_chars": tun.max_text_chars,
+            "max_text_digit_run": tun.max_text_digit_run, "max_text_digits": tun.max_text_digits}
+
+
+def _cv3_live_tts_params(ctx: RenderContext) -> dict[str, Any]:
+    live = _live_tts_params(ctx)
+    return {**_cv3_tts_params(ctx), **{k: live[k] for k in ("max_sessions", "max_queued", "text_timeout_s",
+                                                            "max_token_text_ratio")}}
+
+
 def _speakers_params(ctx: RenderContext, model_dir: Path, speaker_dir: str) -> dict[str, Any]:
     """What a speakers model of either family reads, but its family and BLS timeout."""
     tun = ctx.tunables
@@ -368,15 +382,18 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
                 frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
                 max_batch_size=8, decoupled=True, when=_cv3,
-                parameters=lambda ctx: {**_cv3_params(ctx), "lm_precision": ctx.tunables.lm_precision,
-                                        "speakers_model": CV3_SPEAKERS_MODEL,
-                                        "bls_timeout_us": ctx.tunables.bls_timeout_us,
-                                        "max_text_chars": ctx.tunables.max_text_chars,
-                                        "max_text_digit_run": ctx.tunables.max_text_digit_run,
-                                        "max_text_digits": ctx.tunables.max_text_digits},
+                parameters=_cv3_tts_params,
                 doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream): the cosyvoice3_dir folder "
                     "in process, one request at a time per instance, chunks on the official CosyVoice3 schedule; "
                     f"a speaker_id from {CV3_SPEAKERS_MODEL} (BLS)"),
+    ServedModel(CV3_TTS_LIVE_MODEL, f"ensemble/{CV3_TTS_LIVE_MODEL}", LIVE_TTS_INPUTS, LIVE_TTS_OUTPUTS,
+                frozenset(t.name for t in LIVE_TTS_INPUTS), template=f"ensemble/{LIVE_TTS_MODEL}/config.pbtxt.in",
+                decoupled=True, parameters=_cv3_live_tts_params, when=_cv3,
+                values=lambda ctx: _live_values(ctx, ctx.tunables.live_tts_max_sessions,
+                                                ctx.tunables.live_text_timeout_s),
+                doc="CosyVoice3 live TTS (decoupled, sequence batcher; the tensors of cosyvoice_tts_live): the "
+                    "cosyvoice3_dir folder in process, one session at a time per instance, audio as soon as the "
+                    "LM has its speech tokens"),
     ServedModel(CV3_SPEAKERS_MODEL, "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), params_key="speakers", when=_cv3,
                 parameters=lambda ctx: {

@@ -164,9 +164,9 @@ class Tunables:
     #: --mode streaming), or not, whole answers over HTTP and gRPC (client_http.py, client_grpc.py --mode offline)
     cosyvoice2_decoupled: bool = True
     #: A CosyVoice3 folder served beside the CosyVoice2 one (``""``: none): ``cosyvoice3_tts_stream``,
-    #: ``cosyvoice3_tts``, ``cosyvoice3_vc`` and, where the output is 24 kHz, ``cosyvoice3`` (the official runtime's
-    #: CosyVoice3 interface); the folder's models in process, one request at a time per instance
-    #: (serving/stages/cosyvoice3.py)
+    #: ``cosyvoice3_tts_live``, ``cosyvoice3_tts``, ``cosyvoice3_vc``, ``cosyvoice3_speakers`` and, where the output
+    #: is 24 kHz, ``cosyvoice3`` (the official runtime's CosyVoice3 interface); the folder's models in process, one
+    #: request at a time per instance (serving/stages/cosyvoice3.py)
     cosyvoice3_dir: str = ""
     #: ``cosyvoice3``: decoupled (chunks over a gRPC stream, the official default) or whole answers
     cosyvoice3_decoupled: bool = True

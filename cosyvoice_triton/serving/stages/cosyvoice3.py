@@ -6,7 +6,10 @@
 - ``cosyvoice3_tts_stream`` (:meth:`Cv3Service.responses`): the tensors of ``cosyvoice_tts_stream``, chunks on the
   official CosyVoice3 streaming schedule (``stream`` true) or one answer per text segment (false, with ``speed``);
 - ``cosyvoice3_vc`` (:meth:`Cv3Service.convert`): the tensors of ``cosyvoice_vc`` less ``seed`` (CosyVoice3's
-  vocoder noise is its fixed buffer: nothing to seed), the official ``inference_vc``.
+  vocoder noise is its fixed buffer: nothing to seed), the official ``inference_vc``;
+- ``cosyvoice3_tts_live`` (:meth:`Cv3Service.live`, through :func:`~.live_tts.serve_session`): the tensors of
+  ``cosyvoice_tts_live``, the text arriving in pieces (``CosyVoice3.tts_live``: the official bistream decoding on
+  CosyVoice3's layout).
 
 ``cosyvoice3_tts`` (whole answers) and ``cosyvoice3`` (the official runtime's CosyVoice3 interface, the same
 tensors as its ``cosyvoice2``) are the CosyVoice2 adapters of ``cosyvoice_tts`` and ``cosyvoice2`` pointed at
@@ -22,9 +25,9 @@ A ``speaker_id`` is a speaker registered with ``cosyvoice3_speakers`` (the ``spe
 prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id -> SpeakerPrompt``); with no
 ``mode``, a speaker registered with a transcript speaks zero-shot, one without cross-lingually.
 
-One instance runs one request at a time (the model's streaming state is per instance); a request that waits longer
-than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable ``instances``).
-Not served yet for CosyVoice3: live sessions, the batched graphs.
+One instance runs one request at a time (a live session holds it for the whole session); a request that
+waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable
+``instances``). Not served yet for CosyVoice3: live voice conversion, the batched graphs.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from .postprocess import Postprocessor
 from .tts import bytes_input, registered_voice, speed_input
 from .vocoder import parse_seed
 
-__all__ = ["Cv3Service"]
+__all__ = ["Cv3LiveResponses", "Cv3Service", "build_tts_service"]
 
 
 def _with_last(chunks: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
@@ -103,12 +106,8 @@ class Cv3Service:
             self._lock.release()
 
     # ------------------------------------------------------------------------------------------ text to speech
-    def tts_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any]]:
-        """Check one request's tensors: (mode, the keywords of ``CosyVoice3.tts_stream``); a client error
-        (:class:`~cosyvoice_triton.errors.CosyVoiceError`) naming what is wrong."""
-        if t.get("text") is None:
-            raise TextError("text: missing input (the text to speak, UTF-8)")
-        text = bytes_input(t["text"], "text")
+    def _voice(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any], str | None, str | None]:
+        """(mode, the voice's keywords, prompt text, instruct text) of a request's tensors."""
         prompt_text = bytes_input(t.get("prompt_text"), "prompt_text")
         instruct = bytes_input(t.get("instruct_text"), "instruct_text")
         _, speaker = registered_voice(t, prompt_text, self.speakers, speakers_name="CosyVoice3 speakers model")
@@ -121,6 +120,23 @@ class Cv3Service:
                                                                    t.get("prompt_audio_bytes"))
         mode = resolve_mode(bytes_input(t.get("mode"), "mode"), prompt_text, instruct,
                             speaker=speaker is not None and bool(speaker.prompt_text))
+        return mode, kw, prompt_text, instruct
+
+    @staticmethod
+    def _prompts(kw: dict[str, Any], prompt_text: str | None, instruct: str | None) -> dict[str, Any]:
+        if prompt_text is not None:
+            kw["prompt_text"] = prompt_text
+        if instruct is not None:
+            kw["instruct_text"] = instruct
+        return kw
+
+    def tts_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any]]:
+        """Check one request's tensors: (mode, the keywords of ``CosyVoice3.tts_stream``); a client error
+        (:class:`~cosyvoice_triton.errors.CosyVoiceError`) naming what is wrong."""
+        if t.get("text") is None:
+            raise TextError("text: missing input (the text to speak, UTF-8)")
+        text = bytes_input(t["text"], "text")
+        mode, kw, prompt_text, instruct = self._voice(t)
         stream = streaming(t)
         speed = speed_input(t.get("speed"))
         if stream and speed != 1.0:
@@ -128,11 +144,26 @@ class Cv3Service:
                                "as the official code's")
         text, prompt_text, instruct = with_system_prompt(mode, text, prompt_text, instruct)
         kw.update(text=text, seed=parse_seed(t.get("seed")), stream=stream, speed=speed)
-        if prompt_text is not None:
-            kw["prompt_text"] = prompt_text
-        if instruct is not None:
-            kw["instruct_text"] = instruct
-        return mode, kw
+        return mode, self._prompts(kw, prompt_text, instruct)
+
+    def live_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any]]:
+        """A live session's first tensors (the voice, ``mode``, ``seed``; not ``text``): (mode, the keywords of
+        ``CosyVoice3.tts_live``). The system prompt is added as for :meth:`tts_request`; in cross-lingual mode the
+        library puts it in front of the arriving text."""
+        mode, kw, prompt_text, instruct = self._voice(t)
+        _, prompt_text, instruct = with_system_prompt(mode, "", prompt_text, instruct)
+        kw["seed"] = parse_seed(t.get("seed"))
+        return mode, self._prompts(kw, prompt_text, instruct)
+
+    def live(self, t: Mapping[str, np.ndarray | None], text_pieces: Iterable[str | bytes], *,
+             cancelled: Callable[[], bool] = lambda: False, max_token_text_ratio: float = 20.0) -> Cv3LiveResponses:
+        """A live session (``cosyvoice3_tts_live``): ``t`` its first tensors (see :meth:`live_request`; checked
+        now), ``text_pieces`` the text as it arrives (``str`` / UTF-8 ``bytes``, possibly blocking), answered
+        with the response tensors of :meth:`responses` on the streaming schedule
+        (``CosyVoice3.tts_live``). The session holds the instance while it is iterated, to its end; it raises
+        :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true."""
+        mode, kw = self.live_request(t)
+        return Cv3LiveResponses(self, mode, kw, text_pieces, cancelled, max_token_text_ratio)
 
     def responses(self, t: Mapping[str, np.ndarray | None], *, cancelled: Callable[[], bool] = lambda: False
                   ) -> Iterator[dict[str, np.ndarray]]:
@@ -165,3 +196,59 @@ class Cv3Service:
         with self._held():
             wave = self.model.vc(src, prompt, source_sr=src_sr, prompt_sr=prompt_sr)
         return {"waveform": self.post.waveform(wave)[None], "sample_rate": np.array([[self.sample_rate]], np.int32)}
+
+
+def build_tts_service(pb_utils, p: Mapping[str, Any]) -> Cv3Service:
+    """The :class:`Cv3Service` of a served CosyVoice3 TTS model from its parameters (``p``: read with
+    ``MODEL_PARAMS["cosyvoice3_tts_stream"]`` or ``["cosyvoice3_tts_live"]``); ``pb_utils`` makes the BLS calls to
+    the speakers model (``speakers_model``; empty: ``speaker_id`` is refused)."""
+    from ...family import COSYVOICE3
+    from .speakers import BlsSpeakers
+
+    speakers = None
+    if p["speakers_model"]:
+        speakers = BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=p["bls_timeout_us"], family=COSYVOICE3)
+    return Cv3Service.load(p["model_dir"], lm_precision=p["lm_precision"], torch_threads=p["torch_threads"],
+                           flow_precision=p["flow_precision"], min_seconds=p["min_seconds"],
+                           max_seconds=p["max_seconds"], output_sample_rate=p["output_sample_rate"],
+                           wait_timeout_s=p["wait_timeout_s"],
+                           text_limits={"max_chars": p["max_text_chars"], "max_digit_run": p["max_text_digit_run"],
+                                        "max_digits": p["max_text_digits"]}, speakers=speakers)
+
+
+class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):
+    """The response tensors of :meth:`Cv3Service.live`; once the first is asked for, :attr:`decode` is the LM's
+    :class:`~cosyvoice_triton.models.bistream.LiveDecode` (tokens, :attr:`stop_reason`)."""
+
+    def __init__(self, service: Cv3Service, mode: str, kw: dict[str, Any], text_pieces: Iterable[str | bytes],
+                 cancelled: Callable[[], bool], max_token_text_ratio: float):
+        self.decode = None
+        self._gen = self._run(service, mode, kw, text_pieces, cancelled, max_token_text_ratio)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()
+
+    @property
+    def stop_reason(self) -> str | None:
+        return None if self.decode is None else self.decode.stop_reason
+
+    def _run(self, service: Cv3Service, mode: str, kw: dict[str, Any], text_pieces: Iterable[str | bytes],
+             cancelled: Callable[[], bool], max_token_text_ratio: float) -> Iterator[dict[str, np.ndarray]]:
+        rate = np.array([[service.sample_rate]], np.int32)
+        with service._held():
+            live = service.model.tts_live(mode, text_pieces, cancelled=cancelled,
+                                          max_token_text_ratio=max_token_text_ratio, **kw)
+            self.decode = live.decode
+            try:
+                for i, chunk in enumerate(service.post.stream().run(_with_last(live))):
+                    if cancelled() or live.stop_reason == "cancelled":
+                        raise JobCancelled("the client went away")
+                    yield {"waveform": np.ascontiguousarray(chunk, np.float32)[None], "sample_rate": rate,
+                           "chunk_index": np.array([[i]], np.int32)}
+                if live.stop_reason == "cancelled":
+                    raise JobCancelled("the client went away")
+            finally:
+                live.decode.close()

@@ -23,7 +23,7 @@ from ...errors import TextError
 from ...shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_OUTPUTS, TensorSpec
 from .vc_stream import StreamCancelled
 
-__all__ = ["LIVE_TTS_INPUTS", "LIVE_TTS_MODEL", "LIVE_TTS_OUTPUTS", "serve_session"]
+__all__ = ["LIVE_TTS_INPUTS", "LIVE_TTS_MODEL", "LIVE_TTS_OUTPUTS", "live_tts_sessions", "serve_session"]
 
 LIVE_TTS_MODEL = "cosyvoice_tts_live"
 #: ``cosyvoice_tts_live`` (one request per text piece; the voice, mode and seed on the first)
@@ -50,7 +50,8 @@ def _texts(ctx) -> Iterator[bytes]:
 
 
 def serve_session(tts, ctx, *, max_token_text_ratio: float) -> None:
-    """Run one served session (``tts``: a :class:`~.tts.TTSService`; ``ctx``: a :class:`~.live.LiveContext`): see
+    """Run one served session (``tts``: a :class:`~.tts.TTSService` or a CosyVoice3
+    :class:`~.cosyvoice3.Cv3Service`; ``ctx``: a :class:`~.live.LiveContext`): see
     the module docstring. A cancelled stream (the client went away, the model unloads) stops the LM."""
     from .lm_engine import JobCancelled
 
@@ -63,3 +64,18 @@ def serve_session(tts, ctx, *, max_token_text_ratio: float) -> None:
             ctx.send(out, received_as="text_pieces")
     except JobCancelled as exc:
         raise StreamCancelled(str(exc)) from None
+
+
+def live_tts_sessions(pb_utils, tts, p: Mapping, args: Mapping):
+    """The :class:`~.live.LiveSessions` of a served live TTS model (``cosyvoice_tts_live``, ``cosyvoice3_tts_live``):
+    each session runs :func:`serve_session` on ``tts`` (a service with a ``live`` method), with the model's
+    parameters ``p`` (``max_sessions``, ``max_queued``, ``text_timeout_s``, ``max_token_text_ratio``) and Triton's
+    ``initialize`` arguments ``args`` (its live-session gauge)."""
+    from .live import LiveSessions, SessionGauge
+
+    ratio = p["max_token_text_ratio"]
+    return LiveSessions(pb_utils, lambda ctx: serve_session(tts, ctx, max_token_text_ratio=ratio),
+                        [t.name for t in LIVE_TTS_INPUTS], max_sessions=p["max_sessions"],
+                        max_queued=p["max_queued"], idle_timeout_s=p["text_timeout_s"], advance="arrival",
+                        on_idle="end", name=args["model_name"],
+                        on_change=SessionGauge(pb_utils, args["model_name"], args["model_version"]))

@@ -98,6 +98,17 @@ _TTS_SERVICE = (
     _TORCH_THREADS,
     _NICE,
 )
+#: What builds a served CosyVoice3 ``Cv3Service`` for text to speech (serving/stages/cosyvoice3.py).
+_CV3_TTS = (
+        Param("model_dir", str, None, "the CosyVoice3 folder (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, ...)"),
+        Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, int8 (PyTorch dynamic INT8) or fp32-ort",
+              ("fp32", "int8", "fp32-ort")),
+        *(p for p in _TTS_SERVICE if p.name.startswith("max_text_")),
+        Param("speakers_model", str, "", "the Triton model of registered CosyVoice3 speakers (speaker_id; empty: "
+              "speaker_id is refused)"),
+        _BLS_TIMEOUT,
+        *_CV3_COMMON,
+)
 
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "graph": (
@@ -219,15 +230,14 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         _BLS_TIMEOUT,
         *_PROMPT_CACHE,
     ),
-    "cosyvoice3_tts_stream": (  # a CosyVoice3 folder in process (serving/stages/cosyvoice3.py)
-        Param("model_dir", str, None, "the CosyVoice3 folder (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, ...)"),
-        Param("lm_precision", str, "fp32", "the LM's Linear layers: fp32, int8 (PyTorch dynamic INT8) or fp32-ort",
-              ("fp32", "int8", "fp32-ort")),
-        *(p for p in _TTS_SERVICE if p.name.startswith("max_text_")),
-        Param("speakers_model", str, "", "the Triton model of registered CosyVoice3 speakers (speaker_id; empty: "
-              "speaker_id is refused)"),
-        _BLS_TIMEOUT,
-        *_CV3_COMMON,
+    "cosyvoice3_tts_stream": _CV3_TTS,  # a CosyVoice3 folder in process (serving/stages/cosyvoice3.py)
+    "cosyvoice3_tts_live": (  # the same, the text in pieces
+        *_CV3_TTS,
+        *_LIVE_SESSIONS[:2],
+        Param("text_timeout_s", float, 10.0, "a session whose text stops arriving this long ends with what it has "
+              "(its audio is finished and sent)"),
+        Param("max_token_text_ratio", float, 20.0, "the LM's step limit: most speech tokens per text token of a "
+              "session (stop reason max_len beyond)"),
     ),
     "cosyvoice3_vc": (
         Param("model_dir", str, None, "the CosyVoice3 folder (flow.pt, hift.pt, speech_tokenizer_v3.onnx, ...)"),

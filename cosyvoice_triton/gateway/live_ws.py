@@ -1,7 +1,8 @@
 """Live sessions over WebSocket, for clients that cannot reach Triton's gRPC sequence API (a browser, an LLM app
 server): ``/v1/audio/voice-conversion/live`` (binary audio frames in, converted audio out as it is produced) and
 ``/v1/audio/speech/live`` (text deltas in, speech out). One socket is one session of a live model
-(``cosyvoice_vc_live``, ``cosyvoice_tts_live``), driven upstream by :class:`~..clients.live.AsyncLiveClient`: one
+(``cosyvoice_vc_live``, ``cosyvoice_tts_live``, or ``cosyvoice3_tts_live`` for a start with ``model: cosyvoice3``),
+driven upstream by :class:`~..clients.live.AsyncLiveClient`: one
 Triton sequence whose id the gateway draws (:class:`~.sessions.SequenceIds` with keys: the tenant's share of each
 live model, ``--live-sessions-per-tenant``), so a client never names a sequence and never reaches another's.
 
@@ -40,6 +41,7 @@ from ..clients.live import TTS_LIVE_MODEL, VC_LIVE_MODEL, LiveStats, new_sequenc
 from ..clients.wire import VCError
 from ..errors import AudioError
 from ..frontend import audio as audio_in
+from ..shapes import CV3_TTS_LIVE_MODEL
 from .audio import pcm16, reference_bytes
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body
@@ -127,6 +129,7 @@ class _VCStart(_Start):
 
 class _TTSStart(_Start):
     reference_text: str | None = None  # the recording's transcript (zero-shot; without it cross-lingual)
+    model: str | None = None  # as in POST /v1/audio/speech: cosyvoice3 speaks CosyVoice3, the others CosyVoice2
 
 
 @dataclass
@@ -160,7 +163,7 @@ def plan(kind: str, body: dict, config: GatewayConfig, ns: Namespace = PUBLIC) -
         code = "invalid_sample_rate" if param == "sample_rate" else "invalid_start"
         raise LiveError(code, f"{param or 'session.start'}: {first.get('msg', 'invalid')}", param) from None
     try:
-        for name in ("voice", "reference_text"):
+        for name in ("voice", "reference_text", "model"):
             check_text(getattr(start, name, None), name)
         if isinstance(start, _VCStart):
             try:
@@ -180,7 +183,18 @@ def plan(kind: str, body: dict, config: GatewayConfig, ns: Namespace = PUBLIC) -
             voice = {"speaker_id": ns.scoped(start.voice)}
     except GatewayError as exc:
         raise LiveError.of(exc) from None
-    return _Plan(VC_LIVE_MODEL if kind == "vc" else TTS_LIVE_MODEL, {**voice, "seed": start.seed}, start)
+    return _Plan(VC_LIVE_MODEL if kind == "vc" else _tts_live_model(start, config), {**voice, "seed": start.seed},
+                 start)
+
+
+def _tts_live_model(start: _TTSStart, config: GatewayConfig) -> str:
+    """The live TTS model of a start's ``model`` (one of the gateway's ``models``; none: CosyVoice2's)."""
+    if start.model is None:
+        return TTS_LIVE_MODEL
+    if start.model not in config.models:
+        raise LiveError("invalid_start", f"model {start.model[:40]!r} is not served here; one of "
+                        f"{', '.join(config.models)}", "model")
+    return CV3_TTS_LIVE_MODEL if start.model == "cosyvoice3" else TTS_LIVE_MODEL
 
 
 class LiveSockets:
@@ -231,7 +245,7 @@ class LiveSockets:
         return who, Namespace(self.keys.tenant_of(who))
 
     async def serve(self, ws: WebSocket, kind: str) -> None:
-        model = VC_LIVE_MODEL if kind == "vc" else TTS_LIVE_MODEL
+        model = [VC_LIVE_MODEL if kind == "vc" else TTS_LIVE_MODEL]  # the session's, once its start is read
         try:
             await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in ws.scope.get("subprotocols", ()) else None)
         except (WebSocketDisconnect, RuntimeError, OSError):  # gone before the handshake's answer
@@ -245,7 +259,7 @@ class LiveSockets:
             except GatewayError as exc:
                 raise LiveError.of(exc, "invalid_api_key") from None
             try:
-                await self._session(ws, sender, kind, ns)
+                await self._session(ws, sender, kind, ns, model)
             finally:
                 self.limiter.release(who)
         except LiveError as exc:
@@ -261,7 +275,7 @@ class LiveSockets:
             reason = "internal_error"
             await sender.fail(LiveError("internal_error", "internal error of the gateway"))
         finally:
-            self.metrics.live_ended.labels(model, reason).inc()
+            self.metrics.live_ended.labels(model[0], reason).inc()
 
     async def _receive(self, ws: WebSocket, timeout: float | None, what: str) -> dict:
         # Not asyncio.wait_for: on Python 3.11 it returns a message that arrives as it is cancelled and drops the
@@ -282,12 +296,13 @@ class LiveSockets:
             raise _ClientGone()
         return message
 
-    async def _session(self, ws: WebSocket, sender: _Sender, kind: str, ns: Namespace) -> None:
+    async def _session(self, ws: WebSocket, sender: _Sender, kind: str, ns: Namespace, label: list[str]) -> None:
         config = self.config
         first = await self._receive(ws, config.header_timeout_s, "session.start")
         if first.get("text") is None:
             raise LiveError("missing_start", "the first message must be session.start (JSON in a text frame)")
         session = plan(kind, _json(first["text"], config), config, ns)
+        label[0] = session.model
         client_id = new_sequence_id()
         sequence_id = self._open(ns, session.model, client_id)
         self.metrics.live_sessions.labels(session.model).inc()
@@ -327,7 +342,7 @@ class LiveSockets:
             chunks = client.convert_live(pieces(), sample_rate=start.sample_rate, stats=stats,
                                          sequence_id=sequence_id, **session.voice)
         else:
-            chunks = client.tts_live(pieces(), stats=stats, sequence_id=sequence_id, **session.voice)
+            chunks = client.tts_live(pieces(), stats=stats, sequence_id=sequence_id, model=model, **session.voice)
         info = {"id": f"live-{client_id:016x}", "model": model, "sample_rate": OUTPUT_RATE,
                 "output_format": start.output_format, "stream_format": start.stream_format,
                 "max_pending": config.live_max_pending, "idle_timeout_s": config.live_idle_s}

@@ -509,3 +509,49 @@ def test_live_sessions_through_the_gateway_are_the_tenants_own(server, library, 
         finally:
             a.close()
             b.close()
+
+
+def test_live_speech_over_the_gateways_websocket_with_model_cosyvoice3(server, speech, tmp_path):
+    """``/v1/audio/speech/live`` with ``model: cosyvoice3`` (in the gateway's ``--models``): the session runs on
+    ``cosyvoice3_tts_live`` and its audio equals a direct gRPC live session's (the Python client with
+    ``model="cosyvoice3_tts_live"``); without ``model`` the same start speaks CosyVoice2."""
+    import base64
+    import io
+
+    ws_client = pytest.importorskip("websockets.sync.client")
+    from conftest import gateway_process
+
+    from cosyvoice_triton.clients.live import LiveClient
+
+    p, psr, _, _ = speech
+    buf = io.BytesIO()
+    sf.write(buf, p, psr, format="WAV", subtype="FLOAT")
+    prompt = buf.getvalue()
+    texts = ["Hello there, ", "this is ", "CosyVoice3 live."]
+    start = {"type": "session.start", "reference_audio": base64.b64encode(prompt).decode(),
+             "reference_text": PROMPT_TEXT, "seed": 9, "output_format": "f32le"}
+
+    def over_socket(urls, **extra):
+        with ws_client.connect(f"ws://{urls.http}/v1/audio/speech/live", proxy=None, max_size=None,
+                               open_timeout=PATIENCE_S) as ws:
+            ws.send(json.dumps({**start, **extra}))
+            started = json.loads(ws.recv(timeout=PATIENCE_S))
+            for t in texts:
+                ws.send(json.dumps({"type": "input.text", "text": t}))
+            ws.send(json.dumps({"type": "input.end"}))
+            frames, events = [], []
+            for message in ws:  # until the server closes
+                (frames if isinstance(message, bytes) else events).append(message)
+        assert json.loads(events[-1])["type"] == "speech.audio.done", events[-2:]
+        return started["session"]["model"], np.frombuffer(b"".join(frames), "<f4")
+
+    with LiveClient(server.grpc_url, timeout=PATIENCE_S) as c:
+        chunks = c.tts_live(texts, prompt=prompt, encoded=True, seed=9, prompt_text=PROMPT_TEXT,
+                            model="cosyvoice3_tts_live")
+        want = np.concatenate([ch.waveform for ch in chunks])
+    with gateway_process(server, tmp_path / "gateway.log", "--models", "cosyvoice2,cosyvoice3") as urls:
+        model, got = over_socket(urls, model="cosyvoice3")
+        assert model == "cosyvoice3_tts_live" and got.size == want.size
+        np.testing.assert_allclose(got, want, atol=ATOL)
+        model, cv2 = over_socket(urls)
+        assert model == "cosyvoice_tts_live" and cv2.size

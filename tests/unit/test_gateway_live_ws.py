@@ -208,6 +208,26 @@ def test_tts_session_speaks_text_deltas_as_audio_delta_events():
     assert rec["kw"]["encoded"] is True and rec["kw"]["prompt_text"] == "A prompt."
 
 
+@pytest.mark.parametrize(("model", "upstream"), [(None, "cosyvoice_tts_live"), ("tts-1", "cosyvoice_tts_live"),
+                                               ("cosyvoice3", "cosyvoice3_tts_live")])
+def test_the_start_s_model_picks_the_live_tts_family(model, upstream):
+    """``model`` as in ``POST /v1/audio/speech``: ``cosyvoice3`` (served: in ``--models``) speaks through CosyVoice3's
+    live model, OpenAI's names and none through CosyVoice2's; the session's id, share and metrics are that model's."""
+    live = FakeLive()
+    client, app = _app(live, models=("cosyvoice2", "cosyvoice3", "tts-1"))
+    start = {**TTS_START, **({} if model is None else {"model": model})}
+    with client, client.websocket_connect(TTS_LIVE_PATH, **_auth()) as ws:
+        ws.send_json(start)
+        assert _started(ws)["model"] == upstream
+        ws.send_json({"type": "input.text", "text": "Hello."})
+        ws.send_json({"type": "input.end"})
+        _, frames, close = _events_until_close(ws)
+    assert close == 1000 and frames
+    (rec,) = live.sessions
+    assert rec["kw"]["model"] == upstream and rec["state"] == "ended"
+    assert _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model=upstream, reason="done") == 1
+
+
 def test_without_keys_the_voice_is_public_and_the_id_random():
     live = FakeLive()
     client, _ = _app(live, keys=False)
@@ -299,8 +319,11 @@ def test_a_session_start_counts_against_its_keys_rate():
     (TTS_LIVE_PATH, {**TTS_START, "reference_text": "x"}, "invalid_start"),
     (TTS_LIVE_PATH, {"type": "input.text", "text": "Hi"}, "missing_start"),
     (TTS_LIVE_PATH, [1, 2], "invalid_message"),
+    (TTS_LIVE_PATH, {**TTS_START, "model": "cosyvoice3"}, "invalid_start"),  # not in this gateway's --models
+    (TTS_LIVE_PATH, {**TTS_START, "model": "tts-9"}, "invalid_start"),
+    (VC_LIVE_PATH, {**VC_START, "model": "cosyvoice2"}, "invalid_start"),  # live VC has one family
 ], ids=["rate-low", "rate-text", "rate-missing", "format", "vc-text", "no-voice", "base64", "voice-id",
-        "text-without-audio", "text-first", "not-object"])
+        "text-without-audio", "text-first", "not-object", "model-not-served", "model-unknown", "vc-model"])
 def test_a_bad_start_is_refused_naming_it_and_nothing_goes_upstream(path, start, code):
     live = FakeLive()
     client, app = _app(live)

@@ -7,6 +7,8 @@
     cosyvoice-triton client tts --text "Hello there." --speaker alice --stream -o hi.wav
     cosyvoice-triton client speaker add alice --prompt voice.wav [--prompt-text "..."]
     cosyvoice-triton client speaker list | speaker delete alice
+    cosyvoice-triton client speaker add alice --prompt voice.wav --prompt-text "..." --family cosyvoice3
+    cosyvoice-triton client tts --text "Hello there." --speaker alice --family cosyvoice3 --stream -o hi.wav
     cosyvoice-triton client tokens --audio a.wav [-o tokens.npy]        # 25 Hz speech tokens
     cosyvoice-triton client embedding --audio voice.wav [-o emb.npy]    # 192-dim CAM++ embedding
     cosyvoice-triton client tts --text "Hi." --prompt voice.wav --priority 1 -o hi.wav
@@ -30,6 +32,10 @@ raw 16-bit little-endian mono PCM from stdin at ``--rate`` as it comes; ``tts --
 the lines come (``--chunk-chars N``: in pieces of N characters, as an LLM's tokens). The audio is written as it
 arrives; each chunk's latency (after the piece it answers was sent) and real-time margin (how early it came for
 gap-free playback from the first chunk on, ``--buffer-ms`` later) go to stderr, then a summary.
+
+``--family cosyvoice3`` (``tts``, ``speaker``) speaks with the CosyVoice3 models of a deployment that serves them
+(``cosyvoice3_tts``, ``cosyvoice3_tts_stream``, ``cosyvoice3_tts_live``) and registers, lists or deletes its
+speakers (``cosyvoice3_speakers``): a speaker is registered per family.
 """
 
 import argparse
@@ -38,6 +44,9 @@ from pathlib import Path
 
 from ..errors import CosyVoiceError
 from ..shapes import (
+    CV3_TTS_LIVE_MODEL,
+    CV3_TTS_MODEL,
+    CV3_TTS_STREAM_MODEL,
     SPEAKER_EMBEDDING_MODEL,
     SPEECH_TOKENS_MODEL,
     TTS_MODEL,
@@ -55,11 +64,11 @@ from .live import (
 )
 from .sync_client import CosyVoiceClient
 from .wire import (
-    SPEAKERS_MODEL,
     VC_STREAM_MODEL,
     PriorityError,
     StreamStats,
     VCError,
+    speakers_model,
 )
 
 COMMANDS = ("vc", "tts", "speaker", "tokens", "embedding")
@@ -72,6 +81,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
     p.add_argument("--priority", type=int, default=None, metavar="N",
                    help="request priority level (1 highest; default: the model's own level)")
+
+
+def _family(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", choices=("cosyvoice2", "cosyvoice3"), default="cosyvoice2",
+                   help="the model family the deployment serves it with (default cosyvoice2)")
+
+
+#: The TTS models of each family: (whole answers, streamed, live).
+TTS_MODELS = {"cosyvoice2": (TTS_MODEL, TTS_STREAM_MODEL, TTS_LIVE_MODEL),
+              "cosyvoice3": (CV3_TTS_MODEL, CV3_TTS_STREAM_MODEL, CV3_TTS_LIVE_MODEL)}
+
+
+def command_model(args: argparse.Namespace) -> str:
+    """The served model a parsed command line calls."""
+    stream, live = getattr(args, "stream", False), bool(getattr(args, "live", None))
+    if args.command == "tts":
+        whole, streamed, live_model = TTS_MODELS[args.family]
+        return live_model if live else (streamed if stream else whole)
+    if args.command == "vc":
+        return VC_LIVE_MODEL if live else (VC_STREAM_MODEL if stream else VC_MODEL)
+    return {"speaker": lambda: speakers_model(args.family), "tokens": lambda: SPEECH_TOKENS_MODEL,
+            "embedding": lambda: SPEAKER_EMBEDDING_MODEL}[args.command]()
 
 
 def _live_common(p: argparse.ArgumentParser) -> None:
@@ -118,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stream", action="store_true", help="streaming model, audio written as it arrives")
     t.add_argument("--chunk-chars", type=int, default=0, metavar="N",
                    help="--live: send the text in pieces of N characters (default: a line each)")
+    _family(t)
     _live_common(t)
 
     s = sub.add_parser("speaker", help="register, list or delete speakers on the server")
@@ -126,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("id", nargs="?", help="speaker id: 1-64 of A-Z a-z 0-9 _ . - (not starting with .)")
     s.add_argument("--prompt", help="speech of the speaker (add)")
     s.add_argument("--prompt-text", help="its transcript (add)")
+    _family(s)
 
     for name, what in (("tokens", "25 Hz CosyVoice speech tokens of a recording (at most 30 s)"),
                        ("embedding", "192-dim CAM++ speaker embedding of a recording")):
@@ -212,7 +245,7 @@ def _tts_live(client: LiveClient, args) -> int:
     stats = LiveStats(buffer_s=args.buffer_ms / 1000.0)
     _live_to(client.tts_live(text_pieces(sys.stdin, chunk_chars=args.chunk_chars), prompt=args.prompt,
                              prompt_text=args.prompt_text, speaker_id=args.speaker, seed=args.seed, stats=stats,
-                             priority=args.priority), args.output, stats, "tts")
+                             priority=args.priority, model=client.model), args.output, stats, "tts")
     return 0
 
 
@@ -248,7 +281,8 @@ def _tts(client: CosyVoiceClient, args) -> int:
         return _tts_live(client, args)
     text = args.text if args.text is not None else Path(args.text_file).read_text(encoding="utf-8")
     kw = {"prompt": args.prompt, "prompt_text": args.prompt_text, "instruct": args.instruct,
-          "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed, "priority": args.priority}
+          "speaker_id": args.speaker, "mode": args.mode, "seed": args.seed, "priority": args.priority,
+          "model": client.model}
     if args.stream:
         stats = StreamStats()
         _stream_to(client.tts_stream(text, stats=stats, **kw), args.output, stats, "tts")
@@ -271,14 +305,15 @@ def _speaker(client: CosyVoiceClient, args) -> int:
     if args.action == "add":
         if not args.prompt:
             raise CosyVoiceError("speaker add needs --prompt")
-        prompt = client.register_speaker(args.id, args.prompt, prompt_text=args.prompt_text, priority=args.priority)
+        prompt = client.register_speaker(args.id, args.prompt, prompt_text=args.prompt_text, priority=args.priority,
+                                         family=args.family)
         print(f"registered {args.id!r}: {len(prompt.prompt_tokens)} prompt tokens, "
               f"{len(prompt.prompt_text_tokens)} transcript tokens")
     elif args.action == "list":
-        for speaker_id in client.list_speakers():
+        for speaker_id in client.list_speakers(family=args.family):
             print(speaker_id)
     else:
-        client.delete_speaker(args.id)
+        client.delete_speaker(args.id, family=args.family)
         print(f"deleted {args.id!r}")
     return 0
 
@@ -313,12 +348,7 @@ def main(argv=None) -> int:
         print("error: --live runs over a gRPC stream (no --protocol http, no --stream)", file=sys.stderr)
         return 2
     try:
-        stream = getattr(args, "stream", False)
-        model = {"vc": VC_STREAM_MODEL if stream else VC_MODEL, "tts": TTS_STREAM_MODEL if stream else TTS_MODEL,
-                 "speaker": SPEAKERS_MODEL, "tokens": SPEECH_TOKENS_MODEL,
-                 "embedding": SPEAKER_EMBEDDING_MODEL}[args.command]
-        if live:
-            model = VC_LIVE_MODEL if args.command == "vc" else TTS_LIVE_MODEL
+        model = command_model(args)
         client = (LiveClient if live else CosyVoiceClient)(args.url, protocol=protocol, model=model,
                                                            timeout=args.timeout,
                                                            concurrency=getattr(args, "concurrency", 4))

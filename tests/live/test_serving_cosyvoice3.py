@@ -555,3 +555,77 @@ def test_live_speech_over_the_gateways_websocket_with_model_cosyvoice3(server, s
         np.testing.assert_allclose(got, want, atol=ATOL)
         model, cv2 = over_socket(urls)
         assert model == "cosyvoice_tts_live" and cv2.size
+
+
+def test_the_command_line_client_registers_and_speaks_cosyvoice3(server, library, speech, tmp_path):
+    """``cosyvoice-triton client speaker add ... --family cosyvoice3`` registers with ``cosyvoice3_speakers`` (not
+    CosyVoice2's ``speakers``), ``tts --family cosyvoice3 --speaker`` speaks through ``cosyvoice3_tts_stream``: the
+    file holds the library's answer for that speaker, 16-bit."""
+    import subprocess
+    import sys
+
+    p, psr, _, _ = speech
+    prompt = tmp_path / "prompt.wav"
+    sf.write(prompt, p, psr, subtype="FLOAT")
+    cli = [sys.executable, "-m", "cosyvoice_triton", "client"]
+
+    def run(*args):
+        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=PATIENCE_S)
+
+    url = ["--url", server.http_url]
+    proc = run("speaker", *url, "add", "cli3", "--prompt", str(prompt), "--prompt-text", PROMPT_TEXT,
+               "--family", "cosyvoice3")
+    assert proc.returncode == 0 and "registered 'cli3'" in proc.stdout, proc.stderr
+    try:
+        assert "cli3" in run("speaker", *url, "list", "--family", "cosyvoice3").stdout.split()
+        assert "cli3" not in run("speaker", *url, "list").stdout.split()
+        out = tmp_path / "cli3.wav"
+        proc = run("tts", "--url", server.grpc_url, "--text", TEXT, "--speaker", "cli3", "--family", "cosyvoice3",
+                   "--stream", "--seed", "4", "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        got, rate = sf.read(out, dtype="float32")
+        speaker = library.model.prompt(p, prompt_sr=psr, prompt_text=with_system_prompt3(PROMPT_TEXT))
+        want = np.concatenate(list(library.model.tts_stream("zero_shot", TEXT, speaker=speaker, seed=4)))
+        assert rate == 24000 and got.size == want.size
+        np.testing.assert_allclose(got, np.clip(want, -1, 1), atol=2 / 32768)
+    finally:
+        assert run("speaker", *url, "delete", "cli3", "--family", "cosyvoice3").returncode == 0
+
+
+def with_system_prompt3(transcript: str) -> str:
+    from cosyvoice_triton.frontend.text.cosyvoice3 import zero_shot_prompt_text
+
+    return zero_shot_prompt_text(transcript)
+
+
+def test_the_warm_up_reaches_both_families_speakers(server):
+    """The warm-up lists each speakers model's own store: ``cosyvoice3_speakers`` is called, not ``speakers`` twice
+    (Triton's inference count of each goes up by one)."""
+    from cosyvoice_triton.serving.launch.warmup import loaded_models, plan, warm_up
+
+    def count(model):
+        status, body = _get(server, f"/v2/models/{model}/stats")
+        assert status == 200, body
+        return json.loads(body)["model_stats"][0]["inference_stats"]["success"]["count"]
+
+    todo = dict(plan(loaded_models(server)))
+    assert todo["speakers"] == todo["cosyvoice3_speakers"] == "speakers"
+    assert "cosyvoice3_tts_live" not in todo  # a live model takes sequences only
+    before = {m: count(m) for m in ("speakers", "cosyvoice3_speakers")}
+    done = warm_up(server, timeout=PATIENCE_S)
+    assert isinstance(done["cosyvoice3_speakers"], float), done["cosyvoice3_speakers"]
+    assert {m: count(m) - before[m] for m in before} == {"speakers": 1, "cosyvoice3_speakers": 1}
+
+
+def _get(server, path):
+    import urllib.error
+    import urllib.request
+
+    from cosyvoice_triton.serving.launch.server import admin_headers
+
+    request = urllib.request.Request(f"http://{server.http_url}{path}", headers=admin_headers())
+    try:
+        with urllib.request.urlopen(request, timeout=PATIENCE_S) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()

@@ -48,3 +48,30 @@ def test_make_targets_call_the_command_line():
     assert not scripts, scripts
     used = {m.group(1) for r in recipes for m in re.finditer(r"\$\(CLI\) ([a-z-]+)", r)}
     assert {"demo", "serve", "render", "export-onnx", "quantize", "loadtest", "bench-tts"} <= used
+
+
+@pytest.mark.parametrize(("argv", "model"), [
+    (["tts", "--text", "Hi.", "--speaker", "a", "-o", "x.wav"], "cosyvoice_tts"),
+    (["tts", "--text", "Hi.", "--speaker", "a", "-o", "x.wav", "--stream"], "cosyvoice_tts_stream"),
+    (["tts", "--live", "--speaker", "a", "-o", "-"], "cosyvoice_tts_live"),
+    (["tts", "--text", "Hi.", "--speaker", "a", "-o", "x.wav", "--family", "cosyvoice3"], "cosyvoice3_tts"),
+    (["tts", "--text", "Hi.", "--speaker", "a", "-o", "x.wav", "--family", "cosyvoice3", "--stream"],
+     "cosyvoice3_tts_stream"),
+    (["tts", "--live", "--speaker", "a", "-o", "-", "--family", "cosyvoice3"], "cosyvoice3_tts_live"),
+    (["speaker", "list"], "speakers"),
+    (["speaker", "list", "--family", "cosyvoice3"], "cosyvoice3_speakers"),
+    (["vc", "--source", "a.wav", "--prompt", "p.wav", "-o", "x.wav"], "cosyvoice_vc"),
+    (["tokens", "--audio", "a.wav"], "speech_tokens"),
+])
+def test_the_client_command_picks_the_family_s_model(argv, model):
+    from cosyvoice_triton.clients.cli import build_parser as client_parser
+    from cosyvoice_triton.clients.cli import command_model
+
+    assert command_model(client_parser().parse_args(argv)) == model
+
+
+def test_the_client_family_is_one_of_the_two():
+    from cosyvoice_triton.clients.cli import build_parser as client_parser
+
+    with pytest.raises(SystemExit):
+        client_parser().parse_args(["speaker", "list", "--family", "cosyvoice1"])

@@ -140,6 +140,9 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
     :class:`~cosyvoice_triton.serving.launch.server.TritonServer`); returns model -> seconds it took, or the error."""
     from ...clients.client import CosyVoiceClient
     from ...clients.retry import NO_RETRY
+    from ...clients.wire import SPEAKERS_MODELS
+
+    family_of = {model: family for family, model in SPEAKERS_MODELS.items()}
 
     audio, sr = _sample(server)
     results: dict[str, float | str] = {}
@@ -167,8 +170,8 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
                     http.speech_tokens(audio, sample_rate=sr, model=name)
                 elif how == "speaker_embedding":
                     http.speaker_embedding(audio, sample_rate=sr, model=name)
-                else:
-                    grpc.list_speakers()
+                else:  # a speakers model: of its family (a CosyVoice3 deployment has two)
+                    grpc.list_speakers(family=family_of.get(name, "cosyvoice2"))
                 results[name] = round(time.perf_counter() - t0, 3)
             except Exception as exc:  # a cold model still serves: say so and go on
                 results[name] = f"{type(exc).__name__}: {exc}"

@@ -30,6 +30,9 @@ _BODY_METHODS = {"POST", "PUT", "PATCH"}
 KSERVE = "/v2"  # the KServe routes: one metrics label, KServe-shaped refusals
 #: The pieces the form routes get a buffered form body in (any other body is handed over whole).
 FORM_PIECE_BYTES = 16 * 1024
+#: The most ``&`` separators a URL-encoded form may hold (the form routes take at most four fields): the form parser
+#: skips each extra one in Python with a log call, a second and more for a body of separators at the cap.
+MAX_FORM_SEPARATORS = 1000
 #: The longest Content-Type accepted (a form's is ~100 characters): the form parser reads it in quadratic time.
 MAX_CONTENT_TYPE_CHARS = 1024
 
@@ -133,7 +136,13 @@ class GatewayMiddleware:
                     return who
                 if body is None:  # the client left
                     return who
-                form = "form" in headers.get("content-type", "").lower()  # multipart/form-data, x-www-form-urlencoded
+                content_type = headers.get("content-type", "").lower()
+                form = "form" in content_type  # multipart/form-data, x-www-form-urlencoded
+                if "x-www-form-urlencoded" in content_type and body.count(b"&") > MAX_FORM_SEPARATORS:
+                    await self._refuse(send, GatewayError(
+                        400, f"the form holds {body.count(b'&')} '&' separators; at most {MAX_FORM_SEPARATORS} are "
+                        "accepted", code="invalid_form"), close=True, path=scope["path"])
+                    return who
                 receive = _replay(body, receive, FORM_PIECE_BYTES if form else max(len(body), 1))
             await self.app(scope, receive, send)
         finally:

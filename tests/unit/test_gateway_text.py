@@ -110,3 +110,20 @@ def test_grpc_bytes_contents_and_raw_text_must_be_utf8():
             t.contents.bytes_contents.append(value)
         _grpc_refused(req, "speaker_id", "UTF-8")
     assert SIG.inputs["speaker_id"].datatype == "BYTES"
+
+
+def test_a_form_of_separators_is_refused_before_the_form_parser():
+    """The form parser skips each extra ``&`` in Python (a log call each): a body of separators at the cap held the
+    event loop for seconds. More than ``MAX_FORM_SEPARATORS`` are refused at once, naming the count; a form with a
+    few extra separators is still parsed."""
+    from cosyvoice_triton.gateway.middleware import MAX_FORM_SEPARATORS
+
+    client, backend = _client()
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    body = "spk_id=alice&tts_text=Hi." + "&" * MAX_FORM_SEPARATORS
+    r = client.post("/inference_sft", content=body, headers=form)
+    assert r.status_code == 400 and f"{MAX_FORM_SEPARATORS + 1} '&' separators" in r.text, r.text
+    assert backend.jobs == []
+    r = client.post("/inference_sft", content="spk_id=alice&&tts_text=Hi.&&", headers=form)
+    assert r.status_code != 400 or "separators" not in r.text, r.text
+    assert backend.jobs and backend.jobs[-1].text == "Hi."

@@ -138,9 +138,10 @@ class GatewayMiddleware:
                     return who
                 content_type = headers.get("content-type", "").lower()
                 form = "form" in content_type  # multipart/form-data, x-www-form-urlencoded
-                if "x-www-form-urlencoded" in content_type and body.count(b"&") > MAX_FORM_SEPARATORS:
+                separators = body.count(b"&") if "x-www-form-urlencoded" in content_type else 0
+                if separators > MAX_FORM_SEPARATORS:
                     await self._refuse(send, GatewayError(
-                        400, f"the form holds {body.count(b'&')} '&' separators; at most {MAX_FORM_SEPARATORS} are "
+                        400, f"the form holds {separators} '&' separators; at most {MAX_FORM_SEPARATORS} are "
                         "accepted", code="invalid_form"), close=True, path=scope["path"])
                     return who
                 receive = _replay(body, receive, FORM_PIECE_BYTES if form else max(len(body), 1))

@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 SPEECH_TOKENIZER = "speech_tokenizer_v3.onnx"
 #: The modes of :meth:`CosyVoice3.tts_stream` (the official method names without ``inference_``).
 MODES = ("zero_shot", "cross_lingual", "instruct2")
-_NO_PROMPT = {"prompt_wav": None, "prompt_sr": None, "prompt_text": None, "instruct_text": None, "speaker_id": None,
-              "speaker": None}
 
 
 @dataclass
@@ -194,9 +192,10 @@ class CosyVoice3(PromptFrontend):
         return [Segment(text=s, text_tokens=np.asarray(ids, np.int32), lm_prompt_text_tokens=lm_text,
                         lm_prompt_speech_tokens=lm_speech, prompt=speaker) for s, ids in pieces]
 
-    def _lm_prompt(self, mode: str, raw_text: str | None, *, prompt_wav, prompt_sr: int | None,
-                   prompt_text: str | bytes | None, instruct_text: str | bytes | None, speaker_id: str | None,
-                   speaker: SpeakerPrompt | None, timer: StageTimer) -> tuple[np.ndarray, np.ndarray, SpeakerPrompt]:
+    def _lm_prompt(self, mode: str, raw_text: str | None, *, prompt_wav=None, prompt_sr: int | None = None,
+                   prompt_text: str | bytes | None = None, instruct_text: str | bytes | None = None,
+                   speaker_id: str | None = None, speaker: SpeakerPrompt | None = None,
+                   timer: StageTimer = _NO_TIMER) -> tuple[np.ndarray, np.ndarray, SpeakerPrompt]:
         """(LM prompt text tokens, LM prompt speech tokens, the flow's prompt) of ``mode``; ``raw_text``: the
         checked text, or None for text arriving in pieces (cross-lingual: the system prompt is the prompt text)."""
         front = self._text()
@@ -260,7 +259,7 @@ class CosyVoice3(PromptFrontend):
         from ..bistream import live_decode
 
         front = self._text()
-        lm_text, lm_speech, speaker = self._lm_prompt(mode, None, timer=timer, **{**_NO_PROMPT, **prompt})
+        lm_text, lm_speech, speaker = self._lm_prompt(mode, None, timer=timer, **prompt)
         if draws is None and seed is not None:
             draws = torch.Generator().manual_seed(int(seed))
         tokens = piece_tokens(front.tokenizer, text_pieces, max_chars=front.max_chars, strict_tags=front.strict_tags)

@@ -221,14 +221,19 @@ def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
             **_stream_state_params(ctx), "torch_threads": tun.torch_threads}
 
 
-def _live_tts_params(ctx: RenderContext) -> dict[str, Any]:
+def _live_tts_session_params(ctx: RenderContext) -> dict[str, Any]:
+    """The session parameters of a live TTS model (either family's), checked."""
     tun = ctx.tunables
     if tun.live_tts_max_sessions < 1 or tun.live_tts_max_queued < 1 or not tun.live_text_timeout_s > 0 \
             or not tun.live_tts_max_token_text_ratio > 0:
         raise RenderError("tunables live_tts_max_sessions and live_tts_max_queued must be >= 1, live_text_timeout_s "
                           "and live_tts_max_token_text_ratio > 0")
-    return {**_tts_params(ctx), "max_sessions": tun.live_tts_max_sessions, "max_queued": tun.live_tts_max_queued,
+    return {"max_sessions": tun.live_tts_max_sessions, "max_queued": tun.live_tts_max_queued,
             "text_timeout_s": tun.live_text_timeout_s, "max_token_text_ratio": tun.live_tts_max_token_text_ratio}
+
+
+def _live_tts_params(ctx: RenderContext) -> dict[str, Any]:
+    return {**_tts_params(ctx), **_live_tts_session_params(ctx)}
 
 
 def _live_values(ctx: RenderContext, sessions: int | None = None, idle_s: float | None = None) -> dict[str, str]:
@@ -280,9 +285,7 @@ def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
 
 
 def _cv3_live_tts_params(ctx: RenderContext) -> dict[str, Any]:
-    live = _live_tts_params(ctx)
-    return {**_cv3_tts_params(ctx), **{k: live[k] for k in ("max_sessions", "max_queued", "text_timeout_s",
-                                                            "max_token_text_ratio")}}
+    return {**_cv3_tts_params(ctx), **_live_tts_session_params(ctx)}
 
 
 def _speakers_params(ctx: RenderContext, model_dir: Path, speaker_dir: str) -> dict[str, Any]:

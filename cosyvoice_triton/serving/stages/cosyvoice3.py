@@ -171,17 +171,23 @@ class Cv3Service:
         ``sample_rate``, ``chunk_index``) at the output rate; raises :class:`~.lm_engine.JobCancelled` once
         ``cancelled()`` turns true."""
         mode, kw = self.tts_request(t)
-        rate = np.array([[self.sample_rate]], np.int32)
         with self._held():
             chunks = self.model.tts_stream(mode, **kw)
             try:
-                for i, chunk in enumerate(self.post.stream().run(_with_last(chunks))):
-                    if cancelled():
-                        raise JobCancelled("the client went away")
-                    yield {"waveform": np.ascontiguousarray(chunk, np.float32)[None], "sample_rate": rate,
-                           "chunk_index": np.array([[i]], np.int32)}
+                yield from self._tensors(chunks, cancelled)
             finally:
                 chunks.close()
+
+    def _tensors(self, chunks: Iterable[np.ndarray], cancelled: Callable[[], bool]
+                 ) -> Iterator[dict[str, np.ndarray]]:
+        """The response tensors of each chunk at the output rate (numbered from 0); raises
+        :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true."""
+        rate = np.array([[self.sample_rate]], np.int32)
+        for i, chunk in enumerate(self.post.stream().run(_with_last(chunks))):
+            if cancelled():
+                raise JobCancelled("the client went away")
+            yield {"waveform": np.ascontiguousarray(chunk, np.float32)[None], "sample_rate": rate,
+                   "chunk_index": np.array([[i]], np.int32)}
 
     # ---------------------------------------------------------------------------------------- voice conversion
     def convert(self, t: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
@@ -237,17 +243,12 @@ class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):
 
     def _run(self, service: Cv3Service, mode: str, kw: dict[str, Any], text_pieces: Iterable[str | bytes],
              cancelled: Callable[[], bool], max_token_text_ratio: float) -> Iterator[dict[str, np.ndarray]]:
-        rate = np.array([[service.sample_rate]], np.int32)
         with service._held():
             live = service.model.tts_live(mode, text_pieces, cancelled=cancelled,
                                           max_token_text_ratio=max_token_text_ratio, **kw)
             self.decode = live.decode
             try:
-                for i, chunk in enumerate(service.post.stream().run(_with_last(live))):
-                    if cancelled() or live.stop_reason == "cancelled":
-                        raise JobCancelled("the client went away")
-                    yield {"waveform": np.ascontiguousarray(chunk, np.float32)[None], "sample_rate": rate,
-                           "chunk_index": np.array([[i]], np.int32)}
+                yield from service._tensors(live, lambda: cancelled() or live.stop_reason == "cancelled")
                 if live.stop_reason == "cancelled":
                     raise JobCancelled("the client went away")
             finally:

@@ -407,9 +407,10 @@ STAGES: Mapping[str, StageSpec] = MappingProxyType({
 #: the tensors of ``cosyvoice_tts_stream`` / ``cosyvoice_tts``, ``cosyvoice3`` those of the official ``cosyvoice2``,
 #: ``cosyvoice3_vc`` those of ``cosyvoice_vc`` less ``seed`` (CosyVoice3's vocoder noise is a fixed buffer);
 #: ``cosyvoice3_speakers`` those of ``speakers`` (CosyVoice3's prompts, their own store); ``cosyvoice3_tts_live``
-#: those of ``cosyvoice_tts_live``.
+#: those of ``cosyvoice_tts_live``, ``cosyvoice3_vc_live`` those of ``cosyvoice_vc_live``.
 CV3_TTS_STREAM_MODEL = "cosyvoice3_tts_stream"
 CV3_TTS_LIVE_MODEL = "cosyvoice3_tts_live"
+CV3_VC_LIVE_MODEL = "cosyvoice3_vc_live"
 CV3_SPEAKERS_MODEL = "cosyvoice3_speakers"
 CV3_TTS_MODEL = "cosyvoice3_tts"
 CV3_VC_MODEL = "cosyvoice3_vc"

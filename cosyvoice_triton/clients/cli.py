@@ -33,9 +33,10 @@ the lines come (``--chunk-chars N``: in pieces of N characters, as an LLM's toke
 arrives; each chunk's latency (after the piece it answers was sent) and real-time margin (how early it came for
 gap-free playback from the first chunk on, ``--buffer-ms`` later) go to stderr, then a summary.
 
-``--family cosyvoice3`` (``tts``, ``speaker``) speaks with the CosyVoice3 models of a deployment that serves them
-(``cosyvoice3_tts``, ``cosyvoice3_tts_stream``, ``cosyvoice3_tts_live``) and registers, lists or deletes its
-speakers (``cosyvoice3_speakers``): a speaker is registered per family.
+``--family cosyvoice3`` (``tts``, ``vc``, ``speaker``) speaks and converts with the CosyVoice3 models of a deployment
+that serves them (``cosyvoice3_tts``, ``cosyvoice3_tts_stream``, ``cosyvoice3_tts_live``, ``cosyvoice3_vc``,
+``cosyvoice3_vc_live``) and registers, lists or deletes its speakers (``cosyvoice3_speakers``): a speaker is
+registered per family.
 """
 
 import argparse
@@ -47,6 +48,8 @@ from ..shapes import (
     CV3_TTS_LIVE_MODEL,
     CV3_TTS_MODEL,
     CV3_TTS_STREAM_MODEL,
+    CV3_VC_LIVE_MODEL,
+    CV3_VC_MODEL,
     SPEAKER_EMBEDDING_MODEL,
     SPEECH_TOKENS_MODEL,
     TTS_MODEL,
@@ -100,6 +103,11 @@ def command_model(args: argparse.Namespace) -> str:
         whole, streamed, live_model = TTS_MODELS[args.family]
         return live_model if live else (streamed if stream else whole)
     if args.command == "vc":
+        if args.family == "cosyvoice3":
+            if stream:
+                raise CosyVoiceError("--family cosyvoice3: voice conversion is served whole (cosyvoice3_vc) or live "
+                                     "(--live, cosyvoice3_vc_live), not streamed")
+            return CV3_VC_LIVE_MODEL if live else CV3_VC_MODEL
         return VC_LIVE_MODEL if live else (VC_STREAM_MODEL if stream else VC_MODEL)
     return {"speaker": lambda: speakers_model(args.family), "tokens": lambda: SPEECH_TOKENS_MODEL,
             "embedding": lambda: SPEAKER_EMBEDDING_MODEL}[args.command]()
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--piece-ms", type=float, default=200.0, help="--live: source piece length")
     v.add_argument("--no-pace", action="store_true", help="--live FILE: send the pieces as fast as possible")
     _live_common(v)
+    _family(v)
 
     t = sub.add_parser("tts", help="text to speech")
     _common(t)
@@ -233,7 +242,7 @@ def _vc_live(client: LiveClient, args) -> int:
         rate = pieces.sample_rate
     stats = LiveStats(buffer_s=args.buffer_ms / 1000.0)
     _live_to(client.convert_live(pieces, prompt=args.prompt, speaker_id=args.speaker, sample_rate=rate,
-                                 seed=args.seed, stats=stats, priority=args.priority),
+                                 seed=args.seed, stats=stats, priority=args.priority, model=client.model),
              args.output, stats, "stdin" if args.live == "-" else args.live)
     return 0
 

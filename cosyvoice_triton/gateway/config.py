@@ -19,7 +19,7 @@ DEFAULT_MODELS = ("cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 #: member stages, ``speakers`` (voices are the tenants' own: ``/v1/audio/voices``) and the admin APIs are not.
 KSERVE_MODELS = ("cosyvoice_vc", "cosyvoice_vc_stream", "cosyvoice_vc_live", "cosyvoice_tts", "cosyvoice_tts_stream",
                  "cosyvoice_tts_live", "cosyvoice2", "cosyvoice3_vc", "cosyvoice3_tts", "cosyvoice3_tts_stream",
-                 "cosyvoice3_tts_live", "cosyvoice3")
+                 "cosyvoice3_tts_live", "cosyvoice3_vc_live", "cosyvoice3")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class GatewayConfig:
     # open sessions one tenant may hold on each live model: half the models' own max_sessions (tunables
     # live_max_sessions 4, live_tts_max_sessions 2), so that one key cannot take them all
     live_sessions_per_tenant: tuple[tuple[str, int], ...] = (("cosyvoice_vc_live", 2), ("cosyvoice_tts_live", 1),
-                                                             ("cosyvoice3_tts_live", 1))
+                                                             ("cosyvoice3_tts_live", 1), ("cosyvoice3_vc_live", 2))
     sequence_idle_s: float = 35.0  # at least the live models' idle time (live_idle_timeout_s + 5 s: Triton's)
     # live sessions over WebSocket (live_ws.py): a socket whose input stops this long is cut; pieces waiting to go
     # on to Triton, beyond which the session is cut; the longest audio piece (the live VC model's max_piece_seconds)

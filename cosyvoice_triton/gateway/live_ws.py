@@ -1,7 +1,8 @@
 """Live sessions over WebSocket, for clients that cannot reach Triton's gRPC sequence API (a browser, an LLM app
 server): ``/v1/audio/voice-conversion/live`` (binary audio frames in, converted audio out as it is produced) and
 ``/v1/audio/speech/live`` (text deltas in, speech out). One socket is one session of a live model
-(``cosyvoice_vc_live``, ``cosyvoice_tts_live``, or ``cosyvoice3_tts_live`` for a start with ``model: cosyvoice3``),
+(``cosyvoice_vc_live``, ``cosyvoice_tts_live``, or CosyVoice3's ``cosyvoice3_vc_live`` / ``cosyvoice3_tts_live`` for a
+start with ``model: cosyvoice3``),
 driven upstream by :class:`~..clients.live.AsyncLiveClient`: one
 Triton sequence whose id the gateway draws (:class:`~.sessions.SequenceIds` with keys: the tenant's share of each
 live model, ``--live-sessions-per-tenant``), so a client never names a sequence and never reaches another's.
@@ -41,7 +42,7 @@ from ..clients.live import TTS_LIVE_MODEL, VC_LIVE_MODEL, LiveStats, new_sequenc
 from ..clients.wire import VCError
 from ..errors import AudioError
 from ..frontend import audio as audio_in
-from ..shapes import CV3_TTS_LIVE_MODEL
+from ..shapes import CV3_TTS_LIVE_MODEL, CV3_VC_LIVE_MODEL
 from .audio import pcm16, reference_bytes
 from .config import GatewayConfig
 from .errors import GatewayError, check_text, error_body
@@ -120,6 +121,7 @@ class _Start(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     output_format: Literal["s16le", "f32le"] = "s16le"
     stream_format: Literal["audio", "events"] = "audio"
+    model: str | None = None  # as in POST /v1/audio/speech: cosyvoice3 is CosyVoice3, the others CosyVoice2
 
 
 class _VCStart(_Start):
@@ -129,7 +131,6 @@ class _VCStart(_Start):
 
 class _TTSStart(_Start):
     reference_text: str | None = None  # the recording's transcript (zero-shot; without it cross-lingual)
-    model: str | None = None  # as in POST /v1/audio/speech: cosyvoice3 speaks CosyVoice3, the others CosyVoice2
 
 
 @dataclass
@@ -183,18 +184,22 @@ def plan(kind: str, body: dict, config: GatewayConfig, ns: Namespace = PUBLIC) -
             voice = {"speaker_id": ns.scoped(start.voice)}
     except GatewayError as exc:
         raise LiveError.of(exc) from None
-    return _Plan(VC_LIVE_MODEL if kind == "vc" else _tts_live_model(start, config), {**voice, "seed": start.seed},
-                 start)
+    model = _live_model(kind, start, config)
+    if model == CV3_VC_LIVE_MODEL and start.seed is not None:
+        raise LiveError("invalid_start", "seed: CosyVoice3's vocoder noise is the checkpoint's fixed buffer, there is "
+                        "nothing to seed (leave seed out)", "seed")
+    return _Plan(model, {**voice, "seed": start.seed}, start)
 
 
-def _tts_live_model(start: _TTSStart, config: GatewayConfig) -> str:
-    """The live TTS model of a start's ``model`` (one of the gateway's ``models``; none: CosyVoice2's)."""
+def _live_model(kind: str, start: _Start, config: GatewayConfig) -> str:
+    """The live model of a start's kind and ``model`` (one of the gateway's ``models``; none: CosyVoice2's)."""
+    cv2, cv3 = (VC_LIVE_MODEL, CV3_VC_LIVE_MODEL) if kind == "vc" else (TTS_LIVE_MODEL, CV3_TTS_LIVE_MODEL)
     if start.model is None:
-        return TTS_LIVE_MODEL
+        return cv2
     if start.model not in config.models:
         raise LiveError("invalid_start", f"model {start.model[:40]!r} is not served here; one of "
                         f"{', '.join(config.models)}", "model")
-    return CV3_TTS_LIVE_MODEL if start.model == "cosyvoice3" else TTS_LIVE_MODEL
+    return cv3 if start.model == "cosyvoice3" else cv2
 
 
 class LiveSockets:
@@ -340,7 +345,7 @@ class LiveSockets:
         client = self._upstream()
         if kind == "vc":
             chunks = client.convert_live(pieces(), sample_rate=start.sample_rate, stats=stats,
-                                         sequence_id=sequence_id, **session.voice)
+                                         sequence_id=sequence_id, model=model, **session.voice)
         else:
             chunks = client.tts_live(pieces(), stats=stats, sequence_id=sequence_id, model=model, **session.voice)
         info = {"id": f"live-{client_id:016x}", "model": model, "sample_rate": OUTPUT_RATE,

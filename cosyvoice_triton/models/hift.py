@@ -192,12 +192,24 @@ class SourceModuleHnNSF(nn.Module):
         """Phase ``[B, T, H]`` to sample rate ``[B, T * upsample_scale, H]``: linear, as ``F.interpolate`` does."""
         return upsample_linear(phase, self.upsample_scale)
 
-    def forward(self, f0: torch.Tensor, noise_sine: torch.Tensor) -> torch.Tensor:
+    def rad(self, f0: torch.Tensor) -> torch.Tensor:
+        """``f0 [B, T]`` (Hz) -> each harmonic's phase step per sample ``[B, T, H]`` in cycles, in f0's dtype."""
         f0 = f0.unsqueeze(-1)  # [B, T, 1]
         k = torch.arange(1, self.harmonics + 1, dtype=f0.dtype, device=f0.device)
         rad = f0 * k / self.sampling_rate  # [B, T, H]
-        rad = rad - torch.floor(rad)  # == rad % 1 (rad >= 0)
-        phase = torch.cumsum(rad.double(), dim=1).to(f0.dtype) * 2 * math.pi  # torch CPU sums in float64
+        return rad - torch.floor(rad)  # == rad % 1 (rad >= 0)
+
+    def forward(self, f0: torch.Tensor, noise_sine: torch.Tensor, phase0: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``phase0`` (float64 ``[B, 1, H]``, cycles): the sum of :meth:`rad` over the frames before ``f0``'s first,
+        for a caller that runs a stream's later frames alone (the phase then continues where those frames left
+        it, as one call on every frame would compute it)."""
+        rad = self.rad(f0)
+        f0 = f0.unsqueeze(-1)  # [B, T, 1]
+        cum = torch.cumsum(rad.double(), dim=1)  # torch CPU sums in float64
+        if phase0 is not None:
+            cum = cum + phase0
+        phase = cum.to(f0.dtype) * 2 * math.pi
         phase = self._upsample_phase(phase * self.upsample_scale)  # [B, L, H]
         sines = torch.sin(phase) * self.sine_amp
         uv = (f0 > self.voiced_threshold).to(f0.dtype)  # [B, T, 1]

@@ -6,8 +6,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.live import LiveSessions, SessionGauge
-from cosyvoice_triton.serving.stages.live_vc import LIVE_VC_INPUTS, build_live, serve_session
+from cosyvoice_triton.serving.stages.live_vc import build_live, live_vc_sessions
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.speakers import BlsSpeakers
@@ -22,11 +21,7 @@ class TritonPythonModel:
         live = build_live(p, lambda model, graph: triton_io.BlsGraph(pb_utils, model, graph, timeout_us=timeout),
                           BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=timeout),
                           on_state_change=StateGauge(pb_utils, args["model_name"], args["model_version"]))
-        self.sessions = LiveSessions(pb_utils, lambda ctx: serve_session(live, ctx), [t.name for t in LIVE_VC_INPUTS],
-                                     max_sessions=p["max_sessions"], max_queued=p["max_queued"],
-                                     idle_timeout_s=p["idle_timeout_s"], advance="pull", on_idle="close",
-                                     name=args["model_name"],
-                                     on_change=SessionGauge(pb_utils, args["model_name"], args["model_version"]))
+        self.sessions = live_vc_sessions(pb_utils, live, p, args)
 
     def execute(self, requests):
         for request in requests:

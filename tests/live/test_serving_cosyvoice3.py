@@ -36,7 +36,7 @@ def server(serving_assets, cv3_dir, tmp_path_factory):
                                cosyvoice3_dir=str(cv3_dir))
     assert {"cosyvoice3_tts_stream", "cosyvoice3_tts", "cosyvoice3_vc", "cosyvoice3", "cosyvoice_vc"} <= set(
         report.models)
-    assert report.models["cosyvoice3_tts_live"] == "python (decoupled)"
+    assert report.models["cosyvoice3_tts_live"] == report.models["cosyvoice3_vc_live"] == "python (decoupled)"
     with served(repo) as s:
         yield s
 
@@ -395,7 +395,7 @@ def test_the_flow_precision_tunable_reaches_both_models(serving_assets, cv3_dir,
         repo = tmp_path / value
         render_repository("local", repo, model_dir=serving_assets["model_dir"], onnx_dir=serving_assets["onnx_dir"],
                           cosyvoice3_dir=str(cv3_dir), cosyvoice3_flow_precision=value)
-        for model in ("cosyvoice3_vc", "cosyvoice3_tts_stream", "cosyvoice3_tts_live"):
+        for model in ("cosyvoice3_vc", "cosyvoice3_tts_stream", "cosyvoice3_tts_live", "cosyvoice3_vc_live"):
             text = (repo / model / "config.pbtxt").read_text()
             found = re.search(r'key: "flow_precision"\s*value: \{\s*string_value: "(\w+)"', text)
             assert found and found.group(1) == value, (model, text[:2000])
@@ -557,6 +557,122 @@ def test_live_speech_over_the_gateways_websocket_with_model_cosyvoice3(server, s
         assert model == "cosyvoice_tts_live" and cv2.size
 
 
+# ------------------------------------------------------------------------------------------------- live VC
+def _vc_first(speech) -> dict:
+    p, psr, _, ssr = speech
+    return {"source_sample_rate": np.array([[ssr]], np.int32), "prompt_audio": p[None],
+            "prompt_sample_rate": np.array([[psr]], np.int32)}
+
+
+def _vc_pieces(speech, seconds: float = 0.2) -> list[np.ndarray]:
+    _, _, src, ssr = speech
+    n = int(seconds * ssr)
+    return [src[i: i + n] for i in range(0, len(src), n)]
+
+
+def _live_gauge(server, model: str) -> float:
+    import urllib.request
+
+    from cosyvoice_triton.loadtest.metrics import parse_prometheus
+
+    with urllib.request.urlopen(server.metrics_url, timeout=30) as r:
+        series = parse_prometheus(r.read().decode())
+    return sum(x.value for x in series if x.name == "cosyvoice_live_sessions" and x.labels.get("model") == model)
+
+
+def test_live_voice_conversion_equals_the_library(server, library, speech):
+    """``cosyvoice3_vc_live`` over a gRPC stream (sequence batcher, one piece of source audio per request, paced in
+    real time): converted while the source still arrives, each chunk on the sender of the piece that completed it,
+    the chunks equal to ``Cv3LiveVC`` in process for the same pieces; the session is freed at its end."""
+    from test_serving_live import Stream, send_paced
+
+    from cosyvoice_triton.serving.stages.cosyvoice3_live_vc import Cv3LiveVC
+    from cosyvoice_triton.serving.stages.live_vc import convert_pieces
+
+    pieces = _vc_pieces(speech)
+    s = Stream(server, 311, model="cosyvoice3_vc_live")
+    try:
+        outs, errors, first_at, last_sent = send_paced(s, _vc_first(speech), pieces)
+    finally:
+        s.close()
+    assert not errors, errors
+    chunks = sorted((int(o["chunk_index"].ravel()[0]), rid, o) for rid, os in outs.items() for o in os)
+    assert [c[0] for c in chunks] == list(range(len(chunks))) and len(chunks) >= 4
+    assert first_at < last_sent
+    ssr = speech[3]
+    for _, rid, o in chunks:
+        k = int(rid[1:])
+        assert float(o["source_seconds"].ravel()[0]) == pytest.approx(sum(map(len, pieces[: k + 1])) / ssr, abs=1e-3)
+    want = convert_pieces(Cv3LiveVC(library), _vc_first(speech), pieces)
+    assert len(chunks) == len(want)
+    for (_, _, o), w in zip(chunks, want, strict=True):
+        assert int(o["sample_rate"].ravel()[0]) == 24000
+        np.testing.assert_allclose(o["waveform"][0], w, atol=ATOL)
+    from conftest import wait_until
+
+    wait_until(lambda: _live_gauge(server, "cosyvoice3_vc_live") == 0, "the ended session freed")
+
+
+def test_live_voice_conversion_refuses_a_seed_and_a_bad_piece_alone(server, speech):
+    from test_serving_live import Stream
+
+    pieces = _vc_pieces(speech, 1.0)
+    s = Stream(server, 312, model="cosyvoice3_vc_live")
+    try:
+        s.send({**_vc_first(speech), "seed": np.array([[1]], np.int64), "source_audio": pieces[0][None]}, start=True,
+               end=True)
+        _, errors, _ = s.collect(1)
+        assert any("INVALID_ARGUMENT: seed" in e for e in errors), errors
+        s.send({**_vc_first(speech), "source_audio": pieces[0][None]}, start=True, sequence_id=313)
+        s.send({"source_audio": np.zeros((1, 0), np.float32)}, sequence_id=313)
+        s.send({"source_audio": pieces[1][None]}, sequence_id=313, end=True)
+        outs, errors, _ = s.collect(3)
+    finally:
+        s.close()
+    assert any("INVALID_ARGUMENT: " in e and "empty piece" in e for e in errors), errors
+    got = sum(o["waveform"].shape[1] for os in outs.values() for o in os)
+    assert got == (len(pieces[0]) + len(pieces[1])) * 24000 // speech[3]
+
+
+def test_live_voice_conversion_over_the_gateways_websocket_with_model_cosyvoice3(server, speech, tmp_path):
+    """``/v1/audio/voice-conversion/live`` with ``model: cosyvoice3``: the session runs on ``cosyvoice3_vc_live``
+    and its audio equals a direct gRPC live session's (the Python client with ``model="cosyvoice3_vc_live"``)."""
+    import base64
+    import io
+
+    ws_client = pytest.importorskip("websockets.sync.client")
+    from conftest import gateway_process
+
+    from cosyvoice_triton.clients.live import LiveClient
+
+    p, psr, _, ssr = speech
+    buf = io.BytesIO()
+    sf.write(buf, p, psr, format="WAV", subtype="FLOAT")
+    prompt = buf.getvalue()
+    pieces = _vc_pieces(speech)
+    start = {"type": "session.start", "reference_audio": base64.b64encode(prompt).decode(), "sample_rate": ssr,
+             "sample_format": "f32le", "output_format": "f32le", "model": "cosyvoice3"}
+    with LiveClient(server.grpc_url, timeout=PATIENCE_S) as c:
+        chunks = c.convert_live(pieces, prompt=prompt, encoded=True, sample_rate=ssr, model="cosyvoice3_vc_live")
+        want = np.concatenate([ch.waveform for ch in chunks])
+    with gateway_process(server, tmp_path / "gateway.log", "--models", "cosyvoice2,cosyvoice3") as urls, \
+            ws_client.connect(f"ws://{urls.http}/v1/audio/voice-conversion/live", proxy=None, max_size=None,
+                              open_timeout=PATIENCE_S) as ws:
+        ws.send(json.dumps(start))
+        started = json.loads(ws.recv(timeout=PATIENCE_S))
+        for piece in pieces:
+            ws.send(piece.astype("<f4").tobytes())
+        ws.send(json.dumps({"type": "input.end"}))
+        frames, events = [], []
+        for message in ws:
+            (frames if isinstance(message, bytes) else events).append(message)
+    assert started["session"]["model"] == "cosyvoice3_vc_live", started
+    assert json.loads(events[-1])["type"] == "speech.audio.done", events[-2:]
+    got = np.frombuffer(b"".join(frames), "<f4")
+    assert got.size == want.size == len(speech[2]) * 24000 // ssr
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 def test_the_command_line_client_registers_and_speaks_cosyvoice3(server, library, speech, tmp_path):
     """``cosyvoice-triton client speaker add ... --family cosyvoice3`` registers with ``cosyvoice3_speakers`` (not
     CosyVoice2's ``speakers``), ``tts --family cosyvoice3 --speaker`` speaks through ``cosyvoice3_tts_stream``: the
@@ -592,6 +708,31 @@ def test_the_command_line_client_registers_and_speaks_cosyvoice3(server, library
         assert run("speaker", *url, "delete", "cli3", "--family", "cosyvoice3").returncode == 0
 
 
+def test_the_command_line_client_converts_live_with_cosyvoice3(server, library, speech, tmp_path):
+    """``cosyvoice-triton client vc --live FILE --family cosyvoice3`` runs a ``cosyvoice3_vc_live`` session: the file
+    holds ``Cv3LiveVC``'s answer for the same 200 ms pieces, 16-bit."""
+    import subprocess
+    import sys
+
+    from cosyvoice_triton.serving.stages.cosyvoice3_live_vc import Cv3LiveVC
+    from cosyvoice_triton.serving.stages.live_vc import convert_pieces
+
+    p, psr, src, ssr = speech
+    prompt, source, out = tmp_path / "prompt.wav", tmp_path / "source.wav", tmp_path / "live3.wav"
+    sf.write(prompt, p, psr, subtype="FLOAT")
+    sf.write(source, src, ssr, subtype="FLOAT")
+    proc = subprocess.run([sys.executable, "-m", "cosyvoice_triton", "client", "vc", "--url", server.grpc_url,
+                           "--live", str(source), "--no-pace", "--prompt", str(prompt), "--family", "cosyvoice3",
+                           "-o", str(out)], capture_output=True, text=True, timeout=PATIENCE_S)
+    assert proc.returncode == 0, proc.stderr
+    got, rate = sf.read(out, dtype="float32")
+    first = {"source_sample_rate": np.array([[ssr]], np.int32), "prompt_audio_bytes":
+             np.array([[prompt.read_bytes()]], object)}
+    want = np.concatenate(convert_pieces(Cv3LiveVC(library), first, _vc_pieces(speech)))
+    assert rate == 24000 and got.size == want.size
+    np.testing.assert_allclose(got, np.clip(want, -1, 1), atol=2 / 32768)
+
+
 def with_system_prompt3(transcript: str) -> str:
     from cosyvoice_triton.frontend.text.cosyvoice3 import zero_shot_prompt_text
 
@@ -610,7 +751,7 @@ def test_the_warm_up_reaches_both_families_speakers(server):
 
     todo = dict(plan(loaded_models(server)))
     assert todo["speakers"] == todo["cosyvoice3_speakers"] == "speakers"
-    assert "cosyvoice3_tts_live" not in todo  # a live model takes sequences only
+    assert "cosyvoice3_tts_live" not in todo and "cosyvoice3_vc_live" not in todo  # live: sequences only
     before = {m: count(m) for m in ("speakers", "cosyvoice3_speakers")}
     done = warm_up(server, timeout=PATIENCE_S)
     assert isinstance(done["cosyvoice3_speakers"], float), done["cosyvoice3_speakers"]

@@ -393,6 +393,16 @@ class Stream:
         self.client.close()
 
 
+def send_paced(s: Stream, first: dict, pieces, pause_s: float = 0.2):
+    """A live VC session on ``s``: each piece of source audio sent ``pause_s`` after the last (real time for 0.2 s
+    pieces; the first with ``first``, the last with END): (outputs, errors, first answer's time, last piece's)."""
+    for k, p in enumerate(pieces):
+        s.send({**(first if k == 0 else {}), "source_audio": p[None]}, start=k == 0, end=k == len(pieces) - 1)
+        time.sleep(pause_s)
+    last_sent = max(s.sent_at.values())
+    return (*s.collect(len(pieces)), last_sent)
+
+
 def _first(ssr, prm, psr):
     return {"source_sample_rate": np.array([[ssr]], np.int32), "prompt_audio": prm[None],
             "prompt_sample_rate": np.array([[psr]], np.int32), "seed": np.array([[SEED]], np.int64)}
@@ -417,12 +427,7 @@ def test_live_stream_equals_the_library(server, speech, library):
     pieces = _pieces(src, ssr)
     s = Stream(server, 101)
     try:
-        for k, p in enumerate(pieces):
-            s.send({**(_first(ssr, prm, psr) if k == 0 else {}), "source_audio": p[None]}, start=k == 0,
-                   end=k == len(pieces) - 1)
-            time.sleep(0.2)  # real time
-        last_sent = max(s.sent_at.values())
-        outs, errors, first_at = s.collect(len(pieces))
+        outs, errors, first_at, last_sent = send_paced(s, _first(ssr, prm, psr), pieces)
     finally:
         s.close()
     assert not errors, errors

@@ -12,6 +12,7 @@ from conftest import ROOT
 
 from cosyvoice_triton.__main__ import build_parser, main
 from cosyvoice_triton.commands import PASSTHROUGH
+from cosyvoice_triton.errors import CosyVoiceError
 
 
 def test_top_level_help_lists_every_command(capsys):
@@ -61,6 +62,9 @@ def test_make_targets_call_the_command_line():
     (["speaker", "list"], "speakers"),
     (["speaker", "list", "--family", "cosyvoice3"], "cosyvoice3_speakers"),
     (["vc", "--source", "a.wav", "--prompt", "p.wav", "-o", "x.wav"], "cosyvoice_vc"),
+    (["vc", "--live", "a.wav", "--prompt", "p.wav", "-o", "x.wav"], "cosyvoice_vc_live"),
+    (["vc", "--source", "a.wav", "--prompt", "p.wav", "-o", "x.wav", "--family", "cosyvoice3"], "cosyvoice3_vc"),
+    (["vc", "--live", "a.wav", "--speaker", "a", "-o", "x.wav", "--family", "cosyvoice3"], "cosyvoice3_vc_live"),
     (["tokens", "--audio", "a.wav"], "speech_tokens"),
 ])
 def test_the_client_command_picks_the_family_s_model(argv, model):
@@ -68,6 +72,16 @@ def test_the_client_command_picks_the_family_s_model(argv, model):
     from cosyvoice_triton.clients.cli import command_model
 
     assert command_model(client_parser().parse_args(argv)) == model
+
+
+def test_cosyvoice3_voice_conversion_is_not_streamed():
+    from cosyvoice_triton.clients.cli import build_parser as client_parser
+    from cosyvoice_triton.clients.cli import command_model
+
+    args = client_parser().parse_args(["vc", "--source", "a.wav", "--prompt", "p.wav", "-o", "x.wav", "--stream",
+                                       "--family", "cosyvoice3"])
+    with pytest.raises(CosyVoiceError, match="not streamed"):
+        command_model(args)
 
 
 def test_the_client_family_is_one_of_the_two():

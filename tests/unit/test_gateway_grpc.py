@@ -223,9 +223,10 @@ def test_live_sessions_per_tenant_and_model_leave_room_for_another_key():
     from cosyvoice_triton.gateway.sessions import SequenceIds
 
     defaults = dict(GatewayConfig().live_sessions_per_tenant)
-    assert defaults == {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 1, "cosyvoice3_tts_live": 1}
+    assert defaults == {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 1, "cosyvoice3_tts_live": 1,
+                        "cosyvoice3_vc_live": 2}
     assert dict(from_args(["--live-sessions-per-tenant", "cosyvoice_tts_live=3"]).live_sessions_per_tenant) == \
-        {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 3, "cosyvoice3_tts_live": 1}
+        {"cosyvoice_vc_live": 2, "cosyvoice_tts_live": 3, "cosyvoice3_tts_live": 1, "cosyvoice3_vc_live": 2}
     table = SequenceIds(1024, 64, 35.0, per_model=defaults)
     for sid in (1, 2):
         table.upstream("a", "cosyvoice_vc_live", sid, start=True)

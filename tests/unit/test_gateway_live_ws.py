@@ -228,6 +228,38 @@ def test_the_start_s_model_picks_the_live_tts_family(model, upstream):
     assert _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model=upstream, reason="done") == 1
 
 
+@pytest.mark.parametrize(("model", "upstream"), [(None, "cosyvoice_vc_live"), ("cosyvoice2", "cosyvoice_vc_live"),
+                                               ("cosyvoice3", "cosyvoice3_vc_live")])
+def test_the_start_s_model_picks_the_live_vc_family(model, upstream):
+    """Voice conversion's start takes ``model`` too: ``cosyvoice3`` converts through CosyVoice3's live model (without
+    a seed: CosyVoice3 has nothing to seed), the others and none through CosyVoice2's."""
+    live = FakeLive()
+    client, app = _app(live, models=("cosyvoice2", "cosyvoice3"))
+    start = {**VC_START, **({} if model is None else {"model": model})}
+    if model == "cosyvoice3":
+        del start["seed"]
+    with client, client.websocket_connect(VC_LIVE_PATH, **_auth()) as ws:
+        ws.send_json(start)
+        assert _started(ws)["model"] == upstream
+        ws.send_bytes(_pcm(3200, 0).tobytes())
+        ws.send_json({"type": "input.end"})
+        _, frames, close = _events_until_close(ws)
+    assert close == 1000 and frames
+    (rec,) = live.sessions
+    assert rec["kw"]["model"] == upstream and rec["state"] == "ended"
+    assert _metric(app, "cosyvoice_gateway_live_sessions_ended_total", model=upstream, reason="done") == 1
+
+
+@pytest.mark.parametrize("case", ["seed", "not_served"])
+def test_a_cosyvoice3_vc_start_with_a_seed_or_unserved_is_refused(case):
+    live = FakeLive()
+    client, _ = _app(live, models=("cosyvoice2", "cosyvoice3") if case == "seed" else ("cosyvoice2",))
+    with client, client.websocket_connect(VC_LIVE_PATH, **_auth()) as ws:
+        ws.send_json({**VC_START, "model": "cosyvoice3"})
+        err = _refused(ws, "invalid_start")
+    assert err["param"] == ("seed" if case == "seed" else "model") and not live.sessions
+
+
 def test_without_keys_the_voice_is_public_and_the_id_random():
     live = FakeLive()
     client, _ = _app(live, keys=False)
@@ -321,7 +353,7 @@ def test_a_session_start_counts_against_its_keys_rate():
     (TTS_LIVE_PATH, [1, 2], "invalid_message"),
     (TTS_LIVE_PATH, {**TTS_START, "model": "cosyvoice3"}, "invalid_start"),  # not in this gateway's --models
     (TTS_LIVE_PATH, {**TTS_START, "model": "tts-9"}, "invalid_start"),
-    (VC_LIVE_PATH, {**VC_START, "model": "cosyvoice2"}, "invalid_start"),  # live VC has one family
+    (VC_LIVE_PATH, {**VC_START, "model": "tts-9"}, "invalid_start"),  # not one of this gateway's --models
 ], ids=["rate-low", "rate-text", "rate-missing", "format", "vc-text", "no-voice", "base64", "voice-id",
         "text-without-audio", "text-first", "not-object", "model-not-served", "model-unknown", "vc-model"])
 def test_a_bad_start_is_refused_naming_it_and_nothing_goes_upstream(path, start, code):

@@ -4,6 +4,7 @@ model groups of the task tunables (TTS copies, leaf models, cached graphs)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from ...shapes import (
     CV3_TTS_MODEL,
     CV3_TTS_STREAM_MODEL,
     CV3_VC_INPUTS,
+    CV3_VC_LIVE_MODEL,
     CV3_VC_MODEL,
     CV3_VC_OUTPUTS,
     GRAPHS,
@@ -200,7 +202,8 @@ def _live_sessions(ctx: RenderContext) -> dict[str, Any]:
             "idle_timeout_s": tun.live_idle_timeout_s}
 
 
-def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
+def _live_vc_session_params(ctx: RenderContext) -> dict[str, Any]:
+    """The sessions, chunks and windows of a live VC model (either family's), checked."""
     tun = ctx.tunables
     try:
         settings = LiveSettings(chunk_tokens=tun.live_chunk_tokens,
@@ -212,11 +215,13 @@ def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
         raise RenderError(f"tunables live_*: {exc}") from exc
     if tun.live_max_sessions < 1 or tun.live_max_queued < 1 or not tun.live_idle_timeout_s > 0:
         raise RenderError("tunables live_max_sessions and live_max_queued must be >= 1, live_idle_timeout_s > 0")
+    return {**_live_sessions(ctx), **dataclasses.asdict(settings)}
+
+
+def _live_vc_params(ctx: RenderContext) -> dict[str, Any]:
+    tun = ctx.tunables
     return {"model_dir": str(ctx.model_dir), "n_timesteps": tun.n_timesteps, "default_seed": tun.default_seed,
-            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_live_sessions(ctx),
-            "chunk_tokens": settings.chunk_tokens, "tokenizer_context_tokens": settings.tokenizer_context_tokens,
-            "tokenizer_lookahead_tokens": settings.tokenizer_lookahead_tokens,
-            "flow_context_tokens": settings.flow_context_tokens, "max_piece_seconds": settings.max_piece_seconds,
+            "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds, **_live_vc_session_params(ctx),
             "bls_timeout_us": tun.bls_timeout_us, **_output_params(ctx), **_prompt_cache_params(ctx),
             **_stream_state_params(ctx), "torch_threads": tun.torch_threads}
 
@@ -286,6 +291,11 @@ def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
 
 def _cv3_live_tts_params(ctx: RenderContext) -> dict[str, Any]:
     return {**_cv3_tts_params(ctx), **_live_tts_session_params(ctx)}
+
+
+def _cv3_live_vc_params(ctx: RenderContext) -> dict[str, Any]:
+    return {**_cv3_params(ctx), "speakers_model": CV3_SPEAKERS_MODEL, "bls_timeout_us": ctx.tunables.bls_timeout_us,
+            **_live_vc_session_params(ctx)}
 
 
 def _speakers_params(ctx: RenderContext, model_dir: Path, speaker_dir: str) -> dict[str, Any]:
@@ -397,6 +407,12 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 doc="CosyVoice3 live TTS (decoupled, sequence batcher; the tensors of cosyvoice_tts_live): the "
                     "cosyvoice3_dir folder in process, one session at a time per instance, audio as soon as the "
                     "LM has its speech tokens"),
+    ServedModel(CV3_VC_LIVE_MODEL, f"ensemble/{CV3_VC_LIVE_MODEL}", LIVE_VC_INPUTS, LIVE_VC_OUTPUTS,
+                frozenset(t.name for t in LIVE_VC_INPUTS), template=f"ensemble/{LIVE_VC_MODEL}/config.pbtxt.in",
+                decoupled=True, parameters=_cv3_live_vc_params, when=_cv3, values=lambda ctx: _live_values(ctx),
+                doc="CosyVoice3 live voice conversion (decoupled, sequence batcher; the tensors of cosyvoice_vc_live, "
+                    "seed refused): the cosyvoice3_dir folder in process, a sliding flow window and a bounded "
+                    "vocoder window per session, one piece at a time per instance"),
     ServedModel(CV3_SPEAKERS_MODEL, "model_repository/speakers", SPEAKER_INPUTS, SPEAKER_OUTPUTS,
                 frozenset(t.name for t in SPEAKER_INPUTS[1:]), params_key="speakers", when=_cv3,
                 parameters=lambda ctx: {

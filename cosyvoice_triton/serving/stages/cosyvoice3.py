@@ -27,7 +27,8 @@ prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id 
 
 One instance runs one request at a time (a live session holds it for the whole session); a request that
 waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable
-``instances``). Not served yet for CosyVoice3: live voice conversion, the batched graphs.
+``instances``). Live voice conversion (``cosyvoice3_vc_live``) is :mod:`.cosyvoice3_live_vc`, over this service. Not
+served yet for CosyVoice3: the batched graphs.
 """
 
 from __future__ import annotations

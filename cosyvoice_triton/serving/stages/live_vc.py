@@ -47,8 +47,8 @@ from ...streaming import TOKEN_HOP
 from .batching import RequestError
 from .vc_stream import STREAM_INPUTS, VC_STREAM_OUTPUTS, StreamCancelled, StreamPrompt, VCStreamer
 
-__all__ = ["LIVE_VC_INPUTS", "LIVE_VC_MODEL", "LIVE_VC_OUTPUTS", "SAMPLES_PER_TOKEN", "LiveSettings", "LiveVC",
-           "LiveVCSession", "build_live", "convert_pieces", "serve_session"]
+__all__ = ["LIVE_VC_INPUTS", "LIVE_VC_MODEL", "LIVE_VC_OUTPUTS", "SAMPLES_PER_TOKEN", "LiveSession", "LiveSettings",
+           "LiveVC", "LiveVCSession", "build_live", "convert_pieces", "live_vc_sessions", "serve_session"]
 
 #: 16 kHz samples per speech token (25 Hz).
 SAMPLES_PER_TOKEN = audio.TOKENIZER_SR // 25
@@ -102,6 +102,12 @@ class LiveSettings:
             raise ValueError(f"flow window of up to {flow} source tokens (context, chunk, padding, look-ahead) "
                              f"exceeds the {flow_most} left beside a 30 s prompt")
 
+    @classmethod
+    def from_params(cls, params: Mapping) -> LiveSettings:
+        """The settings of a live model's config parameters (its tunables of the same names)."""
+        return cls(**{f: params[f] for f in ("chunk_tokens", "tokenizer_context_tokens", "tokenizer_lookahead_tokens",
+                                             "flow_context_tokens", "max_piece_seconds")})
+
     @property
     def latency_seconds(self) -> tuple[float, float]:
         """(best, worst) algorithmic latency of an output sample in seconds, after the first chunk."""
@@ -109,23 +115,25 @@ class LiveSettings:
         return best, best + self.chunk_tokens * 0.04
 
 
-class LiveVCSession:
-    """One live stream: :meth:`feed` each piece as it arrives, :meth:`finish` at the end; both yield the converted
-    chunks (float32 at :attr:`sample_rate`) that the audio received so far allows."""
+class LiveSession:
+    """One live stream of either family: :meth:`feed` each piece as it arrives, :meth:`finish` at the end; both
+    yield the converted chunks (float32 at :attr:`sample_rate`) that the audio received so far allows.
 
-    def __init__(self, live: LiveVC, prompt: StreamPrompt, source_sample_rate: int, *, seed: int = 0):
-        self.live, self.s, self.prompt = live, live.settings, prompt
+    The family comes in as three pieces: ``tokens(whisper_log_mel [128, T]) -> int32 tokens`` (its speech
+    tokenizer), ``state`` (its token-to-wav over a window: ``step(tokens, offset, final=) -> float32 audio``,
+    ``close()``), and ``post`` (the output's streaming post-processing: ``post(audio, last=) -> audio``).
+    """
+
+    def __init__(self, settings: LiveSettings, *, tokens: Callable[[np.ndarray], np.ndarray], state, post,
+                 sample_rate: int, prompt_tokens: int, source_sample_rate: int):
+        self.s, self.tokens_of, self.state, self.post = settings, tokens, state, post
         self.source_sample_rate = int(source_sample_rate)
-        self.sample_rate = live.sample_rate
-        # the flow window cached when the streamer keeps stream state (models/incremental.py window_chunk)
-        self.state = live.streamer.token2wav.open(prompt, seed=seed, incremental=True,
-                                                  window_tokens=self.s.flow_context_tokens)
-        self.post = live.streamer.post.stream()
+        self.sample_rate = int(sample_rate)
         self.resampler = None
         if self.source_sample_rate != audio.TOKENIZER_SR:
             self.resampler = soxr.ResampleStream(self.source_sample_rate, audio.TOKENIZER_SR, 1, dtype="float32",
                                                  quality=audio.RESAMPLE_QUALITY)
-        n_prompt = len(prompt.prompt_tokens)
+        n_prompt = int(prompt_tokens)
         self.next_end = self.s.chunk_tokens + (-n_prompt % TOKEN_HOP)  # first chunk: prompt + end on a boundary
         self.done_end = 0  # source tokens whose audio has been answered
         self.received = 0  # source samples received (at the source rate)
@@ -223,7 +231,7 @@ class LiveVCSession:
         window = self.wave[lo:hi]
         if len(window) >= 10 * features.WHISPER_HOP:  # the tokenizer's shortest input (10 frames)
             whisper, n = features.whisper_log_mel_batch([window])
-            got = self.live.streamer.tokens(np.ascontiguousarray(whisper[0, :, : int(n[0])]))
+            got = self.tokens_of(np.ascontiguousarray(whisper[0, :, : int(n[0])]))
             self.tokenizer_calls += 1
             new = got[start - first: None if upto is None else upto - first]
         else:  # the end of a stream whose tail is shorter than the tokenizer takes: nothing more to commit
@@ -268,6 +276,20 @@ class LiveVCSession:
                 "source_seconds": np.array([[self.received_seconds]], np.float32)}
 
 
+class LiveVCSession(LiveSession):
+    """A CosyVoice2 live stream over a :class:`LiveVC`'s streamer: HiFT's caches and the flow window of
+    :class:`~.vc_stream.Token2WavState` (cached when the streamer keeps stream state: models/incremental.py
+    ``window_chunk``)."""
+
+    def __init__(self, live: LiveVC, prompt: StreamPrompt, source_sample_rate: int, *, seed: int = 0):
+        self.live, self.prompt = live, prompt
+        state = live.streamer.token2wav.open(prompt, seed=seed, incremental=True,
+                                             window_tokens=live.settings.flow_context_tokens)
+        super().__init__(live.settings, tokens=live.streamer.tokens, state=state, post=live.streamer.post.stream(),
+                         sample_rate=live.sample_rate, prompt_tokens=len(prompt.prompt_tokens),
+                         source_sample_rate=source_sample_rate)
+
+
 class LiveVC:
     """Live conversion over the graphs of a :class:`~.vc_stream.VCStreamer` (its front end, prompt handling, speaker
     store, token-to-wav and output options)."""
@@ -277,7 +299,7 @@ class LiveVC:
         self.settings = settings or LiveSettings()
         self.sample_rate = streamer.sample_rate
 
-    def open(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None) -> LiveVCSession:
+    def open(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None) -> LiveSession:
         """A session from the first request's tensors: ``source_sample_rate`` and the prompt (``prompt_audio`` +
         ``prompt_sample_rate``, ``prompt_audio_bytes`` or ``speaker_id``), optional ``seed``."""
         rate = tensors.get("source_sample_rate")
@@ -296,7 +318,7 @@ class LiveVC:
                              f"{list(arr.shape)}")
         return audio.validate_sample_rate(int(arr.reshape(())), name="source_sample_rate")
 
-    def piece(self, session: LiveVCSession, tensors: Mapping[str, np.ndarray | None], *, first: bool, last: bool,
+    def piece(self, session: LiveSession, tensors: Mapping[str, np.ndarray | None], *, first: bool, last: bool,
               cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """One request of a live stream: its checks, then the session's chunks (see :meth:`LiveVCSession.feed`)."""
         if not first:
@@ -316,7 +338,7 @@ class LiveVC:
             return session.finish(samples, cancelled=cancelled)
         return session.feed(samples, cancelled=cancelled)
 
-    def responses(self, session: LiveVCSession, tensors: Mapping[str, np.ndarray | None], *, first: bool,
+    def responses(self, session: LiveSession, tensors: Mapping[str, np.ndarray | None], *, first: bool,
                   last: bool, cancelled: Callable[[], bool] | None = None) -> Iterator[dict[str, np.ndarray]]:
         """:meth:`piece` as the response tensors of each chunk."""
         for chunk in self.piece(session, tensors, first=first, last=last, cancelled=cancelled):
@@ -362,15 +384,23 @@ def serve_session(live: LiveVC, ctx) -> None:
             session.close()
 
 
+def live_vc_sessions(pb_utils, live: LiveVC, p: Mapping, args: Mapping):
+    """The :class:`~.live.LiveSessions` of a served live VC model (``cosyvoice_vc_live``, ``cosyvoice3_vc_live``):
+    each session runs :func:`serve_session` on ``live``, with the model's parameters ``p`` (``max_sessions``,
+    ``max_queued``, ``idle_timeout_s``) and Triton's ``initialize`` arguments ``args`` (its live-session gauge)."""
+    from .live import LiveSessions, SessionGauge
+
+    return LiveSessions(pb_utils, lambda ctx: serve_session(live, ctx), [t.name for t in LIVE_VC_INPUTS],
+                        max_sessions=p["max_sessions"], max_queued=p["max_queued"],
+                        idle_timeout_s=p["idle_timeout_s"], advance="pull", on_idle="close", name=args["model_name"],
+                        on_change=SessionGauge(pb_utils, args["model_name"], args["model_version"]))
+
+
 def build_live(params: Mapping, graph_fn, speakers, *, on_state_change=None) -> LiveVC:
     """The live converter of a ``cosyvoice_vc_live`` model from its config parameters
     (``MODEL_PARAMS["cosyvoice_vc_live"]``); ``graph_fn(model, graph)`` and ``on_state_change`` as in
     :func:`.vc_stream.build_streamer`."""
     from .vc_stream import build_streamer
 
-    settings = LiveSettings(chunk_tokens=params["chunk_tokens"],
-                            tokenizer_context_tokens=params["tokenizer_context_tokens"],
-                            tokenizer_lookahead_tokens=params["tokenizer_lookahead_tokens"],
-                            flow_context_tokens=params["flow_context_tokens"],
-                            max_piece_seconds=params["max_piece_seconds"])
-    return LiveVC(build_streamer(params, graph_fn, speakers, on_state_change=on_state_change), settings)
+    return LiveVC(build_streamer(params, graph_fn, speakers, on_state_change=on_state_change),
+                  LiveSettings.from_params(params))

@@ -29,6 +29,17 @@ _LIVE_SESSIONS = (
     Param("max_queued", int, 8, "pieces waiting per session; a faster sender's next piece is refused (UNAVAILABLE)"),
     Param("idle_timeout_s", float, 30.0, "a session without a new piece for this long is freed"),
 )
+#: Live conversion's chunks and windows (either family: serving/stages/live_vc.py LiveSettings).
+_LIVE_VC = (
+    Param("chunk_tokens", int, 25, "speech tokens (40 ms each) per converted chunk; a multiple of 25 keeps the "
+          "flow's chunk-causal blocks aligned"),
+    Param("tokenizer_context_tokens", int, 75, "tokens of audio before the new ones in each tokenizer window"),
+    Param("tokenizer_lookahead_tokens", int, 5, "tokens of audio after the new ones in each tokenizer window "
+          "(adds to the latency)"),
+    Param("flow_context_tokens", int, 100, "source tokens before a chunk that the flow still sees (bounds the "
+          "state and the cost per chunk of a long stream)"),
+    Param("max_piece_seconds", float, 5.0, "longest accepted piece of source audio"),
+)
 #: The streaming hops (cosyvoice_triton.streaming.StreamSchedule; the defaults are the official schedule).
 _STREAM_SCHEDULE = (
     Param("stream_first_hop", int, 25, "speech tokens of the first streamed chunk, before the pad that ends it on a "
@@ -216,14 +227,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("max_seconds", float, 30.0, "longest accepted prompt"),
         Param("speakers_model", str, "speakers", "the Triton model that holds the registered speakers"),
         *_LIVE_SESSIONS,
-        Param("chunk_tokens", int, 25, "speech tokens (40 ms each) per converted chunk; a multiple of 25 keeps the "
-              "flow's chunk-causal blocks aligned"),
-        Param("tokenizer_context_tokens", int, 75, "tokens of audio before the new ones in each tokenizer window"),
-        Param("tokenizer_lookahead_tokens", int, 5, "tokens of audio after the new ones in each tokenizer window "
-              "(adds to the latency)"),
-        Param("flow_context_tokens", int, 100, "source tokens before a chunk that the flow still sees (bounds the "
-              "state and the cost per chunk of a long stream)"),
-        Param("max_piece_seconds", float, 5.0, "longest accepted piece of source audio"),
+        *_LIVE_VC,
         *_OUTPUT,
         *_STREAM_STATE,
         _TORCH_THREADS,
@@ -242,6 +246,15 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "cosyvoice3_vc": (
         Param("model_dir", str, None, "the CosyVoice3 folder (flow.pt, hift.pt, speech_tokenizer_v3.onnx, ...)"),
         *_CV3_COMMON,
+    ),
+    "cosyvoice3_vc_live": (  # the source in pieces (serving/stages/cosyvoice3_live_vc.py)
+        Param("model_dir", str, None, "the CosyVoice3 folder (flow.pt, hift.pt, speech_tokenizer_v3.onnx, ...)"),
+        Param("speakers_model", str, "", "the Triton model of registered CosyVoice3 speakers (speaker_id; empty: "
+              "speaker_id is refused)"),
+        _BLS_TIMEOUT,
+        *_CV3_COMMON,
+        *_LIVE_SESSIONS,
+        *_LIVE_VC,
     ),
     "cosyvoice_tts_live": (
         *_TTS_SERVICE,

@@ -415,5 +415,8 @@ CV3_SPEAKERS_MODEL = "cosyvoice3_speakers"
 CV3_TTS_MODEL = "cosyvoice3_tts"
 CV3_VC_MODEL = "cosyvoice3_vc"
 CV3_OFFICIAL_MODEL = "cosyvoice3"
+#: ``cosyvoice3_tts_stream``'s optional choice of streaming hops: ``official`` (the official ``CosyVoice3`` class's,
+#: the default) or ``runtime`` (the official CosyVoice3 Triton runtime's: cosyvoice_triton.streaming.RuntimeSchedule)
+CV3_TTS_STREAM_EXTRA_INPUTS: tuple[TensorSpec, ...] = (_t("stream_schedule", "bytes", _B, 1),)
 CV3_VC_INPUTS: tuple[TensorSpec, ...] = (*VC_INPUTS, *(t for t in VC_OPTIONAL_INPUTS if t.name != "seed"))
 CV3_VC_OUTPUTS: tuple[TensorSpec, ...] = VC_OUTPUTS

@@ -14,6 +14,11 @@ prompt): the frames of a chunk then see exactly the keys they see when the whole
 emitted frame would change with later tokens. The first hop is therefore padded up to the next boundary, and
 every later hop (``first_hop * growth**k``, at most ``max_hop``) must be a multiple of the chunk size; a schedule
 that is not is refused (:class:`~cosyvoice_triton.errors.ConfigError`).
+:class:`RuntimeSchedule` is the official CosyVoice3 Triton runtime's (``runtime/triton_trtllm``,
+``model_repo_cosyvoice3/cosyvoice3``, its default ``dynamic_chunk_strategy`` "exponential"): 15 tokens, then 25,
+50, 100, ... doubling without bound, and no padding, so its chunk ends do not fall on the attention chunk's
+boundaries (a chunk's last frames are computed without the rest of their block, as the official runtime does).
+
 The schedule restarts for every request (the official instance keeps doubling across requests; the official
 references use a fresh instance). HiFT then keeps :data:`MEL_CACHE` mel frames and as many source samples of
 context and crossfades that many samples (Hamming window) with the previous chunk's held-back tail.
@@ -33,8 +38,8 @@ TOKEN_MAX_HOP = 100
 STREAM_SCALE = 2
 MEL_CACHE = 8  # mel frames of HiFT context (and 8 * 480 source samples, crossfaded)
 
-__all__ = ["MEL_CACHE", "STREAM_SCALE", "TOKEN_HOP", "TOKEN_MAX_HOP", "StreamChunk", "StreamSchedule",
-           "stream_chunk_ends", "stream_chunks"]
+__all__ = ["MEL_CACHE", "SCHEDULES", "STREAM_SCALE", "TOKEN_HOP", "TOKEN_MAX_HOP", "RuntimeSchedule", "StreamChunk",
+           "StreamSchedule", "stream_chunk_ends", "stream_chunks"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,47 @@ class StreamSchedule:
         """Tokens of the first (non-final) chunk after a prompt of ``n_prompt_tokens``: the hop plus its pad."""
         return self.first_hop + (-(int(n_prompt_tokens) + self.first_hop) % self.chunk)
 
+    def hops(self, n_prompt_tokens: int) -> Iterator[int]:
+        """The tokens of each non-final chunk in turn (endless)."""
+        yield self.first_chunk(n_prompt_tokens)
+        nominal = self.first_hop
+        while True:
+            nominal = min(self.max_hop, nominal * self.growth)
+            yield nominal
+
+
+@dataclass(frozen=True)
+class RuntimeSchedule:
+    """The official CosyVoice3 Triton runtime's hops (module docstring): ``first_hop``, then ``base * growth**k``
+    for k = 0, 1, ...; no padding, no largest hop. ``chunk``: the flow's attention chunk it was written for."""
+
+    first_hop: int = 15
+    base: int = TOKEN_HOP
+    growth: int = STREAM_SCALE
+    chunk: int = TOKEN_HOP
+
+    def __post_init__(self):
+        for field in ("first_hop", "base", "growth", "chunk"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ConfigError(f"runtime schedule {field} must be an integer >= 1, got {value!r}")
+
+    def first_chunk(self, n_prompt_tokens: int) -> int:
+        """Tokens of the first (non-final) chunk: ``first_hop`` whatever the prompt."""
+        return self.first_hop
+
+    def hops(self, n_prompt_tokens: int) -> Iterator[int]:
+        """The tokens of each non-final chunk in turn (endless)."""
+        yield self.first_hop
+        hop = self.base
+        while True:
+            yield hop
+            hop *= self.growth
+
 
 DEFAULT_SCHEDULE = StreamSchedule()
+#: the streaming schedules by name, as the served models' ``stream_schedule`` parameter gives them
+SCHEDULES = {"official": DEFAULT_SCHEDULE, "runtime": RuntimeSchedule()}
 
 
 @dataclass(frozen=True)
@@ -96,29 +140,28 @@ class StreamChunk:
 
 
 def stream_chunks(tokens: Iterable[int], n_prompt_tokens: int, *, lookahead: int,
-                  schedule: StreamSchedule | None = None) -> Iterator[StreamChunk]:
+                  schedule: StreamSchedule | RuntimeSchedule | None = None) -> Iterator[StreamChunk]:
     """The chunks of a stream over ``tokens`` as they arrive (see the module docstring); ``schedule``: the hops
     (``None``: the official ones).
 
     Raises :class:`~cosyvoice_triton.errors.CosyVoiceError` when ``tokens`` is empty.
     """
-    s = schedule or DEFAULT_SCHEDULE
-    nominal, hop, offset, got = s.first_hop, s.first_chunk(n_prompt_tokens), 0, []
+    hops = (schedule or DEFAULT_SCHEDULE).hops(n_prompt_tokens)
+    hop, offset, got = next(hops), 0, []
     for token in tokens:
         got.append(int(token))
         if len(got) - offset < hop + lookahead:
             continue
         end = offset + hop
         yield StreamChunk(np.asarray(got[: end + lookahead], np.int32), offset, False)
-        nominal = min(s.max_hop, nominal * s.growth)
-        offset, hop = end, nominal
+        offset, hop = end, next(hops)
     if not got:
         raise CosyVoiceError("no speech tokens to synthesise")
     yield StreamChunk(np.asarray(got, np.int32), offset, True)
 
 
 def stream_chunk_ends(n_tokens: int, n_prompt_tokens: int, *, lookahead: int,
-                      schedule: StreamSchedule | None = None) -> list[int]:
+                      schedule: StreamSchedule | RuntimeSchedule | None = None) -> list[int]:
     """Where the non-final chunks of a stream of ``n_tokens`` end, in tokens (the final chunk is not listed)."""
     if n_tokens <= 0:
         return []

@@ -23,7 +23,8 @@ class TritonPythonModel:
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
         self.front = OfficialFront(pb_utils, offline_model=p["offline_model"], stream_model=p["stream_model"],
                                    timeout_us=p["bls_timeout_us"],
-                                   keep_empty_reference_text=p["keep_empty_reference_text"])
+                                   keep_empty_reference_text=p["keep_empty_reference_text"],
+                                   stream_schedule=p["stream_schedule"])
 
     def execute(self, requests):
         if self.decoupled:

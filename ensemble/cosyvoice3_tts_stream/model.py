@@ -1,4 +1,5 @@
-"""Triton Python-backend adapter of ``cosyvoice3_tts_stream`` (decoupled): the tensors of ``cosyvoice_tts_stream``,
+"""Triton Python-backend adapter of ``cosyvoice3_tts_stream`` (decoupled): the tensors of ``cosyvoice_tts_stream``
+and ``stream_schedule`` (optional: ``official`` or ``runtime`` hops),
 answered by a CosyVoice3 folder in process (``cosyvoice_triton.serving.stages.cosyvoice3.Cv3Service``). Each request
 gets a worker thread that sends one response per chunk (or per text segment when ``stream`` is false), then the
 FINAL flag; ``finalize()`` waits for the streams in flight. A ``speaker_id`` is fetched from the CosyVoice3 speakers
@@ -14,9 +15,16 @@ from cosyvoice_triton.serving.stages.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
 from cosyvoice_triton.serving.stages.tts import send_stream
-from cosyvoice_triton.shapes import TTS_INPUTS, TTS_OPTIONAL_INPUTS, TTS_STREAM_EXTRA_INPUTS, TTS_WHOLE_INPUTS
+from cosyvoice_triton.shapes import (
+    CV3_TTS_STREAM_EXTRA_INPUTS,
+    TTS_INPUTS,
+    TTS_OPTIONAL_INPUTS,
+    TTS_STREAM_EXTRA_INPUTS,
+    TTS_WHOLE_INPUTS,
+)
 
-INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)]
+INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS,
+                           *CV3_TTS_STREAM_EXTRA_INPUTS)]
 
 
 class TritonPythonModel:

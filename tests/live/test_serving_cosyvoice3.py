@@ -127,7 +127,11 @@ def test_whole_answer_over_http_is_the_unstreamed_library_answer(server, library
 
 
 def test_the_official_interface_answers_the_stream_chunks(server, speech):
+    """``cosyvoice3`` streams ``cosyvoice3_tts_stream``'s chunks on the official CosyVoice3 Triton runtime's hops
+    (tunable ``cosyvoice3_stream_schedule``, default runtime): 15 tokens first, not the official class's 25 + pad."""
     from scipy.signal import resample_poly
+
+    from cosyvoice_triton.streaming import RuntimeSchedule
 
     p, psr, _, _ = speech
     assert psr == 22050
@@ -137,13 +141,18 @@ def test_the_official_interface_answers_the_stream_chunks(server, speech):
                 "target_text": np.array([[TEXT.encode()]], object)}
     chunks, error, final = _stream(server, "cosyvoice3", official)
     assert error is None and final and len(chunks) >= 2
-    own, error, final = _stream(server, "cosyvoice3_tts_stream", {
-        "text": official["target_text"], "prompt_audio": ref16[None],
-        "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": official["reference_text"]})
+    request = {"text": official["target_text"], "prompt_audio": ref16[None],
+               "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": official["reference_text"]}
+    own, error, final = _stream(server, "cosyvoice3_tts_stream",
+                                {**request, "stream_schedule": np.array([[b"runtime"]], object)})
     assert error is None and final
     assert [c.size for c in chunks] == [c.size for c in own]
     for got, want in zip(chunks, own, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
+    held = 8  # the vocoder's held-back mel frames (finalize=False)
+    assert chunks[0].size == (RuntimeSchedule().first_hop * 2 - held) * 480
+    default, error, final = _stream(server, "cosyvoice3_tts_stream", request)
+    assert error is None and final and default[0].size > chunks[0].size
 
 
 def test_an_empty_reference_text_is_zero_shot_with_the_system_prompt_as_officially(server, library, speech):
@@ -174,7 +183,7 @@ def test_an_empty_reference_text_is_zero_shot_with_the_system_prompt_as_official
 def test_the_official_grpc_client_runs_unchanged_on_cosyvoice3(server, speech, official_runtime, tmp_path):
     """``client_grpc.py --model-name cosyvoice3 --mode streaming``, as the official run_cosyvoice3.sh benchmarks it
     (here with one reference and one text instead of its dataset): the WAV it writes is cosyvoice3_tts_stream's
-    answer to the same request, within 16-bit rounding."""
+    answer to the same request on the official runtime's hops, within 16-bit rounding."""
     from conftest import run_official_client
     from scipy.signal import resample_poly
 
@@ -191,7 +200,8 @@ def test_the_official_grpc_client_runs_unchanged_on_cosyvoice3(server, speech, o
     sent = sf.read(path, dtype="float32")[0]  # what the client read and sent
     own, error, final = _stream(server, "cosyvoice3_tts_stream", {
         "text": np.array([[TEXT.encode()]], object), "prompt_audio": sent[None],
-        "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": np.array([[PROMPT_TEXT.encode()]], object)})
+        "prompt_sample_rate": np.array([[16000]], np.int32), "prompt_text": np.array([[PROMPT_TEXT.encode()]], object),
+        "stream_schedule": np.array([[b"runtime"]], object)})
     assert error is None and final
     want = np.clip(np.concatenate(own), -1, 1)
     assert written.size == want.size > 0

@@ -73,6 +73,26 @@ def test_stream_chunks_are_the_library_chunks(service, speech):
         assert int(g["chunk_index"][0, 0]) == i and int(g["sample_rate"][0, 0]) == service.sample_rate == 24000
 
 
+def test_a_request_may_ask_for_the_official_runtime_s_hops(service, speech):
+    """``stream_schedule=runtime``: the library's stream with :class:`RuntimeSchedule` (15 tokens first);
+    ``official``: the default hops."""
+    from cosyvoice_triton.streaming import RuntimeSchedule
+
+    p, psr, _, _ = speech
+    prompt_text = with_system_prompt("zero_shot", TEXT, PROMPT_TEXT, None)[1]
+    runtime = [r["waveform"][0] for r in service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT),
+                                                                 stream_schedule=_b("runtime")))]
+    want = list(service.model.tts_stream("zero_shot", TEXT, prompt_text=prompt_text, prompt_wav=p, prompt_sr=psr,
+                                         stream=True, seed=0, schedule=RuntimeSchedule()))
+    assert [g.size for g in runtime] == [w.size for w in want] and len(want) >= 2
+    assert runtime[0].size == (2 * 15 - 8) * 480
+    np.testing.assert_array_equal(np.concatenate(runtime), np.concatenate(want))
+    official = [r["waveform"][0] for r in service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT),
+                                                                  stream_schedule=_b("official")))]
+    default = [r["waveform"][0] for r in service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT)))]
+    assert [g.size for g in official] == [g.size for g in default] != [g.size for g in runtime]
+
+
 def test_whole_answer_with_speed_and_seed(service, speech):
     p, psr, _, _ = speech
     req = _tts(speech, instruct_text=_b("Speak slowly."), stream=np.array([[False]]),
@@ -100,6 +120,8 @@ def test_conversion_is_the_library_conversion(service, speech):
     ({"speaker_id": _b("alice")}, "prompt_audio", "speaker_id: this server has no CosyVoice3 speakers model"),
     ({"speaker_id": _b("alice")}, None, "prompt audio or a speaker_id, not both"),
     ({"prompt_sample_rate": np.array([[0]], np.int32)}, None, "prompt_sample_rate"),
+    ({"stream_schedule": _b("fast")}, None, "stream_schedule must be one of official, runtime"),
+    ({"stream_schedule": _b("runtime"), "stream": np.array([[False]])}, None, "only streamed answers"),
 ])
 def test_bad_tts_requests_name_what_is_wrong(service, speech, extra, drop, match):
     req = {**_tts(speech), **extra}

@@ -29,6 +29,32 @@ def test_chunks_carry_the_lookahead_and_end_with_every_token():
     assert chunks[0].tokens.dtype == np.int32
 
 
+def _official_runtime_loop(n_tokens: int, lookahead: int = 3) -> list[tuple[int, int]]:
+    """The official CosyVoice3 Triton runtime's streaming loop (model_repo_cosyvoice3/cosyvoice3/1/model.py,
+    ``_process_request_streaming`` with dynamic_chunk_strategy "exponential") on ``n_tokens`` tokens arriving one
+    by one: (token_offset, tokens passed to token2wav) of each non-final chunk."""
+    calls, offset, hop, index = [], 0, 15, 0
+    for got in range(1, n_tokens + 1):
+        while got - offset >= hop + lookahead:
+            calls.append((offset, offset + hop + lookahead))
+            offset += hop
+            hop = 25 * 2 ** index
+            index += 1
+    return calls
+
+
+@pytest.mark.parametrize(("n", "prompt"), [(17, 30), (18, 0), (60, 13), (400, 49), (3000, 1)])
+def test_the_runtime_schedule_is_the_official_runtime_s(n, prompt):
+    from cosyvoice_triton.streaming import SCHEDULES, RuntimeSchedule
+
+    chunks = list(stream_chunks(iter(range(n)), prompt, lookahead=3, schedule=RuntimeSchedule()))
+    assert [(c.offset, len(c.tokens)) for c in chunks[:-1]] == _official_runtime_loop(n)
+    assert chunks[-1].final and len(chunks[-1].tokens) == n
+    assert SCHEDULES["runtime"] == RuntimeSchedule()
+    if n == 400:
+        assert [c.offset for c in chunks] == [0, 15, 40, 90, 190, 390]  # no pad, whatever the prompt
+
+
 def test_no_tokens_is_an_error():
     with pytest.raises(CosyVoiceError, match="no speech tokens"):
         list(stream_chunks([], 10, lookahead=3))

@@ -41,7 +41,7 @@ from ...pipeline import LiveAudio
 from ...prompt_cache import PromptCache
 from ...prompt_frontend import _NO_TIMER, PromptFrontend, StageTimer, VCInputs, prompt_options
 from ...speakers import SpeakerPrompt, SpeakerStore
-from ...streaming import StreamSchedule
+from ...streaming import RuntimeSchedule, StreamSchedule
 from ...threads import ThreadChoice, configure
 from ..speed import check_speed
 from .config import CosyVoice3Config, read_cosyvoice3_yaml
@@ -281,11 +281,12 @@ class CosyVoice3(PromptFrontend):
 
     def tts_stream(self, mode: str, text: str | bytes, *, stream: bool = True, speed: float = 1.0,
                    seed: int | None = 0, draws=None, text_frontend: bool = True, timer: StageTimer = _NO_TIMER,
-                   **prompt) -> Iterator[np.ndarray]:
+                   schedule: StreamSchedule | RuntimeSchedule | None = None, **prompt) -> Iterator[np.ndarray]:
         """Text to speech in ``mode`` (:data:`MODES`), float32 chunks at 24 kHz: with ``stream=True`` the
         official streaming chunks of each segment, else one array per segment (``speed``: non-streaming only).
         ``prompt``: the keywords of :meth:`segments`. ``seed`` seeds the LM's sampling (one generator for the
-        whole text; ``None``: torch's global generator); ``draws`` overrides it (parity with injected draws)."""
+        whole text; ``None``: torch's global generator); ``draws`` overrides it (parity with injected draws).
+        ``schedule``: the streaming hops of this request (default: the model's)."""
         check_speed(speed)
         segments = self.segments(mode, text, text_frontend=text_frontend, timer=timer, **prompt)
         if draws is None and seed is not None:
@@ -295,7 +296,8 @@ class CosyVoice3(PromptFrontend):
             inputs = VCInputs(source_tokens=np.zeros(0, np.int32), prompt_tokens=np.array(p.prompt_tokens),
                               prompt_mel=np.array(p.prompt_mel), embedding=np.array(p.embedding))
             tokens = timer.each(self.speech_tokens(segment, draws=draws), "llm")
-            yield from self._token2wav(inputs, tokens, stream=stream, speed=speed, timer=timer, text=segment.text)
+            yield from self._token2wav(inputs, tokens, stream=stream, speed=speed, timer=timer, text=segment.text,
+                                       schedule=schedule)
 
     def tts_zero_shot_stream(self, text, prompt_text, prompt_wav=None, **kw) -> Iterator[np.ndarray]:
         """Official ``inference_zero_shot(tts_text, prompt_text, prompt_wav)`` (keywords: :meth:`tts_stream`'s,
@@ -329,13 +331,14 @@ class CosyVoice3(PromptFrontend):
 
     # ------------------------------------------------------------------------------------------- token to wav
     def _token2wav(self, inputs: VCInputs, tokens, *, stream: bool, speed: float, timer: StageTimer,
-                   text: str | None = None) -> Iterator[np.ndarray]:
+                   text: str | None = None, schedule: StreamSchedule | RuntimeSchedule | None = None
+                   ) -> Iterator[np.ndarray]:
         t2w = self.token2wav_model
         prompt = (inputs.prompt_tokens, inputs.prompt_mel, inputs.embedding)
         if stream:
             if check_speed(speed) != 1.0:
                 raise ConfigError("speed: only non-streaming answers (stream=False) change speed, as officially")
-            yield from timer.each(t2w.token2wav_stream(tokens, *prompt), "token2wav")
+            yield from timer.each(t2w.token2wav_stream(tokens, *prompt, schedule=schedule), "token2wav")
             return
         tokens = np.asarray(list(tokens), np.int32)
         if not len(tokens):

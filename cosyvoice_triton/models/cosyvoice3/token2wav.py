@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError, CosyVoiceError
-from ...streaming import StreamSchedule, stream_chunks
+from ...streaming import RuntimeSchedule, StreamSchedule, stream_chunks
 from ...streaming import stream_chunk_ends as _chunk_ends
 from ..speed import check_speed, stretch_mel
 from .flow import CausalMaskedDiffWithDiT, Flow3Dims
@@ -83,7 +83,7 @@ class Token2Wav3:
     """
 
     def __init__(self, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator, *,
-                 device: str | torch.device = "cpu", schedule: StreamSchedule | None = None):
+                 device: str | torch.device = "cpu", schedule: StreamSchedule | RuntimeSchedule | None = None):
         self.device = torch.device(device)
         self.flow = flow.to(self.device).eval()
         self.hift = hift.to(self.device).eval()
@@ -139,15 +139,16 @@ class Token2Wav3:
         return speech[0].float().cpu().numpy()
 
     # --------------------------------------------------------------------------------------- streaming
-    def token2wav_stream(self, tokens: Iterable[int], prompt_tokens, prompt_feat,
-                         embedding) -> Iterator[np.ndarray]:
+    def token2wav_stream(self, tokens: Iterable[int], prompt_tokens, prompt_feat, embedding, *,
+                         schedule: StreamSchedule | RuntimeSchedule | None = None) -> Iterator[np.ndarray]:
         """Official ``tts(stream=True)`` over ``tokens`` as they arrive (a list, or an iterator that may block):
         float32 chunks, one per chunk of :meth:`stream_chunk_ends` and the last when ``tokens`` ends. Their
-        concatenation is the stream's audio."""
+        concatenation is the stream's audio. ``schedule``: this stream's hops (default :attr:`schedule`; the
+        official Triton runtime's: :class:`~cosyvoice_triton.streaming.RuntimeSchedule`)."""
         prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
         ratio, state = self.flow.token_mel_ratio, _Vocoded()
         for chunk in stream_chunks(tokens, prompt[0].shape[1], lookahead=self.flow.pre_lookahead_len,
-                                   schedule=self.schedule):
+                                   schedule=schedule or self.schedule):
             mel = self._mel(self._tokens(chunk.tokens), prompt, streaming=not chunk.final, finalize=chunk.final)
             yield self._vocode(mel[:, :, chunk.offset * ratio:], state, final=chunk.final)
 

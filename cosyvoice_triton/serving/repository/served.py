@@ -17,6 +17,7 @@ from ...shapes import (
     CV3_SPEAKERS_MODEL,
     CV3_TTS_LIVE_MODEL,
     CV3_TTS_MODEL,
+    CV3_TTS_STREAM_EXTRA_INPUTS,
     CV3_TTS_STREAM_MODEL,
     CV3_VC_INPUTS,
     CV3_VC_LIVE_MODEL,
@@ -392,8 +393,10 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 when=lambda ctx: ctx.tunables.lm_backend == "tensorrtllm",
                 doc="tensorrtllm: the LM as a TensorRT-LLM engine (in-flight batching, paged KV cache, streaming)"),
     ServedModel(CV3_TTS_STREAM_MODEL, f"ensemble/{CV3_TTS_STREAM_MODEL}",
-                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
-                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS)),
+                (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS,
+                 *CV3_TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
+                frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS,
+                                           *CV3_TTS_STREAM_EXTRA_INPUTS)),
                 max_batch_size=8, decoupled=True, when=_cv3,
                 parameters=_cv3_tts_params,
                 doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream): the cosyvoice3_dir folder "
@@ -438,9 +441,11 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 decoupled=lambda ctx: ctx.tunables.cosyvoice3_decoupled, when=_cv3_official,
                 parameters=lambda ctx: {"offline_model": CV3_TTS_MODEL, "stream_model": CV3_TTS_STREAM_MODEL,
                                         "keep_empty_reference_text": True,
+                                        "stream_schedule": ctx.tunables.cosyvoice3_stream_schedule,
                                         "bls_timeout_us": ctx.tunables.bls_timeout_us},
                 doc="the official CosyVoice runtime's CosyVoice3 interface (as cosyvoice2's): "
-                    f"{CV3_TTS_STREAM_MODEL} when decoupled (tunable cosyvoice3_decoupled), else {CV3_TTS_MODEL}"),
+                    f"{CV3_TTS_STREAM_MODEL} when decoupled (tunable cosyvoice3_decoupled; chunks on the official "
+                    f"runtime's hops unless cosyvoice3_stream_schedule=official), else {CV3_TTS_MODEL}"),
     ServedModel(OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS, OFFICIAL_OPTIONAL,
                 max_batch_size=8, decoupled=lambda ctx: ctx.tunables.cosyvoice2_decoupled, when=_official,
                 parameters=lambda ctx: {"offline_model": TTS_MODEL, "stream_model": TTS_STREAM_MODEL,

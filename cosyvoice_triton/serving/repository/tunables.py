@@ -173,6 +173,10 @@ class Tunables:
     #: The CosyVoice3 flow's precision: ``fp32``, or ``int8`` (the DiT blocks' Linear layers on PyTorch's CPU INT8,
     #: within the quality report's bar: models/cosyvoice3/dit_quant.py)
     cosyvoice3_flow_precision: str = "fp32"
+    #: ``cosyvoice3``'s streamed chunks: ``runtime``, the official CosyVoice3 Triton runtime's hops (15, 25, 50, 100,
+    #: ... tokens, as its clients get them), or ``official``, the official ``CosyVoice3`` class's (those of
+    #: ``cosyvoice3_tts_stream``: 25 + pad, 50, 100)
+    cosyvoice3_stream_schedule: str = "runtime"
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -194,6 +198,9 @@ class Tunables:
             raise RenderError(f"tunable lm_backend must be python or tensorrtllm, got {self.lm_backend!r}")
         if self.tts not in ("auto", "on", "off"):
             raise RenderError(f"tunable tts must be auto, on or off, got {self.tts!r}")
+        if self.cosyvoice3_stream_schedule not in ("official", "runtime"):
+            raise RenderError(f"tunable cosyvoice3_stream_schedule must be official or runtime, got "
+                              f"{self.cosyvoice3_stream_schedule!r}")
         if self.cosyvoice3_flow_precision not in ("fp32", "int8"):
             raise RenderError(f"tunable cosyvoice3_flow_precision must be fp32 or int8, got "
                               f"{self.cosyvoice3_flow_precision!r}")

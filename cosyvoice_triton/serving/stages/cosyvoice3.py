@@ -45,6 +45,7 @@ from ...errors import TextError
 from ...frontend import audio
 from ...frontend.text.cosyvoice3 import resolve_mode, with_system_prompt
 from ...speakers import SpeakerPrompt
+from ...streaming import SCHEDULES, RuntimeSchedule, StreamSchedule
 from .batching import RequestError
 from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled
@@ -143,9 +144,22 @@ class Cv3Service:
         if stream and speed != 1.0:
             raise RequestError("speed: only non-streaming answers change speed (cosyvoice3_tts, or stream=false), "
                                "as the official code's")
+        schedule = self._schedule(t.get("stream_schedule"), stream)
         text, prompt_text, instruct = with_system_prompt(mode, text, prompt_text, instruct)
-        kw.update(text=text, seed=parse_seed(t.get("seed")), stream=stream, speed=speed)
+        kw.update(text=text, seed=parse_seed(t.get("seed")), stream=stream, speed=speed, schedule=schedule)
         return mode, self._prompts(kw, prompt_text, instruct)
+
+    @staticmethod
+    def _schedule(x: np.ndarray | None, stream: bool) -> StreamSchedule | RuntimeSchedule | None:
+        """A request's ``stream_schedule`` (None: the model's own hops)."""
+        name = bytes_input(x, "stream_schedule")
+        if name is None:
+            return None
+        if name not in SCHEDULES:
+            raise RequestError(f"stream_schedule must be one of {', '.join(SCHEDULES)}, got {name[:40]!r}")
+        if not stream:
+            raise RequestError("stream_schedule: only streamed answers (stream=true) have chunks")
+        return SCHEDULES[name]
 
     def live_request(self, t: Mapping[str, np.ndarray | None]) -> tuple[str, dict[str, Any]]:
         """A live session's first tensors (the voice, ``mode``, ``seed``; not ``text``): (mode, the keywords of

@@ -187,6 +187,10 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
         Param("keep_empty_reference_text", bool, False, "pass an empty reference_text on as an empty prompt_text "
               "(CosyVoice3: zero-shot with the system prompt alone, as the official CosyVoice3 runtime) instead of "
               "speaking without a transcript"),
+        Param("stream_schedule", str, "", "the streaming hops asked of stream_model (its stream_schedule input): "
+              "runtime (the official CosyVoice3 Triton runtime's: 15, 25, 50, 100, ... tokens), official (the "
+              "official CosyVoice3 class's); empty: the stream model's own, no input sent",
+              ("", "official", "runtime")),
         _BLS_TIMEOUT,
     ),
     "speakers": (  # also cosyvoice3_speakers (family cosyvoice3)

@@ -115,10 +115,12 @@ class OfficialFront:
     """One official request through ``offline_model`` (whole answers) or ``stream_model`` (chunks) by BLS."""
 
     def __init__(self, pb, *, offline_model: str, stream_model: str, timeout_us: int = 0,
-                 keep_empty_reference_text: bool = False):
+                 keep_empty_reference_text: bool = False, stream_schedule: str = ""):
         self.pb, self.offline_model, self.stream_model = pb, offline_model, stream_model
         self.kwargs = {"timeout": int(timeout_us)} if timeout_us else {}
         self.keep_empty_reference_text = keep_empty_reference_text
+        #: sent to ``stream_model`` as its ``stream_schedule`` input (empty: not sent)
+        self.stream_schedule = stream_schedule
 
     def _inputs(self, tensors: Mapping[str, np.ndarray | None]) -> dict[str, np.ndarray]:
         return pipeline_inputs(tensors, keep_empty_reference_text=self.keep_empty_reference_text)
@@ -149,6 +151,8 @@ class OfficialFront:
                cancelled: Callable[[], bool] | None = None) -> Iterator[np.ndarray]:
         """The streamed chunks ``[1, m]`` (``stream_model``); stops the callee's stream when ``cancelled()``."""
         inputs = {**self._inputs(tensors), "stream": np.ones((1, 1), bool)}
+        if self.stream_schedule:
+            inputs["stream_schedule"] = np.array([[self.stream_schedule.encode()]], object)
         responses = self._request(self.stream_model, inputs).exec(decoupled=True)
         for res in responses:
             if cancelled is not None and cancelled():

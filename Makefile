@@ -19,7 +19,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -124,6 +124,12 @@ $(OFFICIAL_DEPS3)/.installed: | $(VENV)/.installed
 	  ruamel.yaml==0.18.17 ruamel.yaml.clib==0.2.15 x-transformers==2.11.24 einx==0.4.3 loguru==0.7.3 frozendict==2.5.1 \
 	  transformers==4.51.3 tokenizers==0.21.4
 	touch $@
+
+BENCH_LIVE_CV3_ARGS ?=
+bench-live-cv3: $(VENV)/.installed ## live CosyVoice3 voice conversion at full dims: compute per chunk as the stream grows, the windowed live path against the official recompute
+	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
+	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
+	$(CLI) bench-live-cv3 --model-dir models/cosyvoice3-demo-full $(BENCH_LIVE_CV3_ARGS)
 
 BENCH_CV3_ARGS ?=
 FLOW_PRECISION ?= fp32

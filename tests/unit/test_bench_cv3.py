@@ -120,3 +120,17 @@ def test_tiny_run_with_an_int8_flow(cv3_demo_dir, tmp_path, capsys):
     fp32 = bench.run_bench(cv3_demo_dir, cases=("token2wav",), rounds=1, threads=1, out_dir=tmp_path / "fp32")
     assert "quality" not in fp32
     assert result["flops"]["token2wav"] == fp32["flops"]["token2wav"] > 0  # counted on an fp32 DiT
+
+
+def test_the_live_bench_times_both_paths_per_chunk(cv3_demo_dir, tmp_path):
+    """``bench-live-cv3`` on the tiny demo folder: every chunk of both paths timed, the same chunks and audio on
+    both (25-token chunks of the same source), the report written."""
+    from cosyvoice_triton.bench.live_vc3 import run_bench
+
+    result = run_bench(cv3_demo_dir, seconds=4.0, threads=1, out_dir=tmp_path)
+    live, recompute = result["paths"]["live"], result["paths"]["recompute"]
+    assert live["chunks"] == len(live["times_s"]) >= 4 and recompute["chunks"] == len(recompute["times_s"])
+    assert abs(live["audio_s"] - 4.0) < 1e-3 and abs(recompute["audio_s"] - 4.0) < 1e-3
+    assert all(t > 0 for t in live["times_s"] + recompute["times_s"]) and live["rtf_total"] > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| live |" in report and "| recompute |" in report and result["meta"]["load_end"]

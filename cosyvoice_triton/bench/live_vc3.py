@@ -13,7 +13,8 @@ folder in process, on ``--threads`` torch threads, chunk by chunk (25 speech tok
   25-token chunks. Its time per chunk grows with the stream.
 
 For each path: the time of each chunk's compute (the live one includes its tokenizer window), its real-time factor
-(compute over the chunk's audio, below 1 keeps up), the first and the last chunks', and the peak RSS. Figures, not
+(compute over the chunk's audio, below 1 keeps up), the first and the last chunks', and the process's peak RSS after
+each path. Figures, not
 assertions: nothing fails on a slow machine; the load average is printed at the start and the end.
 """
 
@@ -103,7 +104,7 @@ def format_report(result: dict) -> str:
     lines = [f"live CosyVoice3 voice conversion, {meta['seconds']:g} s source, 25-token chunks, {meta['threads']} "
              f"threads; commit {meta['commit']}; {meta['machine']}; load average at the end {meta['load_end']}", "",
              "| path | chunks | first chunk s | median chunk s | last whole chunk s | max chunk s | compute / audio "
-             "(whole stream) | peak RSS MB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(whole stream) | process peak RSS so far MB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, f in result["paths"].items():
         lines.append(f"| {name} | {f['chunks']} | {f['first_s']:.2f} | {f['median_s']:.2f} | {f['last_full_s']:.2f} "
                      f"| {f['max_s']:.2f} | {f['rtf_total']:.2f} | {f['peak_rss_mb']:.0f} |")

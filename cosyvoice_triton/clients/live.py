@@ -65,10 +65,24 @@ from .wire import (
 )
 
 __all__ = ["TTS_LIVE_MODEL", "VC_LIVE_MODEL", "AsyncLiveClient", "LiveChunk", "LiveClient", "LiveStats",
-           "PacedPieces", "live_error", "new_sequence_id", "pcm_pieces", "text_pieces"]
+           "PacedPieces", "live_error", "new_sequence_id", "pcm_pieces", "session_model", "text_pieces"]
 
 VC_LIVE_MODEL = "cosyvoice_vc_live"
 TTS_LIVE_MODEL = "cosyvoice_tts_live"
+#: the served live models of each kind (both families)
+_LIVE_MODELS = {"vc": (VC_LIVE_MODEL, "cosyvoice3_vc_live"), "tts": (TTS_LIVE_MODEL, "cosyvoice3_tts_live")}
+
+
+def session_model(kind: str, given: str | None, own: str | None) -> str:
+    """The model a ``kind`` (``vc`` / ``tts``) session runs on: ``given``; else the client's own model (its
+    constructor's ``model``), unless that names the other kind's live model (a client made with the default, VC,
+    that speaks); else the kind's default."""
+    if given is not None:
+        return given
+    other = _LIVE_MODELS["tts" if kind == "vc" else "vc"]
+    if not own or own in other:
+        return _LIVE_MODELS[kind][0]
+    return own
 
 
 def new_sequence_id() -> int:
@@ -443,24 +457,28 @@ class LiveClient(CosyVoiceClient):
 
     def convert_live(self, pieces: Iterable, *, prompt=None, speaker_id: str | None = None,
                      sample_rate: int | None = None, prompt_sr: int | None = None, seed: int | None = None,
-                     encoded: bool = False, stats: LiveStats | None = None, model: str = VC_LIVE_MODEL,
+                     encoded: bool = False, stats: LiveStats | None = None, model: str | None = None,
                      priority: int | None = None) -> Iterator[LiveChunk]:
         """Convert source pieces (sample arrays at ``sample_rate``, or a :class:`PacedPieces`, which carries its
         rate) into the voice of ``prompt`` (path, bytes, or samples with ``prompt_sr``; ``encoded``: a file sent
         as it is) or of a registered ``speaker_id``, over one live session: chunks as they arrive. A piece is
-        ``[N]`` mono or ``[N, C]`` frames, C fixed by the first piece (:class:`~..frontend.audio.StreamChannels`)."""
+        ``[N]`` mono or ``[N, C]`` frames, C fixed by the first piece (:class:`~..frontend.audio.StreamChannels`).
+        ``model``: the live model (default: :func:`session_model`: the client's own unless that is a TTS one)."""
         voice = _vc_voice(self._module, prompt, prompt_sr, speaker_id, seed, encoded)
+        model = session_model("vc", model, self.model)
         session = _Session(self._module, model, "vc", voice, sample_rate=_rate(pieces, sample_rate), stats=stats,
                            priority=self.validate_priority(model, priority))
         return self._run(session, pieces)
 
     def tts_live(self, text_pieces: Iterable[str | bytes], *, prompt=None, prompt_sr: int | None = None,
                  prompt_text: str | None = None, speaker_id: str | None = None, seed: int | None = None,
-                 encoded: bool = False, stats: LiveStats | None = None, model: str = TTS_LIVE_MODEL,
+                 encoded: bool = False, stats: LiveStats | None = None, model: str | None = None,
                  priority: int | None = None) -> Iterator[LiveChunk]:
         """Speak text pieces (str, or UTF-8 bytes that may split a character) as they come, in the voice of
-        ``prompt`` (+ its ``prompt_text``) or a registered ``speaker_id``: chunks as they arrive."""
+        ``prompt`` (+ its ``prompt_text``) or a registered ``speaker_id``: chunks as they arrive. ``model``: the
+        live model (default: :func:`session_model`: the client's own unless that is a VC one)."""
         voice = _tts_voice(self._module, prompt, prompt_sr, prompt_text, speaker_id, seed, encoded)
+        model = session_model("tts", model, self.model)
         session = _Session(self._module, model, "tts", voice, stats=stats,
                            priority=self.validate_priority(model, priority))
         return self._run(session, text_pieces)
@@ -564,11 +582,12 @@ class AsyncLiveClient(AsyncCosyVoiceClient):
 
     async def convert_live(self, pieces, *, prompt=None, speaker_id: str | None = None,
                            sample_rate: int | None = None, prompt_sr: int | None = None, seed: int | None = None,
-                           encoded: bool = False, stats: LiveStats | None = None, model: str = VC_LIVE_MODEL,
+                           encoded: bool = False, stats: LiveStats | None = None, model: str | None = None,
                            priority: int | None = None, sequence_id: int | str | None = None
                            ) -> AsyncIterator[LiveChunk]:
         """See :meth:`LiveClient.convert_live`; ``sequence_id``: the session's id (default: a random one)."""
         voice = _vc_voice(self._module, prompt, prompt_sr, speaker_id, seed, encoded)
+        model = session_model("vc", model, self.model)
         session = _Session(self._module, model, "vc", voice, sample_rate=_rate(pieces, sample_rate), stats=stats,
                            priority=await self.validate_priority(model, priority), sequence_id=sequence_id)
         async with contextlib.aclosing(self._run(session, pieces)) as chunks:  # closed now, not when collected
@@ -577,11 +596,12 @@ class AsyncLiveClient(AsyncCosyVoiceClient):
 
     async def tts_live(self, text_pieces, *, prompt=None, prompt_sr: int | None = None,
                        prompt_text: str | None = None, speaker_id: str | None = None, seed: int | None = None,
-                       encoded: bool = False, stats: LiveStats | None = None, model: str = TTS_LIVE_MODEL,
+                       encoded: bool = False, stats: LiveStats | None = None, model: str | None = None,
                        priority: int | None = None, sequence_id: int | str | None = None
                        ) -> AsyncIterator[LiveChunk]:
         """See :meth:`LiveClient.tts_live`; ``sequence_id`` as for :meth:`convert_live`."""
         voice = _tts_voice(self._module, prompt, prompt_sr, prompt_text, speaker_id, seed, encoded)
+        model = session_model("tts", model, self.model)
         session = _Session(self._module, model, "tts", voice, stats=stats,
                            priority=await self.validate_priority(model, priority), sequence_id=sequence_id)
         async with contextlib.aclosing(self._run(session, text_pieces)) as chunks:

@@ -27,7 +27,7 @@ from ...speakers import SpeakerPrompt
 from .batching import RequestError
 from .cosyvoice3 import Cv3Service
 from .live_vc import LiveSession, LiveSettings, LiveVC
-from .tts import bytes_input, registered_voice
+from .tts import registered_voice
 
 __all__ = ["CV3_VC_LIVE_MODEL", "Cv3LiveVC", "build_cv3_live"]
 
@@ -60,7 +60,6 @@ class Cv3LiveVC(LiveVC):
         if tensors.get("seed") is not None:
             raise RequestError("seed: CosyVoice3's vocoder noise is the checkpoint's fixed buffer, there is nothing "
                                "to seed (leave seed out)")
-        bytes_input(tensors.get("speaker_id"), "speaker_id")  # a malformed id is named before the store is asked
         sr = self.source_rate(rate)
         tokens, mel, embedding = self.prompt(tensors)
         t2w = self.service.model.token2wav_model

@@ -129,6 +129,54 @@ def test_service_live_equals_the_library(service, model, en_speech):
     service._lock.release()
 
 
+def test_a_session_waiting_for_text_does_not_hold_the_instance(service, en_speech):
+    """Session A is open and waits for its next piece; session B on the same instance runs to its end meanwhile
+    (it would wait ``wait_timeout_s`` and be refused if A kept the instance), and both answer what they answer
+    alone."""
+    from cosyvoice_triton.serving.stages.lm_engine import EngineBusy
+
+    waiting = threading.Event()
+
+    class Feed(LiveText):
+        def __next__(self):
+            if self.asked:
+                waiting.set()
+            self.asked += 1
+            return super().__next__()
+
+    def alone(pieces, seed):
+        return [r["waveform"][0] for r in service.live(_first(en_speech, seed=np.array([[seed]], np.int64)),
+                                                       iter(pieces))]
+
+    want_a, want_b = alone(PIECES[:2], 1), alone(PIECES[2:], 2)
+    feed = Feed([PIECES[0]])
+    feed.asked = 0
+    got_a: list = []
+    a = threading.Thread(target=lambda: got_a.extend(r["waveform"][0] for r in service.live(
+        _first(en_speech, seed=np.array([[1]], np.int64)), feed)), daemon=True)
+    before = service.wait_timeout_s
+    service.wait_timeout_s = 120.0  # far longer than B takes; refused only if A kept the instance
+    try:
+        a.start()
+        assert waiting.wait(120), "A never asked for its second piece"
+        try:
+            got_b = alone(PIECES[2:], 2)
+        except EngineBusy as exc:
+            pytest.fail(f"B waited for A's idle session: {exc}")
+        feed.put(PIECES[1])
+    finally:
+        feed.end()
+        a.join(120)
+        service.wait_timeout_s = before
+    assert not a.is_alive()
+    for got, want in ((got_a, want_a), (got_b, want_b)):
+        assert len(got) == len(want) >= 1
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    assert service._lock.acquire(blocking=False)
+    service._lock.release()
+
+
 def test_service_live_cancel_bad_pieces_and_bad_first_tensors(service, en_speech):
     feed = LiveText([" ".join(PIECES).encode()], wait_s=60)  # the served session ends its text on a cancel
     gone = threading.Event()

@@ -25,10 +25,10 @@ A ``speaker_id`` is a speaker registered with ``cosyvoice3_speakers`` (the ``spe
 prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id -> SpeakerPrompt``); with no
 ``mode``, a speaker registered with a transcript speaks zero-shot, one without cross-lingually.
 
-One instance runs one request at a time (a live session holds it for the whole session); a request that
-waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE). Concurrency comes from instances (tunable
-``instances``). Live voice conversion (``cosyvoice3_vc_live``) is :mod:`.cosyvoice3_live_vc`, over this service. Not
-served yet for CosyVoice3: the batched graphs.
+One instance runs one request at a time (a live TTS session holds it while it computes, and gives it back while it
+waits for its text); a request that waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE).
+Concurrency comes from instances (tunable ``instances``). Live voice conversion (``cosyvoice3_vc_live``) is
+:mod:`.cosyvoice3_live_vc`, over this service. Not served yet for CosyVoice3: the batched graphs.
 """
 
 from __future__ import annotations
@@ -97,11 +97,15 @@ class Cv3Service:
                                            text_limits=text_limits, flow_precision=flow_precision)
         return cls(model, **kw)
 
-    @contextlib.contextmanager
-    def _held(self) -> Iterator[None]:
+    def _take(self) -> None:
+        """Take the instance (:class:`~.lm_engine.EngineBusy` after ``wait_timeout_s``)."""
         if not self._lock.acquire(timeout=self.wait_timeout_s):
             raise EngineBusy(f"{BUSY}this CosyVoice3 instance was busy for {self.wait_timeout_s:g} s (one request "
                              "at a time per instance: add instances)")
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        self._take()
         try:
             yield
         finally:
@@ -175,7 +179,8 @@ class Cv3Service:
         """A live session (``cosyvoice3_tts_live``): ``t`` its first tensors (see :meth:`live_request`; checked
         now), ``text_pieces`` the text as it arrives (``str`` / UTF-8 ``bytes``, possibly blocking), answered
         with the response tensors of :meth:`responses` on the streaming schedule
-        (``CosyVoice3.tts_live``). The session holds the instance while it is iterated, to its end; it raises
+        (``CosyVoice3.tts_live``). The session holds the instance while it computes and gives it back while it waits
+        for its text (so open sessions of one instance take turns); it raises
         :class:`~.lm_engine.JobCancelled` once ``cancelled()`` turns true."""
         mode, kw = self.live_request(t)
         return Cv3LiveResponses(self, mode, kw, text_pieces, cancelled, max_token_text_ratio)
@@ -258,8 +263,10 @@ class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):
 
     def _run(self, service: Cv3Service, mode: str, kw: dict[str, Any], text_pieces: Iterable[str | bytes],
              cancelled: Callable[[], bool], max_token_text_ratio: float) -> Iterator[dict[str, np.ndarray]]:
-        with service._held():
-            live = service.model.tts_live(mode, text_pieces, cancelled=cancelled,
+        turn = _Turn(service)
+        turn.take()
+        try:
+            live = service.model.tts_live(mode, _TextWithoutTheInstance(turn, text_pieces), cancelled=cancelled,
                                           max_token_text_ratio=max_token_text_ratio, **kw)
             self.decode = live.decode
             try:
@@ -268,3 +275,37 @@ class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):
                     raise JobCancelled("the client went away")
             finally:
                 live.decode.close()
+        finally:
+            turn.give()
+
+
+class _Turn:
+    """A live session's hold on its instance: given back while the session waits for its client's text, taken
+    again (within the service's ``wait_timeout_s``) before it computes; so an open session that is not speaking
+    does not keep other sessions of the instance waiting."""
+
+    def __init__(self, service: Cv3Service):
+        self.service, self.holding = service, False
+
+    def take(self) -> None:
+        self.service._take()
+        self.holding = True
+
+    def give(self) -> None:
+        if self.holding:
+            self.holding = False
+            self.service._lock.release()
+
+
+class _TextWithoutTheInstance(Iterator[str | bytes]):
+    """The text pieces of a live session, awaited with the instance given back (:class:`_Turn`)."""
+
+    def __init__(self, turn: _Turn, pieces: Iterable[str | bytes]):
+        self.turn, self.pieces = turn, iter(pieces)
+
+    def __next__(self) -> str | bytes:
+        self.turn.give()
+        try:
+            return next(self.pieces)
+        finally:
+            self.turn.take()

@@ -111,12 +111,8 @@ class RuntimeSchedule:
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ConfigError(f"runtime schedule {field} must be an integer >= 1, got {value!r}")
 
-    def first_chunk(self, n_prompt_tokens: int) -> int:
-        """Tokens of the first (non-final) chunk: ``first_hop`` whatever the prompt."""
-        return self.first_hop
-
     def hops(self, n_prompt_tokens: int) -> Iterator[int]:
-        """The tokens of each non-final chunk in turn (endless)."""
+        """The tokens of each non-final chunk in turn (endless): ``first_hop`` whatever the prompt, then the rest."""
         yield self.first_hop
         hop = self.base
         while True:

@@ -63,21 +63,14 @@ def live_path(service, source: np.ndarray, sr: int, prompt: np.ndarray, psr: int
              "prompt_sample_rate": np.array([[psr]], np.int32)}
     session = live.open(first)
     n = max(1, int(sr * piece_ms / 1000))
+    requests = [{"source_audio": source[None, i: i + n]} for i in range(0, len(source), n)] + [{}]  # {}: the END
     times, audio = [], []
-    pieces = [source[i: i + n] for i in range(0, len(source), n)]
-    for k, piece in enumerate(pieces):
-        last = k == len(pieces) - 1
+    for k, tensors in enumerate(requests):
         t = time.perf_counter()
-        for chunk in live.piece(session, {"source_audio": piece[None]}, first=k == 0, last=False):
+        for chunk in live.piece(session, tensors, first=k == 0, last=k == len(requests) - 1):
             times.append(time.perf_counter() - t)
             audio.append(len(chunk) / live.sample_rate)
             t = time.perf_counter()
-        if last:
-            t = time.perf_counter()
-            for chunk in live.piece(session, {}, first=False, last=True):
-                times.append(time.perf_counter() - t)
-                audio.append(len(chunk) / live.sample_rate)
-                t = time.perf_counter()
     return _figures(times, audio)
 
 

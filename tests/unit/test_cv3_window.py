@@ -108,7 +108,7 @@ def test_token_window_on_the_official_schedule_is_the_official_stream(t2w):
     prompt = _prompt(t2w)
     tokens = np.random.default_rng(5).integers(0, t2w.flow.dims.vocab_size, 260).astype(np.int32)
     official = list(t2w.token2wav_stream(tokens.tolist(), *prompt))
-    win = Token2Wav3Window(t2w.flow, t2w.hift, *prompt)
+    win = Token2Wav3Window(t2w, *prompt)
     got = [win.step(c.tokens, c.offset, final=c.final)
            for c in stream_chunks(tokens.tolist(), len(prompt[0]), lookahead=3, schedule=t2w.schedule)]
     assert [len(c) for c in got] == [len(c) for c in official] and len(got) >= 4
@@ -123,7 +123,7 @@ def test_sliding_token_window_keeps_the_chunks_before_it_slides(t2w):
     tokens = np.random.default_rng(6).integers(0, t2w.flow.dims.vocab_size, 203).astype(np.int32)
 
     def run(context: int) -> list[np.ndarray]:
-        win, out, done = Token2Wav3Window(t2w.flow, t2w.hift, *prompt), [], 0
+        win, out, done = Token2Wav3Window(t2w, *prompt), [], 0
         for end in range(25, 200, 25):
             start = max(0, (done - context) // 25 * 25)
             out.append(win.step(tokens[start: end + 3], done - start, final=False))
@@ -141,7 +141,7 @@ def test_sliding_token_window_keeps_the_chunks_before_it_slides(t2w):
 
 
 def test_token_window_refuses_what_it_cannot_place(t2w):
-    win = Token2Wav3Window(t2w.flow, t2w.hift, *_prompt(t2w))
+    win = Token2Wav3Window(t2w, *_prompt(t2w))
     with pytest.raises(CosyVoiceError, match="no new token"):
         win.step(np.arange(5), 2, final=False)
     with pytest.raises(CosyVoiceError, match="out of range"):

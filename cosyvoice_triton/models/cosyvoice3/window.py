@@ -28,8 +28,14 @@ import numpy as np
 import torch
 
 from ...errors import CosyVoiceError
-from .flow import CausalMaskedDiffWithDiT
-from .hift import NOISE_COLUMNS, NOISE_MAX_SAMPLES, CausalConvRNNF0Predictor, CausalHiFTGenerator
+from .hift import (
+    NOISE_COLUMNS,
+    NOISE_MAX_SAMPLES,
+    CausalConvRNNF0Predictor,
+    CausalHiFTGenerator,
+    draw_causal_nsf_noise,
+)
+from .token2wav import Token2Wav3
 
 #: Mel frames of context before a chunk's first new frame that make the vocoder window's samples equal to the
 #: whole-stream call's (the release's receptive field, measured: ``tests/unit/test_cv3_window.py``), with a margin.
@@ -43,8 +49,7 @@ class NoiseWindow:
 
     def __init__(self, seed: int):
         self._generator = torch.Generator().manual_seed(int(seed))
-        torch.rand(1, NOISE_COLUMNS, generator=self._generator)  # the official initial phase, drawn first
-        self._noise = torch.zeros(1, 0, NOISE_COLUMNS)
+        self._noise = draw_causal_nsf_noise(0, self._generator)  # the official draws up to the buffer's first row
         self.base = 0  # sample index of self._noise's first row
 
     @property
@@ -125,20 +130,17 @@ class Token2Wav3Window:
 
     :meth:`step` is one chunk: ``tokens`` the window (every source token the flow sees, the 3 look-ahead tokens
     included unless ``final``), ``offset`` where the chunk's new tokens start in it. The window's place in the
-    stream follows from what earlier steps produced. Inputs as :class:`~.token2wav.Token2Wav3`'s, outputs float32
-    audio at 24 kHz.
+    stream follows from what earlier steps produced. The flow and vocoder are ``token2wav``'s, the prompt as its
+    methods take it (and checked as they check it); outputs float32 audio at 24 kHz.
     """
 
-    def __init__(self, flow: CausalMaskedDiffWithDiT, hift: CausalHiFTGenerator, prompt_tokens, prompt_feat,
-                 embedding, *, vocoder_context_frames: int = VOCODER_CONTEXT_FRAMES, seed: int | None = None):
-        self.flow = flow
-        self.device = next(flow.parameters()).device
-        dev = self.device
-        self.prompt_tokens = torch.as_tensor(np.asarray(prompt_tokens), dtype=torch.int32, device=dev).reshape(1, -1)
-        self.prompt_feat = torch.as_tensor(np.asarray(prompt_feat), dtype=torch.float32, device=dev)[None]
-        self.embedding = torch.as_tensor(np.asarray(embedding), dtype=torch.float32, device=dev).reshape(1, -1)
-        self.vocoder = VocoderWindow(hift, context_frames=vocoder_context_frames, seed=seed)
-        self.ratio, self.lookahead = flow.token_mel_ratio, flow.pre_lookahead_len
+    def __init__(self, token2wav: Token2Wav3, prompt_tokens, prompt_feat, embedding, *,
+                 vocoder_context_frames: int = VOCODER_CONTEXT_FRAMES, seed: int | None = None):
+        self.flow, self.device = token2wav.flow, token2wav.device
+        self.prompt_tokens, self.prompt_feat, self.embedding = token2wav._prompt(prompt_tokens, prompt_feat,
+                                                                                 embedding)
+        self.vocoder = VocoderWindow(token2wav.hift, context_frames=vocoder_context_frames, seed=seed)
+        self.ratio, self.lookahead = self.flow.token_mel_ratio, self.flow.pre_lookahead_len
         self.produced = 0  # source tokens whose mel has been produced
 
     def _noise(self, start: int, frames: int) -> torch.Tensor:

@@ -54,16 +54,12 @@ class Cv3LiveVC(LiveVC):
 
     def open(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None) -> LiveSession:
         """A session from the first piece's tensors: ``source_sample_rate`` and the voice (module docstring)."""
-        rate = tensors.get("source_sample_rate")
-        if rate is None:
-            raise RequestError("source_sample_rate: required on the first piece of a live stream")
+        sr = self.first_rate(tensors)
         if tensors.get("seed") is not None:
             raise RequestError("seed: CosyVoice3's vocoder noise is the checkpoint's fixed buffer, there is nothing "
                                "to seed (leave seed out)")
-        sr = self.source_rate(rate)
         tokens, mel, embedding = self.prompt(tensors)
-        t2w = self.service.model.token2wav_model
-        state = Token2Wav3Window(t2w.flow, t2w.hift, tokens, mel, embedding)
+        state = Token2Wav3Window(self.service.model.token2wav_model, tokens, mel, embedding)
         return LiveSession(self.settings, tokens=self._tokens, state=state, post=self.service.post.stream(),
                            sample_rate=self.sample_rate, prompt_tokens=len(tokens), source_sample_rate=sr)
 

@@ -302,13 +302,18 @@ class LiveVC:
     def open(self, tensors: Mapping[str, np.ndarray | None], parameters: Mapping | None = None) -> LiveSession:
         """A session from the first request's tensors: ``source_sample_rate`` and the prompt (``prompt_audio`` +
         ``prompt_sample_rate``, ``prompt_audio_bytes`` or ``speaker_id``), optional ``seed``."""
-        rate = tensors.get("source_sample_rate")
-        if rate is None:
-            raise RequestError("source_sample_rate: required on the first piece of a live stream")
-        sr = self.source_rate(rate)
+        sr = self.first_rate(tensors)
         t = {k: tensors.get(k) for k in STREAM_INPUTS}
         prompt = self.streamer.request_prompt(t)
         return LiveVCSession(self, prompt, sr, seed=self.streamer.request_seed(t, parameters))
+
+    @classmethod
+    def first_rate(cls, tensors: Mapping[str, np.ndarray | None]) -> int:
+        """The first piece's ``source_sample_rate`` (required there)."""
+        rate = tensors.get("source_sample_rate")
+        if rate is None:
+            raise RequestError("source_sample_rate: required on the first piece of a live stream")
+        return cls.source_rate(rate)
 
     @staticmethod
     def source_rate(x) -> int:

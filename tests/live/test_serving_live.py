@@ -120,6 +120,46 @@ def test_sessions_answer_each_piece_on_its_sender_and_free_at_the_end():
     live.close()
 
 
+def test_the_end_of_a_session_the_model_finished_is_answered_without_an_error():
+    """A handler that returns before the END (a live LM that stopped on its own): a later text piece is refused,
+    the client's END is answered with an empty final response (no error), before and after the session is freed."""
+    done = threading.Event()
+
+    def stops_after_one(ctx):
+        for tensors, _end in ctx.pieces():
+            ctx.send({"y": np.array([[int(tensors["x"].ravel()[0])]], np.int32)})
+            break
+        done.set()
+
+    live, _ = _sessions_of(stops_after_one)
+    first = _Request(5, 1, start=True)
+    live.submit(first)
+    assert done.wait(PATIENCE_S)
+    wait_until(lambda: live.active == 0, "the finished session freed")
+    late, end = _Request(5, 2), _Request(5, None, end=True)
+    for r in (late, end):
+        live.submit(r)
+    _finals(first, late, end)
+    assert first.sender.outputs() == [1] and not first.sender.errors()
+    assert "finished before its END" in late.sender.errors()[0]
+    assert end.sender.finals == 1 and not end.sender.errors() and not end.sender.outputs()
+    def stops_when_told(ctx):
+        next(iter(ctx.pieces()))
+        done.wait(PATIENCE_S)
+
+    again = _Request(6, 1, start=True)  # an END queued while the model finishes: the same
+    live2, _ = _sessions_of(stops_when_told)
+    done.clear()
+    live2.submit(again)
+    end2 = _Request(6, None, end=True)
+    live2.submit(end2)
+    done.set()
+    _finals(again, end2)
+    assert not end2.sender.errors(), end2.sender.errors()
+    live.close()
+    live2.close()
+
+
 def test_capacity_a_taken_id_and_a_missing_start_are_refused_at_once():
     live, _ = _sessions_of(max_sessions=1)
     a = _Request("a", 1, start=True)

@@ -15,8 +15,9 @@ UNAVAILABLE and may be sent again: back-pressure by refusal, never unbounded mem
 it ends (END handled), fails, is cancelled (the client went away: its current sender says so) or stays idle (no
 piece) for ``idle_timeout_s``; ``on_idle`` says what idleness means for the handler (``"close"``: the session is
 dropped, ``"end"``: its pieces end as with END). A piece for an id with no live session is refused naming why
-(never started, ended, idle, failed: the last ``remember`` outcomes are kept). ``on_change(active)`` is told the
-number of live sessions after each change (a gauge).
+(never started, ended, idle, failed: the last ``remember`` outcomes are kept), except the END of a session that the
+model finished before it (a live LM that stopped on its own): that END gets an empty final response, as it would
+have had. ``on_change(active)`` is told the number of live sessions after each change (a gauge).
 
 Over a gRPC stream Triton 2.51 passes an error's message but not its code, so every error sent here starts with
 the gRPC code's name (``INVALID_ARGUMENT: ...``, ``UNAVAILABLE: ...``: :func:`error_response`).
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 __all__ = ["LiveContext", "LiveSessions", "SessionGauge", "error_response", "exception_response"]
 
 _START, _END = 1, 2  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END
+#: The outcome of a session that the model ended before its END piece (a live LM that stopped on its own): the
+#: client's END, whenever it comes, then gets an empty final response, not an error; other late pieces are refused.
+_FINISHED = "finished before its END (the model ended it)"
 #: Over a gRPC stream Triton 2.51 passes an error's message but not its code: each message starts with the code
 _GRPC_NAMES = {"INVALID_ARG": "INVALID_ARGUMENT", "UNAVAILABLE": "UNAVAILABLE", "CANCELLED": "CANCELLED",
                "INTERNAL": "INTERNAL"}
@@ -89,7 +93,7 @@ class LiveContext:
         self.sender = None  # the current sender
         self.open_senders: list = []  # senders not yet closed (the current one last)
         self.received = 0  # pieces received
-        self.ended_by = ""  # "end" | "idle" | "cancelled" | "closed" once the pieces stop
+        self.ended_by = ""  # "end" | "idle" | "cancelled" | "closed" | "finished" once the pieces stop
         self.last_activity = time.monotonic()
         self.busy = False
         self.worker: threading.Thread | None = None
@@ -277,9 +281,15 @@ class LiveSessions:
             ctx = self.sessions.get(key)
             outcome = self.outcomes.get(key)
         if ctx is None:
+            if outcome == _FINISHED and end:
+                sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
             why = f"it {outcome}" if outcome else "it was never started (the first piece needs sequence_start)"
             raise _Refused(f"{self.name}: no live session {key!r}: {why}", "INVALID_ARG")
         with ctx.cond:
+            if ctx.ended_by == "finished" and end:
+                sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)  # nothing of the client's is lost
+                return
             if ctx.ended_by:
                 raise _Refused(f"{self.name}: session {key!r} has ended ({ctx.ended_by}); no more pieces are taken",
                                "INVALID_ARG")
@@ -302,7 +312,11 @@ class LiveSessions:
         outcome = "ended"
         try:
             self.handler(ctx)
-            if ctx.ended_by == "idle":
+            with ctx.cond:
+                ctx.ended_by = ctx.ended_by or "finished"  # the model ended the session before its END came
+            if ctx.ended_by == "finished":
+                outcome = _FINISHED
+            elif ctx.ended_by == "idle":
                 outcome = f"was freed after {self.idle_timeout_s:g} s without a piece (idle timeout)"
             elif ctx.ended_by == "closed":
                 outcome = "was closed (the model is unloading)"
@@ -335,6 +349,9 @@ class LiveSessions:
             ctx.queue.clear()
         for piece in left:  # pieces that arrived after the end or the failure
             try:
+                if piece.end and outcome == _FINISHED:  # the client closing a session the model ended: no error
+                    piece.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
                 piece.sender.send(error_response(pb, "INVALID_ARG", f"{self.name}: session {ctx.key!r} {outcome}; "
                                                  "this piece was not taken"),
                                   flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

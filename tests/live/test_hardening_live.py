@@ -221,9 +221,12 @@ def test_a_stage_killed_under_load_comes_back_and_no_request_hangs_or_fails(supe
         wait_until(lambda: retrying.count() >= 4, "4 requests answered: the load is on", interval=0.2)
         # A stage killed while idle may be reloaded before any request needs it: kill it while it computes (a
         # thread of it runnable), and again (at most 5 kills: a short stage such as hift_decoder is busy a small
-        # part of each request) until a kill has reached a request.
+        # part of each request) until a kill has reached a request. The supervisor's warm-up after each reload
+        # (and after the previous test's) runs through the stage too: a kill while it runs would reach the
+        # warm-up's request, not the clients', so each kill waits for it to end.
         kills = 0
         while kills < 5:
+            assert supervised.wait_warm(PATIENCE_S), f"the supervisor's warm-up still running after {PATIENCE_S} s"
             stub = next(s for s in server.python_stubs() if s.model == victim and s.alive)
             wait_until(lambda pid=stub.pid: _computing(pid), f"the {victim} stub computing", interval=0.01)
             t_kill = time.monotonic()

@@ -200,6 +200,17 @@ def cv3_demo_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv3_onnx_dir(cv3_demo_dir, tmp_path_factory) -> Path:
+    """The DiT estimator graphs of :func:`cv3_demo_dir` (fp32 ONNX, no verification: test_cv3_onnx checks the
+    export), once a session."""
+    from cosyvoice_triton.export.onnx_export3 import ESTIMATOR_GRAPHS, export_onnx3
+
+    out = tmp_path_factory.mktemp("cv3onnx") / "fp32"
+    export_onnx3(cv3_demo_dir, out, graphs=list(ESTIMATOR_GRAPHS), verify=False, threads=1)
+    return out
+
+
+@pytest.fixture(scope="session")
 def en_speech() -> tuple[np.ndarray, int, np.ndarray, int]:
     """The bundled English prompt (3 s, 22.05 kHz) and source (5 s, 24 kHz) as read: (prompt, rate, source, rate)."""
     import soundfile as sf

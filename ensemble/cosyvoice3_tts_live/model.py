@@ -7,7 +7,7 @@ sender (or the last) gets the rest. A ``speaker_id`` is fetched from the CosyVoi
 
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice_triton.serving.stages.cosyvoice3 import build_tts_service
+from cosyvoice_triton.serving.stages.cosyvoice3 import build_service
 from cosyvoice_triton.serving.stages.live_tts import live_tts_sessions
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
@@ -18,7 +18,7 @@ CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to st
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_live"], model=args["model_name"])
-        self.tts = build_tts_service(pb_utils, p)
+        self.tts = build_service(pb_utils, p)
         self.sessions = live_tts_sessions(pb_utils, self.tts, p, args)
 
     def execute(self, requests):

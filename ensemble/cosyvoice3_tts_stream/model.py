@@ -10,7 +10,7 @@ import threading
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.cosyvoice3 import build_tts_service
+from cosyvoice_triton.serving.stages.cosyvoice3 import build_service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
@@ -30,7 +30,7 @@ INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS,
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_stream"], model=args["model_name"])
-        self.tts = build_tts_service(pb_utils, p)
+        self.tts = build_service(pb_utils, p)
         self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                     audio_out=True, first_chunk=True)
         self.workers = set()

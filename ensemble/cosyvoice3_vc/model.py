@@ -7,7 +7,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice_triton.serving.stages import triton_io
-from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
+from cosyvoice_triton.serving.stages.cosyvoice3 import build_service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
@@ -20,10 +20,7 @@ INPUTS = [t.name for t in CV3_VC_INPUTS] + ["seed"]  # seed: refused with its re
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_vc"], model=args["model_name"])
-        self.vc = Cv3Service.load(p["model_dir"], tts=False, torch_threads=p["torch_threads"],
-                                  flow_precision=p["flow_precision"],
-                                  min_seconds=p["min_seconds"], max_seconds=p["max_seconds"],
-                                  output_sample_rate=p["output_sample_rate"], wait_timeout_s=p["wait_timeout_s"])
+        self.vc = build_service(pb_utils, p, tts=False)
         self.metrics = SpeechMetrics(pb_utils, args["model_name"], args["model_version"],
                                      inputs=("source", "prompt"), audio_out=True)
 

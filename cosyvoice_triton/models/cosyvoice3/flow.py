@@ -100,6 +100,9 @@ class CausalMaskedDiffWithDiT(nn.Module):
         self.spk_embed_affine_layer = nn.Linear(d.spk_embed_dim, d.output_size)
         self.pre_lookahead_layer = PreLookaheadLayer(d.input_size, d.pre_lookahead_channels, d.pre_lookahead_len)
         self.decoder = CausalConditionalCFM(DiT(d.dit), d.cfm)
+        #: an estimator that replaces the local DiT in every :meth:`inference` not given one (e.g. the served graph
+        #: of :mod:`cosyvoice_triton.serving.stages.cosyvoice3_graphs`); None: the DiT above
+        self.estimator_fn: EstimatorFn | None = None
 
     def speaker_projection(self, embedding: Tensor) -> Tensor:
         """[B, 192] speaker embedding -> [B, 80] ``spks`` (L2-normalised, then the affine layer)."""
@@ -176,13 +179,13 @@ class CausalMaskedDiffWithDiT(nn.Module):
         """Tokens to mel: ([B, 80, T_out] float32 without the prompt frames, [B] T_out per item).
 
         ``streaming`` selects the estimator's chunk-causal attention (bool, or a [B] bool tensor per item);
-        ``noise`` [B or 1, 80, T] replaces the official fixed noise; ``estimator_fn`` replaces the local estimator.
-        See :meth:`condition` for the other arguments.
+        ``noise`` [B or 1, 80, T] replaces the official fixed noise; ``estimator_fn`` replaces the local estimator
+        (default :attr:`estimator_fn`). See :meth:`condition` for the other arguments.
         """
         c = self.condition(token, prompt_token, prompt_feat, embedding, token_len=token_len,
                            prompt_token_len=prompt_token_len, prompt_feat_len=prompt_feat_len, finalize=finalize)
         mel = self.decoder(c.mu, c.mask, c.spks, c.cond, n_timesteps=n_timesteps, streaming=streaming,
-                           noise=noise, estimator_fn=estimator_fn)
+                           noise=noise, estimator_fn=estimator_fn or self.estimator_fn)
         return c.crop(mel)
 
 

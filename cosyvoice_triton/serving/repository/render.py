@@ -14,6 +14,7 @@ from typing import Any
 from ...export.trt import EXCLUDED
 from ...shapes import (
     GRAPHS,
+    GRAPHS3,
     VC_MODEL,
 )
 from ..marker import MARKER
@@ -34,6 +35,7 @@ from .precisions import (
     precision_plan,
 )
 from .served import (
+    CV3_GRAPH_MODELS,
     ISOLATED_STAGES,
     NICE_MODELS,
     RESPONSE_CACHE_GRAPHS,
@@ -109,6 +111,36 @@ def _cosyvoice3_dir(tun: Tunables, allow_missing: bool) -> Path | None:
     return path
 
 
+def _cv3_estimator_files(tun: Tunables, cv3_dir: Path | None, allow_missing: bool) -> dict[str, Path]:
+    """Tunable ``cosyvoice3_onnx_dir``: the estimator graphs' files by model name, checked (the spec's I/O; the
+    export's manifest names the ``flow.pt`` of ``cosyvoice3_dir``); empty when unset."""
+    if not tun.cosyvoice3_onnx_dir:
+        return {}
+    if cv3_dir is None:
+        raise RenderError("tunable cosyvoice3_onnx_dir needs cosyvoice3_dir (the folder it was exported from)")
+    onnx_dir = Path(tun.cosyvoice3_onnx_dir).resolve()
+    files = {name: onnx_dir / f"{name}.onnx" for name in CV3_GRAPH_MODELS}
+    if allow_missing:
+        return files
+    for name, path in files.items():
+        if not path.is_file():
+            raise RenderError(f"tunable cosyvoice3_onnx_dir: {path} not found (export-onnx --model-dir {cv3_dir} "
+                              f"--out {onnx_dir})")
+        check_onnx_io(path, name)
+    from ...hashing import file_sha256
+
+    manifest = onnx_dir / "manifest.json"
+    try:
+        entries = json.loads(manifest.read_text())["graphs"]
+        sources = {entries[name]["source"]["sha256"] for name in CV3_GRAPH_MODELS}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RenderError(f"tunable cosyvoice3_onnx_dir: {manifest} is not an export's manifest ({exc})") from exc
+    if sources != {file_sha256(cv3_dir / "flow.pt")}:
+        raise RenderError(f"tunable cosyvoice3_onnx_dir: the graphs of {onnx_dir} were exported from another flow.pt "
+                          f"than {cv3_dir / 'flow.pt'} (export again from cosyvoice3_dir)")
+    return files
+
+
 def _clean(out: Path) -> None:
     if out.exists():
         if any(out.iterdir()) and not (out / MARKER).is_file():
@@ -178,6 +210,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
     _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
     cv3_dir = _cosyvoice3_dir(tun, allow_missing)
+    cv3_graphs = _cv3_estimator_files(tun, cv3_dir, allow_missing)
     if precision == CPU_CHOICE:
         _warn_foreign_report(quality_report, model_dir, onnx_dir)
     out = Path(out_dir)
@@ -300,9 +333,34 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             files += _graph_versions(out / name, name, flavor, versions, engine_dir, quality_report, tun,
                                      allow_missing, served_graphs)
 
+    # --- CosyVoice3's estimator graphs (tunable cosyvoice3_onnx_dir), called by the CosyVoice3 models
+    for name, path in cv3_graphs.items():
+        spec = GRAPHS3[name]
+        if flavor == "local":
+            backend, kind, ragged = 'backend: "python"', "KIND_CPU", True
+            params = {"graph": name, "onnx_path": str(path), "device": tun.device,
+                      "intra_op_threads": tun.intra_op_threads, **_nice(tun, name)}
+            python_code(name, templates / "graph")
+            runtime_note = (f"Python backend, onnxruntime on {tun.device}, fp32 of {path} "
+                            "(model_repository/graph/model.py)")
+            models[name] = "python (onnxruntime, fp32)"
+        else:
+            backend = 'backend: "onnxruntime"\ndefault_model_filename: "model.onnx"'
+            kind, ragged, params = tun.instance_kind or "KIND_GPU", False, {}
+            files.append(_place(path, out / name / "1" / "model.onnx", allow_missing))
+            runtime_note = f"onnxruntime backend, fp32 of {path}" + (
+                " (no TensorRT plan of CosyVoice3's DiT is built)" if flavor == "trt" else "")
+            models[name] = "onnxruntime (fp32)"
+        write(name, "model_repository/graph/config.pbtxt.in", {
+            **common(name), "name": name, "graph": name, "graph_doc": spec.doc, "flavor": flavor,
+            "runtime_note": runtime_note, "backend": backend, "max_batch_size": spec.max_batch_size,
+            "inputs": _io_block("input", spec.inputs, ragged=ragged), "outputs": _io_block("output", spec.outputs),
+            "instance_kind": kind, "parameters": _parameters_block(params), "warmup": "", "response_cache": ""},
+            templates / "graph" / "config.pbtxt.in")
+
     # --- the served models of SERVED_MODELS: the stages (model_repository/) and the pipelines (ensemble/)
     ctx = RenderContext(flavor=flavor, tunables=tun, model_dir=model_dir, has_tts=has_tts, engine_dir=engine_dir,
-                        cosyvoice3_dir=cv3_dir)
+                        cosyvoice3_dir=cv3_dir, cosyvoice3_graphs=bool(cv3_graphs))
     for entry in SERVED_MODELS:
         if not entry.enabled(ctx) or (versions and entry.name in NOT_VERSIONED):
             continue

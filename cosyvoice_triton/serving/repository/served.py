@@ -48,6 +48,7 @@ from ...shapes import (
     TensorSpec,
 )
 from ..samples import stage_warmup_samples
+from ..stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS
 from ..stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from ..stages.live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from ..stages.official_api import (
@@ -71,8 +72,10 @@ HIGH_PRIORITY_MODELS = (TTS_STREAM_MODEL, TTS_MODEL)
 TASK_SUFFIX = "_tts"
 ISOLATED_STAGES = ("flow", "hift")
 TASK_COPIES = tuple(f"{m}{TASK_SUFFIX}" for m in (*GRAPHS, *ISOLATED_STAGES))
+#: CosyVoice3's served graphs (tunable ``cosyvoice3_onnx_dir``): the DiT estimator's two attention variants.
+CV3_GRAPH_MODELS = ESTIMATOR_GRAPHS
 #: Models that call no other model: the only ones the rate limiter may hold (no hold-and-wait).
-LEAF_MODELS = (*GRAPHS, *(f"{g}{TASK_SUFFIX}" for g in GRAPHS), "preprocess", "postprocess")
+LEAF_MODELS = (*GRAPHS, *(f"{g}{TASK_SUFFIX}" for g in GRAPHS), *CV3_GRAPH_MODELS, "preprocess", "postprocess")
 
 
 #: The Python models that read the ``nice`` parameter (and the graphs of flavor local).
@@ -97,6 +100,7 @@ class RenderContext:
     has_tts: bool
     engine_dir: Path = Path("build/engines")
     cosyvoice3_dir: Path | None = None  # tunable cosyvoice3_dir, resolved and checked
+    cosyvoice3_graphs: bool = False  # the CosyVoice3 estimator graphs are served (tunable cosyvoice3_onnx_dir)
 
 
 @dataclass(frozen=True)
@@ -280,7 +284,9 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
     tun = ctx.tunables
     return {"model_dir": str(ctx.cosyvoice3_dir), "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds,
             "wait_timeout_s": tun.tts_wait_timeout_s, "output_sample_rate": tun.output_sample_rate,
-            "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision}
+            "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision,
+            "estimator_models": ",".join(CV3_GRAPH_MODELS) if ctx.cosyvoice3_graphs else "",
+            "bls_timeout_us": tun.bls_timeout_us}
 
 
 def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
@@ -397,7 +403,7 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                  *CV3_TTS_STREAM_EXTRA_INPUTS), TTS_STREAM_OUTPUTS,
                 frozenset(t.name for t in (*TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS, *TTS_STREAM_EXTRA_INPUTS,
                                            *CV3_TTS_STREAM_EXTRA_INPUTS)),
-                max_batch_size=8, decoupled=True, when=_cv3,
+                max_batch_size=1, decoupled=True, when=_cv3,
                 parameters=_cv3_tts_params,
                 doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream): the cosyvoice3_dir folder "
                     "in process, one request at a time per instance, chunks on the official CosyVoice3 schedule; "
@@ -432,10 +438,10 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                                         "model_sample_rate": OUTPUT_SAMPLE_RATE},
                 doc=f"non-streaming CosyVoice3 TTS: the adapter of {TTS_MODEL} sent on to {CV3_TTS_STREAM_MODEL}"),
     ServedModel(CV3_VC_MODEL, f"ensemble/{CV3_VC_MODEL}", CV3_VC_INPUTS, CV3_VC_OUTPUTS,
-                frozenset(t.name for t in CV3_VC_INPUTS), max_batch_size=8, when=_cv3,
+                frozenset(t.name for t in CV3_VC_INPUTS), max_batch_size=1, when=_cv3,
                 parameters=_cv3_params,
                 doc="CosyVoice3 voice conversion (the tensors of cosyvoice_vc less seed): the cosyvoice3_dir "
-                    "folder in process, the requests of a batch one after the other"),
+                    "folder in process, one request at a time per instance"),
     ServedModel(CV3_OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS,
                 OFFICIAL_OPTIONAL, max_batch_size=8, params_key=OFFICIAL_MODEL,
                 decoupled=lambda ctx: ctx.tunables.cosyvoice3_decoupled, when=_cv3_official,

@@ -21,6 +21,7 @@ from ...shapes import (
 from ...streaming import StreamSchedule
 from ..stages.model_params import MODEL_PARAMS
 from .served import (
+    CV3_GRAPH_MODELS,
     HIGH_PRIORITY_MODELS,
     LEAF_MODELS,
     NICE_MODELS,
@@ -177,6 +178,11 @@ class Tunables:
     #: ... tokens, as its clients get them), or ``official``, the official ``CosyVoice3`` class's (those of
     #: ``cosyvoice3_tts_stream``: 25 + pad, 50, 100)
     cosyvoice3_stream_schedule: str = "runtime"
+    #: The fp32 ONNX export of the ``cosyvoice3_dir`` folder (``export-onnx --model-dir <cosyvoice3_dir>``; ``""``:
+    #: none): its DiT estimator graphs are served as ``flow3_estimator`` and ``flow3_estimator_streaming`` behind the
+    #: dynamic batcher, and every CosyVoice3 model's flow steps call them by BLS, batched across instances
+    #: (serving/stages/cosyvoice3_graphs.py); needs ``cosyvoice3_flow_precision=fp32``
+    cosyvoice3_onnx_dir: str = ""
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -201,6 +207,9 @@ class Tunables:
         if self.cosyvoice3_stream_schedule not in ("official", "runtime"):
             raise RenderError(f"tunable cosyvoice3_stream_schedule must be official or runtime, got "
                               f"{self.cosyvoice3_stream_schedule!r}")
+        if self.cosyvoice3_onnx_dir and self.cosyvoice3_flow_precision != "fp32":
+            raise RenderError("tunable cosyvoice3_onnx_dir serves the fp32 estimator graphs: it needs "
+                              f"cosyvoice3_flow_precision=fp32, got {self.cosyvoice3_flow_precision!r}")
         if self.cosyvoice3_flow_precision not in ("fp32", "int8"):
             raise RenderError(f"tunable cosyvoice3_flow_precision must be fp32 or int8, got "
                               f"{self.cosyvoice3_flow_precision!r}")
@@ -219,7 +228,7 @@ class Tunables:
         if self.output_format not in ("", "wav", "flac"):
             raise RenderError(f"tunable output_format must be '', wav or flac, got {self.output_format!r}")
         for model, n in self.instances.items():
-            if model not in (*GRAPHS, *SERVED_NAMES, *TASK_COPIES):
+            if model not in (*GRAPHS, *CV3_GRAPH_MODELS, *SERVED_NAMES, *TASK_COPIES):
                 raise RenderError(f"tunable instances: unknown model {model!r}")
             if int(n) < 1:
                 raise RenderError(f"tunable instances[{model!r}] must be >= 1, got {n}")
@@ -242,7 +251,7 @@ class Tunables:
                                       "limiter's unit (it stalls)")
                 if model in TASK_COPIES and not self.task_isolation:
                     raise RenderError(f"tunable {tunable}: {model!r} is rendered only with task_isolation=true")
-                if model not in (*GRAPHS, *SERVED_NAMES, *TASK_COPIES):
+                if model not in (*GRAPHS, *CV3_GRAPH_MODELS, *SERVED_NAMES, *TASK_COPIES):
                     raise RenderError(f"tunable {tunable}: unknown model {model!r}")
                 if not 1 <= int(n) <= limit:
                     raise RenderError(f"tunable {tunable}[{model!r}] must be in 1..{limit}, got {n}")
@@ -298,7 +307,7 @@ def _low_task(tun: Tunables, name: str) -> bool:
 def _nice(tun: Tunables, name: str) -> dict[str, int]:
     """The ``nice`` parameter of ``name`` (``task_nice`` on the low task's Python models), or nothing."""
     base = name.removesuffix(TASK_SUFFIX) if name in TASK_COPIES else name
-    python = base in NICE_MODELS or base in GRAPHS
+    python = base in NICE_MODELS or base in GRAPHS or base in CV3_GRAPH_MODELS
     return {"nice": tun.task_nice} if tun.task_nice and python and _low_task(tun, name) else {}
 
 

@@ -27,8 +27,9 @@ prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id 
 
 One instance runs one request at a time (a live TTS session holds it while it computes, and gives it back while it
 waits for its text); a request that waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE).
-Concurrency comes from instances (tunable ``instances``). Live voice conversion (``cosyvoice3_vc_live``) is
-:mod:`.cosyvoice3_live_vc`, over this service. Not served yet for CosyVoice3: the batched graphs.
+Concurrency comes from instances (tunable ``instances``); with tunable ``cosyvoice3_onnx_dir`` the instances' flow
+steps run on the served DiT estimator graphs, batched across instances (:mod:`.cosyvoice3_graphs`). Live voice
+conversion (``cosyvoice3_vc_live``) is :mod:`.cosyvoice3_live_vc`, over this service.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .postprocess import Postprocessor
 from .tts import bytes_input, registered_voice, speed_input
 from .vocoder import parse_seed
 
-__all__ = ["Cv3LiveResponses", "Cv3Service", "build_tts_service"]
+__all__ = ["Cv3LiveResponses", "Cv3Service", "build_service"]
 
 
 def _with_last(chunks: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
@@ -224,22 +225,29 @@ class Cv3Service:
         return {"waveform": self.post.waveform(wave)[None], "sample_rate": np.array([[self.sample_rate]], np.int32)}
 
 
-def build_tts_service(pb_utils, p: Mapping[str, Any]) -> Cv3Service:
-    """The :class:`Cv3Service` of a served CosyVoice3 TTS model from its parameters (``p``: read with
-    ``MODEL_PARAMS["cosyvoice3_tts_stream"]`` or ``["cosyvoice3_tts_live"]``); ``pb_utils`` makes the BLS calls to
-    the speakers model (``speakers_model``; empty: ``speaker_id`` is refused)."""
+def build_service(pb_utils, p: Mapping[str, Any], *, tts: bool = True) -> Cv3Service:
+    """The :class:`Cv3Service` of a served CosyVoice3 model from its parameters (``p``: read with its
+    ``MODEL_PARAMS`` entry); ``tts``: load the LM and text front end. ``pb_utils`` makes the BLS calls to the speakers
+    model (``speakers_model``; empty or absent: ``speaker_id`` is refused) and to the estimator graphs
+    (``estimator_models``; empty: the DiT in process, :mod:`.cosyvoice3_graphs`)."""
     from ...family import COSYVOICE3
+    from .cosyvoice3_graphs import bls_estimator
     from .speakers import BlsSpeakers
 
     speakers = None
-    if p["speakers_model"]:
+    if p.get("speakers_model"):
         speakers = BlsSpeakers(pb_utils, p["speakers_model"], timeout_us=p["bls_timeout_us"], family=COSYVOICE3)
-    return Cv3Service.load(p["model_dir"], lm_precision=p["lm_precision"], torch_threads=p["torch_threads"],
-                           flow_precision=p["flow_precision"], min_seconds=p["min_seconds"],
-                           max_seconds=p["max_seconds"], output_sample_rate=p["output_sample_rate"],
-                           wait_timeout_s=p["wait_timeout_s"],
-                           text_limits={"max_chars": p["max_text_chars"], "max_digit_run": p["max_text_digit_run"],
-                                        "max_digits": p["max_text_digits"]}, speakers=speakers)
+    kw: dict[str, Any] = {}
+    if tts:
+        kw = {"lm_precision": p["lm_precision"], "text_limits": {
+            "max_chars": p["max_text_chars"], "max_digit_run": p["max_text_digit_run"],
+            "max_digits": p["max_text_digits"]}}
+    service = Cv3Service.load(p["model_dir"], tts=tts, torch_threads=p["torch_threads"],
+                              flow_precision=p["flow_precision"], min_seconds=p["min_seconds"],
+                              max_seconds=p["max_seconds"], output_sample_rate=p["output_sample_rate"],
+                              wait_timeout_s=p["wait_timeout_s"], speakers=speakers, **kw)
+    service.model.flow.estimator_fn = bls_estimator(pb_utils, p, service.model.flow)
+    return service
 
 
 class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):

@@ -2,13 +2,14 @@
 
 :class:`GraphRunner` runs a graph of :data:`~cosyvoice_triton.shapes.GRAPHS` on onnxruntime (the file from
 ``build/onnx/<precision>``) or, for the four neural graphs, on its PyTorch module (``runtime="torch"``, e.g. on
-CUDA where there is a GPU but no TensorRT). :meth:`GraphRunner.run_items` takes the requests of one Triton
+CUDA where there is a GPU but no TensorRT); CosyVoice3's graphs (:data:`~cosyvoice_triton.shapes.GRAPHS3`) run on
+onnxruntime. :meth:`GraphRunner.run_items` takes the requests of one Triton
 ``execute()`` (each a dict of the graph's inputs with its own batch and lengths) and batches them the way
 the graph allows without changing any result:
 
 * ``pad``: the graph masks padding (``speech_tokenizer`` with ``whisper_mel_len``, ``flow_encoder`` with
-  ``speech_token_len``, ``flow_estimator`` with ``mask``), so every request is zero-padded to the longest and
-  all go in one call (chunked by the graph's maximum batch).
+  ``speech_token_len``, ``flow_estimator`` and ``flow3_estimator[_streaming]`` with ``mask``), so every request is
+  zero-padded to the longest and all go in one call (chunked by the graph's maximum batch).
 * ``group``: the graph sees padding (``speaker_encoder`` pools over all frames; HiFT's non-causal convolutions
   reach ~12 frames into it), so only requests of equal lengths share a call.
 
@@ -50,13 +51,13 @@ import numpy as np
 from ...errors import CosyVoiceError
 from ...frontend.speech_models import speech_token_count
 from ...prompt_cache import PromptCache
-from ...shapes import GRAPHS, GraphSpec
+from ...shapes import GRAPHS, GRAPHS3, GraphSpec
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes", "check_request", "check_values",
-           "fallback_counts", "result_key"]
+__all__ = ["ALL_GRAPH_SPECS", "BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes",
+           "check_request", "check_values", "fallback_counts", "result_key"]
 
 #: How each graph batches requests of different lengths (see the module docstring).
 BATCH_POLICY: Mapping[str, str] = {
@@ -66,7 +67,14 @@ BATCH_POLICY: Mapping[str, str] = {
     "flow_estimator": "pad",
     "hift_source": "group",
     "hift_decoder": "group",
+    # CosyVoice3's (shapes.GRAPHS3): the DiT masks padding in its attention and zeroes it before its causal conv
+    "flow3_estimator": "pad",
+    "flow3_estimator_streaming": "pad",
+    "hift3_source": "group",
+    "hift3_decoder": "group",
 }
+#: Every graph a :class:`GraphRunner` runs: CosyVoice2's and CosyVoice3's.
+ALL_GRAPH_SPECS: Mapping[str, GraphSpec] = {**GRAPHS, **GRAPHS3}
 RUNTIMES = ("onnxruntime", "torch")
 #: Requests served once more on a fallback graph, by ``(graph, outcome)``; outcome ``served`` or ``failed``.
 FALLBACK_COUNTS: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -182,7 +190,7 @@ def check_request(spec: GraphSpec, feeds: Mapping[str, np.ndarray], *, max_batch
 
 
 class GraphRunner:
-    """One graph of :data:`GRAPHS`: ``run`` (one call) and ``run_items`` (a batch of requests).
+    """One graph of :data:`ALL_GRAPH_SPECS`: ``run`` (one call) and ``run_items`` (a batch of requests).
 
     Args:
         name: the graph.
@@ -206,11 +214,11 @@ class GraphRunner:
                  policy: str | None = None, fallback: str | Path | None = "auto",
                  on_fallback: Callable[[str], None] | None = None, cache_mb: float = 0.0,
                  on_cache: Callable[[str, int], None] | None = None):
-        if name not in GRAPHS:
-            raise ValueError(f"unknown graph {name!r} (one of {', '.join(GRAPHS)})")
+        if name not in ALL_GRAPH_SPECS:
+            raise ValueError(f"unknown graph {name!r} (one of {', '.join(ALL_GRAPH_SPECS)})")
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        self.name, self.spec, self.runtime, self.device = name, GRAPHS[name], runtime, device
+        self.name, self.spec, self.runtime, self.device = name, ALL_GRAPH_SPECS[name], runtime, device
         self.max_batch = self.spec.max_batch_size
         self._session = self._module = None
         if runtime == "torch":

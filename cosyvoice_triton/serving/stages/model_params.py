@@ -76,6 +76,8 @@ _CV3_COMMON = (
     Param("output_sample_rate", int, 0, "rate of the served waveform (0: the model's)"),
     Param("flow_precision", str, "fp32", "the flow's DiT blocks: fp32, or int8 (PyTorch's CPU INT8 Linear)",
           ("fp32", "int8")),
+    Param("estimator_models", str, "", "the served DiT estimator graphs 'FULL,STREAMING' the flow's Euler steps call "
+          "by BLS (serving/stages/cosyvoice3_graphs.py; empty: the DiT in process)"),
     _TORCH_THREADS,
 )
 
@@ -123,7 +125,7 @@ _CV3_TTS = (
 
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     "graph": (
-        Param("graph", str, None, "the graph of cosyvoice_triton.shapes.GRAPHS this model runs"),
+        Param("graph", str, None, "the graph of cosyvoice_triton.shapes.GRAPHS (or GRAPHS3) this model runs"),
         Param("runtime", str, "onnxruntime", "onnxruntime (the ONNX file) or torch (the checkpoint's module)",
               ("onnxruntime", "torch")),
         Param("onnx_path", str, "", "the graph's ONNX file (runtime onnxruntime; relative: in the version's folder)"),
@@ -249,6 +251,7 @@ MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({
     ),
     "cosyvoice3_vc": (
         Param("model_dir", str, None, "the CosyVoice3 folder (flow.pt, hift.pt, speech_tokenizer_v3.onnx, ...)"),
+        _BLS_TIMEOUT,
         *_CV3_COMMON,
     ),
     "cosyvoice3_vc_live": (  # the source in pieces (serving/stages/cosyvoice3_live_vc.py)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CosyVoiceError
-from ...shapes import GRAPHS, GraphSpec
+from ...shapes import GRAPHS, GRAPHS3, GraphSpec
 from .batching import ItemResult
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class BlsGraph:
     ``version``: that numbered version of it (-1: the latest loaded)."""
 
     def __init__(self, pb, model: str, graph: str, *, timeout_us: int = 0, version: int = -1):
-        self.pb, self.model, self.spec = pb, model, GRAPHS[graph]
+        self.pb, self.model, self.spec = pb, model, {**GRAPHS, **GRAPHS3}[graph]
         self.timeout_us = int(timeout_us)
         self.version = int(version)
         self.calls = 0

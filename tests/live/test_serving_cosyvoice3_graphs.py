@@ -1,0 +1,110 @@
+"""CosyVoice3's DiT estimator served as graphs (tunable ``cosyvoice3_onnx_dir``) by a real ``tritonserver``:
+``cosyvoice3_vc`` on two instances answers what the library answers with the same graphs in process, every Euler
+step goes to ``flow3_estimator``, and the steps of two requests converted at once share the graph's executions
+(Triton's dynamic batcher, a 300 ms queue delay so that the two instances' steps meet)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from conftest import PATIENCE_S, served
+
+ATOL = 1e-4  # another process, the same graphs and threads: float32 sums in another order at most
+
+
+@pytest.fixture(scope="module")
+def server(serving_assets, cv3_demo_dir, cv3_onnx_dir, tmp_path_factory):
+    from cosyvoice_triton.serving.repository import render_repository
+
+    repo = tmp_path_factory.mktemp("cv3graphs") / "model_repository"
+    report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
+                               onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=300_000,
+                               cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(cv3_onnx_dir),
+                               instances={"cosyvoice3_vc": 2})
+    assert report.models["flow3_estimator"] == report.models["flow3_estimator_streaming"] == \
+        "python (onnxruntime, fp32)"
+    with served(repo) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def library(cv3_demo_dir, cv3_onnx_dir):
+    """The library with the same estimator graphs in process."""
+    from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
+    from cosyvoice_triton.serving.stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS, GraphEstimator
+    from cosyvoice_triton.serving.stages.graphs import GraphRunner
+
+    service = Cv3Service.load(cv3_demo_dir, tts=False)
+    full, streaming = (GraphRunner(n, onnx_path=cv3_onnx_dir / f"{n}.onnx").run for n in ESTIMATOR_GRAPHS)
+    service.model.flow.estimator_fn = GraphEstimator(full, streaming, service.model.flow.decoder.estimator)
+    return service
+
+
+def _request(en_speech, seconds: float) -> dict[str, np.ndarray]:
+    p, psr, s, ssr = en_speech
+    return {"source_audio": s[None, :int(seconds * ssr)], "source_sample_rate": np.array([[ssr]], np.int32),
+            "prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32)}
+
+
+def _convert(server, arrays) -> np.ndarray:
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(server.http_url, network_timeout=PATIENCE_S,
+                                          connection_timeout=PATIENCE_S) as client:
+        inputs = []
+        for name, arr in arrays.items():
+            t = httpclient.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else "INT32")
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+        return client.infer("cosyvoice3_vc", inputs).as_numpy("waveform")
+
+
+def _stats(server, model) -> tuple[int, int]:
+    """(requests served, executions) of ``model`` (a request is one Euler step: 2 rows of Triton's
+    ``inference_count``)."""
+    status, body = server.request("GET", f"/v2/models/{model}/stats", admin=True, timeout=PATIENCE_S)
+    assert status == 200, body
+    s = json.loads(body)["model_stats"][0]
+    return int(s["inference_stats"]["success"].get("count", 0)), int(s.get("execution_count", 0))
+
+
+def test_conversion_on_the_served_graphs_is_the_library_on_them(server, library, en_speech):
+    before = _stats(server, "flow3_estimator")
+    got = _convert(server, _request(en_speech, 5.0))
+    want = library.convert(_request(en_speech, 5.0))["waveform"]
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    after = _stats(server, "flow3_estimator")
+    assert after[0] - before[0] == 10  # the 10 Euler steps, each one request of the graph
+    assert _stats(server, "flow3_estimator_streaming")[0] == 0  # a whole conversion: full attention
+
+
+def test_two_conversions_at_once_share_the_graphs_executions(server, library, en_speech):
+    """Two requests of different lengths on the two instances: each answers what it answers alone, and their 20
+    steps took fewer executions of the graph than requests (the dynamic batcher padded steps of both together)."""
+    requests = [_request(en_speech, 5.0), _request(en_speech, 4.0)]
+    alone = [library.convert(r)["waveform"] for r in requests]
+    before = _stats(server, "flow3_estimator")
+    answers: list = [None, None]
+
+    def run(i):
+        try:
+            answers[i] = _convert(server, requests[i])
+        except Exception as exc:  # reported below
+            answers[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PATIENCE_S)
+    for got, want in zip(answers, alone, strict=True):
+        assert isinstance(got, np.ndarray), got
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    steps, executions = (a - b for a, b in zip(_stats(server, "flow3_estimator"), before, strict=True))
+    print(f"\nflow3_estimator: {steps} steps of two conversions in {executions} executions")
+    assert steps == 20
+    assert executions < steps, "no two steps shared an execution of the graph"

@@ -62,7 +62,8 @@ def main(argv=None) -> int:
                    metavar="N:MODEL_DIR:ONNX_DIR[:PRECISION]",
                    help="a numbered version (repeat): the graphs, flow and hift of each, its pipeline cosyvoice_vc_vN, "
                         "and cosyvoice_vc as the router (cosyvoice_triton.serving.launch.rollout); --model-dir / "
-                        "--onnx-dir / --precision are then the live version's")
+                        "--onnx-dir / --precision are then the live version's; a CosyVoice3 folder is a version "
+                        "whose pipeline is cosyvoice3_vc on it (ONNX_DIR not read)")
     p.add_argument("--live-version", type=int, default=0, help="the version served at start (default: the lowest)")
     args = p.parse_args(argv)
     try:

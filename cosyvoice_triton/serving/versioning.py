@@ -1,7 +1,11 @@
 """What a numbered version of the served voice conversion is, shared by the render (which writes each version
 into the repository, :mod:`.repository`) and the rollout (which stages and routes them, :mod:`.launch.rollout`):
 :class:`VersionSpec`, the models that get a folder per version, the pipeline model of a version, the router's
-parameters and the manifest each version carries."""
+parameters and the manifest each version carries.
+
+A version is a CosyVoice2 folder with its export (the graphs and the BLS stages get the version's folder), or a
+CosyVoice3 folder (its pipeline runs the folder in process, as ``cosyvoice3_vc``: no graphs); the family is the
+folder's (:func:`~cosyvoice_triton.family.model_family`)."""
 
 from __future__ import annotations
 
@@ -12,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..family import COSYVOICE2, COSYVOICE3, FAMILY_YAML
 from ..hashing import file_sha256
 from ..shapes import GRAPHS, VC_MODEL
 from .stages.params import Param
 
-__all__ = ["CHECKPOINT_FILES", "MANIFEST_NAME", "ROUTER_PARAMS", "VERSIONED", "VersionSpec", "pipeline_model",
-           "version_manifest"]
+__all__ = ["CHECKPOINT_FILES", "FAMILY_CHECKPOINT_FILES", "MANIFEST_NAME", "ROUTER_PARAMS", "VERSIONED",
+           "VersionSpec", "pipeline_model", "version_manifest"]
 
 #: Models with one folder per version (the graphs and the BLS stages that call them).
 VERSIONED = (*GRAPHS, "flow", "hift")
@@ -25,6 +30,10 @@ VERSIONED = (*GRAPHS, "flow", "hift")
 MANIFEST_NAME = "version.json"
 #: The model folder's files a version records the digests of.
 CHECKPOINT_FILES = ("cosyvoice2.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v2.onnx", "campplus.onnx")
+#: The same per family (a CosyVoice3 version converts with its own tokenizer).
+FAMILY_CHECKPOINT_FILES = {COSYVOICE2: CHECKPOINT_FILES,
+                           COSYVOICE3: ("cosyvoice3.yaml", "flow.pt", "hift.pt", "speech_tokenizer_v3.onnx",
+                                        "campplus.onnx")}
 #: The router's config parameters (``ensemble/cosyvoice_vc_router``).
 ROUTER_PARAMS = (
     Param("split", str, None, "version:weight,... (e.g. 1:90,2:10): the share of requests of each version"),
@@ -32,6 +41,8 @@ ROUTER_PARAMS = (
     Param("candidate_version", int, 0, "the staged version (0: none)"),
     Param("target", str, "cosyvoice_vc_v{version}", "the pipeline model of a version"),
     Param("bls_timeout_us", int, 0, "timeout of each forwarded request in microseconds (0: none)"),
+    Param("seedless_versions", str, "", "versions whose pipeline takes no seed, comma separated (CosyVoice3: its "
+          "vocoder noise is the checkpoint's fixed buffer): the router leaves a request's seed out for them"),
 )
 
 
@@ -43,12 +54,14 @@ def pipeline_model(version: int) -> str:
 @dataclass(frozen=True)
 class VersionSpec:
     """One version to render: ``number`` (>= 1), the model folder, the export's root and the precision
-    (anything :func:`~cosyvoice_triton.serving.repository.precision_plan` takes)."""
+    (anything :func:`~cosyvoice_triton.serving.repository.precision_plan` takes); ``family``: the folder's (empty
+    until the render reads it; a CosyVoice3 version has no export: its ``onnx_dir`` is not read)."""
 
     number: int
     model_dir: Path
     onnx_dir: Path
     precision: str = "fp32"
+    family: str = ""
 
     def __post_init__(self):
         if int(self.number) < 1:
@@ -78,21 +91,29 @@ def _export_source(onnx_dir: Path, graph: str, served: Path) -> dict[str, Any]:
 
 def version_manifest(spec: VersionSpec, served: Mapping[str, Path], precisions: Mapping[str, str], *,
                      flavor: str) -> dict[str, Any]:
-    """The record of a rendered version: checkpoint digests, each graph's served file with its digest, its
-    precision and what its export says it was made from, and the model's settings (``cosyvoice2.yaml``)."""
+    """The record of a rendered version: its family, checkpoint digests, each graph's served file with its digest,
+    its precision and what its export says it was made from, and the model's settings (the family's yaml)."""
     from ..config import ModelConfig
 
     model_dir = Path(spec.model_dir).resolve()
-    checkpoint = {f: file_sha256(model_dir / f) for f in CHECKPOINT_FILES if (model_dir / f).is_file()}
-    yaml = model_dir / "cosyvoice2.yaml"
-    settings = _plain(ModelConfig.from_yaml(yaml)) if yaml.is_file() else {}
+    family = spec.family or COSYVOICE2
+    checkpoint = {f: file_sha256(model_dir / f) for f in FAMILY_CHECKPOINT_FILES[family] if (model_dir / f).is_file()}
+    yaml = model_dir / FAMILY_YAML[family]
+    if not yaml.is_file():
+        settings = {}
+    elif family == COSYVOICE3:
+        from ..models.cosyvoice3.config import read_cosyvoice3_yaml
+
+        settings = _plain(read_cosyvoice3_yaml(yaml))
+    else:
+        settings = _plain(ModelConfig.from_yaml(yaml))
     graphs = {}
     for name, path in served.items():
         path = Path(path)
         graphs[name] = {"file": str(path), "sha256": file_sha256(path) if path.is_file() and path.stat().st_size
                         else "", "precision": precisions.get(name, ""),
                         **_export_source(Path(spec.onnx_dir).resolve(), name, path)}
-    return {"version": int(spec.number), "pipeline": pipeline_model(spec.number), "flavor": flavor,
+    return {"version": int(spec.number), "pipeline": pipeline_model(spec.number), "family": family, "flavor": flavor,
             "model_dir": str(model_dir), "onnx_dir": str(Path(spec.onnx_dir).resolve()),
             "precision": spec.precision, "checkpoint": checkpoint, "settings": settings, "graphs": graphs,
             "rendered_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

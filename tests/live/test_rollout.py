@@ -109,6 +109,7 @@ def _fake_rollout(tmp_path, client, **kw):
         (tmp_path / m / "config.pbtxt").write_text(f'name: "{m}"\n{policy}\n')
     ro = object.__new__(Rollout)
     ro.client, ro.repository, ro.headers, ro.drain_timeout = client, tmp_path, {}, 30.0
+    ro.manifests = {1: {"version": 1}, 2: {"version": 2}}  # CosyVoice2 versions (no family recorded)
     for k, v in {"drain_settle": 0.3, **kw}.items():
         setattr(ro, k, v)
     return ro

@@ -33,6 +33,14 @@ no longer holds the checkpoint it was rendered with or has another model's setti
 was made from other checkpoint files or its served files differ from the export (out of date), or its pipeline's
 output on a fixed input differs from the live version's beyond a log-mel distance (parity smoke test; the
 candidate pipeline is called directly, never through the router).
+
+**Across families.** A CosyVoice3 version (its pipeline is ``cosyvoice3_vc`` on its folder, in process) is staged,
+put on canary, promoted and rolled back the same way from a CosyVoice2 live version, and back. Its checks are the
+checkpoint digests (a family change has other settings by design: they are not compared), and instead of parity,
+which a new family cannot meet, a smoke test (:data:`SMOKE_DURATION`): the candidate's answer to the fixed input is
+finite, within [-1, 1] and as long as the live version's within 5 %. Promoting a CosyVoice3 version unloads the
+CosyVoice2 graphs and stages (no version of theirs is live); staging a CosyVoice2 version loads them again. The
+router leaves ``seed`` out of a CosyVoice3 version's requests (router parameter ``seedless_versions``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...family import COSYVOICE2, COSYVOICE3, FAMILY_YAML
 from ...hashing import file_sha256
 from ...shapes import GRAPHS, VC_MODEL
 from ..versioning import (  # re-exported: the public names here
@@ -60,14 +69,35 @@ from ..versioning import (  # re-exported: the public names here
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_FILES", "DRAIN_SETTLE_S", "MANIFEST_NAME", "PARITY_DB", "ROUTER_MODEL", "ROUTER_PARAMS",
-           "VERSIONED", "Rollout", "RolloutError", "RolloutRefused", "Split", "VersionSpec", "check_version",
-           "pipeline_gone", "pipeline_model", "read_manifests", "startup_models", "version_manifest"]
+__all__ = [
+    "CHECKPOINT_FILES",
+    "DRAIN_SETTLE_S",
+    "MANIFEST_NAME",
+    "PARITY_DB",
+    "ROUTER_MODEL",
+    "ROUTER_PARAMS",
+    "SMOKE_DURATION",
+    "VERSIONED",
+    "Rollout",
+    "RolloutError",
+    "RolloutRefused",
+    "Split",
+    "VersionSpec",
+    "check_version",
+    "pipeline_gone",
+    "pipeline_model",
+    "read_manifests",
+    "startup_models",
+    "version_manifest",
+]
 
 ROUTER_MODEL = VC_MODEL
 #: Parity smoke test: largest mean |log-mel difference| (dB) of the candidate's output against the live version's
 #: (the quality report's bar for a reduced-precision vocoder, :data:`cosyvoice_triton.export.quality.BAR`).
 PARITY_DB = 0.5
+#: Smoke test of a version of another family than the live one: largest relative difference of its answer's length
+#: from the live version's on the fixed input (both convert the same source: the same duration).
+SMOKE_DURATION = 0.05
 #: Drain: a dropped version's stages must show no new work in Triton's statistics for this long (seconds) before
 #: they lose the version (longer than the gap between two graph calls of one BLS request on a loaded machine).
 DRAIN_SETTLE_S = 3.0
@@ -121,11 +151,16 @@ def read_manifests(repository: str | Path) -> dict[int, dict[str, Any]]:
     return out
 
 
+def manifest_family(manifest: Mapping[str, Any]) -> str:
+    """The family of a rendered version (manifests written before families were recorded: CosyVoice2)."""
+    return str(manifest.get("family") or COSYVOICE2)
+
+
 def check_version(manifest: Mapping[str, Any], live: Mapping[str, Any] | None = None) -> list[str]:
     """The problems of a rendered version, read from disk now (empty: none). Wrong checkpoint: a file of the model
     folder differs from the digest recorded at render time, or the model's settings differ from the live
-    version's. Out of date: a graph's export was made from other checkpoint bytes than the folder holds, or the
-    served file differs from the export's record."""
+    version's of the same family. Out of date: a graph's export was made from other checkpoint bytes than the
+    folder holds, or the served file differs from the export's record."""
     problems = []
     model_dir = Path(manifest["model_dir"])
     now: dict[str, str] = {}
@@ -135,11 +170,13 @@ def check_version(manifest: Mapping[str, Any], live: Mapping[str, Any] | None = 
         if now[f] != digest:
             problems.append(f"wrong checkpoint: {path} is {'missing' if not now[f] else 'not the file'} the version "
                             f"was rendered with (sha256 {digest[:12]}, now {now[f][:12] or '-'})")
-    if live is not None and live.get("settings") != manifest.get("settings"):
+    family = manifest_family(manifest)
+    same_family = live is not None and manifest_family(live) == family
+    if same_family and live.get("settings") != manifest.get("settings"):
         diff = sorted(k for k in set(live.get("settings", {})) | set(manifest.get("settings", {}))
                       if live.get("settings", {}).get(k) != manifest.get("settings", {}).get(k))
-        problems.append(f"wrong checkpoint: {model_dir}/cosyvoice2.yaml has other settings than the live version "
-                        f"{live.get('version')} ({', '.join(diff)}): not a drop-in replacement")
+        problems.append(f"wrong checkpoint: {model_dir}/{FAMILY_YAML[family]} has other settings than the live "
+                        f"version {live.get('version')} ({', '.join(diff)}): not a drop-in replacement")
     for name, g in manifest["graphs"].items():
         if not g["source_sha256"]:
             problems.append(f"export out of date: {name}: no export manifest records what {g['file']} was made from")
@@ -326,8 +363,9 @@ class Rollout:
     # ----------------------------------------------------------------------------------------- steps
 
     def stage(self, version: int) -> dict[str, Any]:
-        """Check ``version``, load it beside the live one and compare it with the live one on a fixed input;
-        the router sends it nothing yet. Raises :class:`RolloutRefused` (everything it loaded unloaded again)."""
+        """Check ``version``, load it beside the live one and compare it with the live one on a fixed input
+        (:meth:`parity`, or :meth:`smoke` across families); the router sends it nothing yet. Returns the
+        comparison's figures; raises :class:`RolloutRefused` (everything it loaded unloaded again)."""
         version = int(version)
         _, p = self._state()
         live, cand = int(p["live_version"]), int(p.get("candidate_version", 0))
@@ -343,9 +381,12 @@ class Rollout:
             raise RolloutRefused(version, problems)
         log.info("stage v%d: checks passed; loading it beside v%d", version, live)
         try:
-            self._set_versions((live, version))
+            exported = [v for v in (live, version) if self.family(v) == COSYVOICE2]
+            if exported:
+                self._set_versions(exported)
             self._load(pipeline_model(version))
-            parity = self.parity(version, live)
+            parity = (self.parity(version, live) if self.family(version) == self.family(live)
+                      else self.smoke(version, live))
         except Exception:
             self._drop(version, live)
             raise
@@ -390,35 +431,60 @@ class Rollout:
 
     # ----------------------------------------------------------------------------------------- parity
 
+    def family(self, version: int) -> str:
+        """The family of a rendered version (its manifest's)."""
+        return manifest_family(self.manifests[int(version)])
+
+    def _answers(self, version: int, live: int, seed: int):
+        from ..samples import stage_warmup_samples
+
+        sample = stage_warmup_samples("preprocess", 2.0)
+        return [self._infer(pipeline_model(v), sample, None if self.family(v) == COSYVOICE3 else seed)
+                for v in (version, live)]
+
+    def smoke(self, version: int, live: int) -> dict[str, Any]:
+        """A version of another family than the live one on the fixed input: its answer is finite, within [-1, 1]
+        and as long as the live version's within :data:`SMOKE_DURATION` (parity cannot hold across families)."""
+        import numpy as np
+
+        a, b = self._answers(version, live, 0)
+        diff = abs(a.size - b.size) / max(b.size, 1)
+        problem = ""
+        if not a.size or not np.all(np.isfinite(a)) or float(np.max(np.abs(a))) > 1.0:
+            problem = (f"smoke: v{version} ({self.family(version)}) gave {a.size} samples, "
+                       f"{'finite' if np.all(np.isfinite(a)) else 'not finite'}, peak "
+                       f"{float(np.max(np.abs(a))) if a.size else 0:.3g}")
+        elif diff > SMOKE_DURATION:
+            problem = (f"smoke: v{version} ({self.family(version)}) answered {a.size} samples, v{live} "
+                       f"({self.family(live)}) {b.size} on the same input ({100 * diff:.1f}% apart; the bar is "
+                       f"{100 * SMOKE_DURATION:g}%)")
+        return {"passed": not problem, "check": "smoke", "db": None, "samples": int(a.size),
+                "duration_diff": diff, "problem": problem}
+
     def parity(self, version: int, live: int, *, seed: int = 0) -> dict[str, Any]:
         """Both pipelines on the same fixed input and seed: the mean |log-mel difference| of their outputs."""
         import numpy as np
 
         from ...export.quality import logmel_db
-        from ..samples import stage_warmup_samples
 
-        sample = stage_warmup_samples("preprocess", 2.0)
-        out = {}
-        for v in (live, version):
-            res = self._infer(pipeline_model(v), sample, seed)
-            out[v] = res
-        a, b = out[version], out[live]
+        a, b = self._answers(version, live, seed)
         if a.shape != b.shape or not np.all(np.isfinite(a)):
             return {"passed": False, "db": float("inf"), "problem": f"parity: v{version} gave {a.shape} "
                     f"({'finite' if np.all(np.isfinite(a)) else 'not finite'}), v{live} {b.shape} on the same input"}
         db, _ = logmel_db(a, b)
         passed = db <= self.parity_db
-        return {"passed": passed, "db": db, "samples": int(a.size),
+        return {"passed": passed, "check": "parity", "db": db, "samples": int(a.size),
                 "problem": "" if passed else f"parity: v{version}'s output is {db:.2f} dB (mean |log-mel "
                 f"difference|) from v{live}'s on the fixed input; the bar is {self.parity_db:g} dB"}
 
-    def _infer(self, model: str, sample: Mapping[str, Any], seed: int):
+    def _infer(self, model: str, sample: Mapping[str, Any], seed: int | None):
         import numpy as np
         import tritonclient.http as httpclient
 
         tensors = {k: sample[k][None] for k in ("source_audio", "source_sample_rate", "prompt_audio",
                                                  "prompt_sample_rate")}
-        tensors["seed"] = np.array([[seed]], np.int64)
+        if seed is not None:
+            tensors["seed"] = np.array([[seed]], np.int64)
         inputs = []
         for name, arr in tensors.items():
             dtype = {"float32": "FP32", "int32": "INT32", "int64": "INT64"}[str(arr.dtype)]
@@ -457,7 +523,8 @@ class Rollout:
             self._load(m)
 
     def _drop(self, version: int, keep: int) -> None:
-        """Unload ``version``'s pipeline, then its versions of the BLS stages, then of the graphs."""
+        """Unload ``version``'s pipeline, then its versions of the BLS stages, then of the graphs (all of them when
+        ``keep`` is a CosyVoice3 version: no CosyVoice2 version is left to serve)."""
         model = pipeline_model(version)
         try:
             self.client.unload_model(model, headers=self.headers)
@@ -470,10 +537,19 @@ class Rollout:
             if time.monotonic() > deadline:
                 raise RolloutError(f"{model} still unloading after {self.drain_timeout:.0f} s: its versions are kept")
             time.sleep(0.2)
+        if self.family(version) == COSYVOICE3:
+            return  # its pipeline was all of it
         # the pipeline reads as unloaded while its BLS stage (flow N) may still run a request that calls the graphs'
         # version N: wait until the version's stages stop counting work before they lose it
         self._wait_stages_quiet(version, deadline)
-        self._set_versions([keep], ("flow", "hift", *GRAPHS))
+        if self.family(keep) == COSYVOICE2:
+            self._set_versions([keep], ("flow", "hift", *GRAPHS))
+            return
+        for m in ("flow", "hift", *GRAPHS):
+            try:
+                self.client.unload_model(m, headers=self.headers)
+            except Exception as exc:  # not loaded: nothing to unload
+                log.debug("unload %s: %s", m, exc)
 
     def stage_activity(self, version: int) -> tuple[int, ...]:
         """Triton's work counters of ``version`` of every versioned model (inference, execution, success, fail
@@ -549,9 +625,12 @@ def _cmd_rollout(args) -> int:
     try:
         with Rollout(args.url, args.repository, admin_key=args.admin_key, parity_db=args.parity_db) as ro:
             if args.action == "stage":
-                parity = ro.stage(int(args.value))
-                print(f"staged v{args.value}: checks passed, parity {parity['db']:.3f} dB "
-                      f"(bar {ro.parity_db:g}); it gets no traffic until `rollout canary PERCENT`")
+                check = ro.stage(int(args.value))
+                passed = (f"parity {check['db']:.3f} dB (bar {ro.parity_db:g})" if check["check"] == "parity" else
+                          f"smoke test across families (length {100 * check['duration_diff']:.1f}% from the live "
+                          f"version's, bar {100 * SMOKE_DURATION:g}%)")
+                print(f"staged v{args.value}: checks passed, {passed}; it gets no traffic until "
+                      "`rollout canary PERCENT`")
             elif args.action == "canary":
                 split = ro.canary(float(args.value))
                 print("split: " + ", ".join(f"v{v} {split.percent(v):.0f}%" for v in sorted(split.weights)))

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ...export.trt import EXCLUDED
+from ...family import COSYVOICE3
 from ...shapes import (
+    CV3_VC_MODEL,
     GRAPHS,
     GRAPHS3,
     VC_MODEL,
@@ -185,7 +187,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     """
     if flavor not in FLAVORS:
         raise RenderError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
-    versions, live_spec = _check_versions(versions, live_version, tunables)
+    versions, live_spec = _check_versions(versions, live_version, tunables, allow_missing)
     if live_spec is not None:
         model_dir, onnx_dir, precision = live_spec.model_dir, live_spec.onnx_dir, live_spec.precision
     plan = precision_plan(precision, flavor, quality_report=quality_report)
@@ -369,7 +371,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             files += _version_pipelines(out, entry, versions, live_spec.number, served_graphs, flavor, note,
                                         write, source, ctx)
             models[name] = "python (router: " + ", ".join(_pipeline_model(v.number) for v in versions) + ")"
-            models.update({_pipeline_model(v.number): "ensemble" for v in versions})
+            models.update({_pipeline_model(v.number): "ensemble" if v.family != COSYVOICE3 else
+                           f"python ({CV3_VC_MODEL} on {v.model_dir})" for v in versions})
             continue
         src_dir = source(entry.folder)
         if entry.kind in ("ensemble", "backend"):

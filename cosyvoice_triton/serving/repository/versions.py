@@ -1,8 +1,10 @@
 """Numbered versions in a rendered repository: the checks of ``versions=``, one folder per version of the graphs
-and BLS stages, each version's pipeline and manifest, and the router under the public name."""
+and BLS stages, each version's pipeline and manifest, and the router under the public name. A CosyVoice3 version's
+pipeline is ``cosyvoice3_vc`` on its folder (in process; no graph or stage folders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -10,8 +12,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...errors import ConfigError
 from ...export.trt import EXCLUDED
+from ...family import COSYVOICE2, COSYVOICE3, model_family
 from ...shapes import (
+    CV3_VC_MODEL,
     SPEAKER_EMBEDDING_MODEL,
     SPEECH_TOKENS_MODEL,
     TTS_MODEL,
@@ -33,8 +38,10 @@ from .precisions import (
     precision_plan,
 )
 from .served import (
+    SERVED_MODELS,
     RenderContext,
     ServedModel,
+    _cv3_params,
 )
 from .templates import (
     AUDIO_BYTES,
@@ -44,6 +51,7 @@ from .templates import (
 )
 from .tunables import (
     Tunables,
+    _dynamic_batching_block,
 )
 
 #: Models left out of a versioned render: they call the graphs without a version (by BLS, or as ensemble steps of
@@ -53,9 +61,25 @@ NOT_VERSIONED = (VC_STREAM_MODEL, LIVE_VC_MODEL, "speakers", TTS_STREAM_MODEL, T
                  SPEECH_TOKENS_MODEL, SPEAKER_EMBEDDING_MODEL, OFFICIAL_MODEL)
 
 
-def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any]
-                    ) -> tuple[tuple[VersionSpec, ...], VersionSpec | None]:
-    versions = tuple(sorted(versions, key=lambda v: v.number))
+def _family(spec: VersionSpec, allow_missing: bool) -> str:
+    if spec.family:
+        return spec.family
+    if allow_missing and not Path(spec.model_dir).is_dir():
+        return COSYVOICE2
+    try:
+        family = model_family(spec.model_dir)
+    except ConfigError as exc:
+        raise RenderError(f"version {spec.number}: {exc}") from exc
+    if family not in (COSYVOICE2, COSYVOICE3):
+        raise RenderError(f"version {spec.number}: {spec.model_dir} is a {family} folder; a version is a "
+                          "CosyVoice2 or CosyVoice3 one")
+    return family
+
+
+def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mapping[str, Any],
+                    allow_missing: bool = False) -> tuple[tuple[VersionSpec, ...], VersionSpec | None]:
+    versions = tuple(sorted((dataclasses.replace(v, family=_family(v, allow_missing)) for v in versions),
+                            key=lambda v: v.number))
     if not versions:
         if live:
             raise RenderError("live_version without versions")
@@ -68,7 +92,19 @@ def _check_versions(versions: Sequence[VersionSpec], live: int, tunables: Mappin
     live = live or numbers[0]
     if live not in numbers:
         raise RenderError(f"live_version {live} is not one of the versions {numbers}")
-    return versions, next(v for v in versions if v.number == live)
+    spec = next(v for v in versions if v.number == live)
+    if spec.family != COSYVOICE2:
+        raise RenderError(f"live_version {live} is a {spec.family} version: the rendered live version is a "
+                          "CosyVoice2 one (its graphs and stages are the repository's); a CosyVoice3 version is "
+                          "staged and promoted by the rollout")
+    if tunables.get("output_format") and any(v.family == COSYVOICE3 for v in versions):
+        raise RenderError("versions: a CosyVoice3 version answers no audio_bytes; leave output_format unset")
+    return versions, spec
+
+
+def exported_versions(versions: Sequence[VersionSpec]) -> list[VersionSpec]:
+    """The versions with graphs and stages of their own (CosyVoice2's)."""
+    return [v for v in versions if v.family != COSYVOICE3]
 
 
 def _version_policy(path: Path, numbers: Iterable[int]) -> None:
@@ -87,7 +123,7 @@ def _graph_versions(model: Path, name: str, flavor: str, versions: Sequence[Vers
     code_text = code.read_bytes() if code.is_file() else None
     shutil.rmtree(model / "1")
     files: list[Path] = []
-    for v in versions:
+    for v in exported_versions(versions):
         plan = precision_plan(v.precision, flavor, quality_report=quality_report)
         onnx_dir = Path(v.onnx_dir).resolve()
         _check_plan(plan, flavor, onnx_dir, tun, allow_missing)
@@ -117,12 +153,12 @@ def _stage_versions(model: Path, versions: Sequence[VersionSpec]) -> list[Path]:
     """A BLS stage's code in every version's folder (version N calls the graphs' version N)."""
     code = (model / "1" / "model.py").read_bytes()
     files = []
-    for v in versions:
+    for v in exported_versions(versions):
         dst = model / str(v.number) / "model.py"
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(code)
         files.append(dst)
-    if 1 not in [v.number for v in versions]:
+    if 1 not in [v.number for v in exported_versions(versions)]:
         shutil.rmtree(model / "1")
     return files
 
@@ -139,6 +175,9 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     step = re.compile(r'(model_name: "(' + "|".join(VERSIONED) + r')"\s*\n\s*model_version: )-1')
     for v in versions:
         name = _pipeline_model(v.number)
+        if v.family == COSYVOICE3:
+            files += _cv3_pipeline(out, v, note, write, source, ctx)
+            continue
         write(name, f"{entry.folder}/config.pbtxt.in", {"name": name, **values}, source(entry.folder) /
               "config.pbtxt.in")
         path = out / name / "config.pbtxt"
@@ -154,7 +193,8 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     router = source("ensemble/cosyvoice_vc_router")
     params = {p.name: p.default for p in ROUTER_PARAMS}
     params.update(split=f"{live}:100", live_version=live, candidate_version=0,
-                  bls_timeout_us=ctx.tunables.bls_timeout_us)
+                  bls_timeout_us=ctx.tunables.bls_timeout_us,
+                  seedless_versions=",".join(str(v.number) for v in versions if v.family == COSYVOICE3))
     write(entry.name, "ensemble/cosyvoice_vc_router/config.pbtxt.in", {
         "name": entry.name, "max_batch_size": 1,
         "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
@@ -168,3 +208,27 @@ def _version_pipelines(out: Path, entry: ServedModel, versions: Sequence[Version
     for model in VERSIONED:
         _version_policy(out / model / "config.pbtxt", [live])
     return files
+
+
+def _cv3_pipeline(out: Path, v: VersionSpec, note: str, write: Callable[..., None], source: Callable[[str], Path],
+                  ctx: RenderContext) -> list[Path]:
+    """A CosyVoice3 version's pipeline: ``cosyvoice3_vc`` (its adapter, tensors and parameters) on the version's
+    folder, under the version's pipeline name, with its manifest."""
+    entry = next(m for m in SERVED_MODELS if m.name == CV3_VC_MODEL)
+    name, tun = _pipeline_model(v.number), ctx.tunables
+    params = _cv3_params(dataclasses.replace(ctx, cosyvoice3_dir=Path(v.model_dir).resolve(),
+                                             cosyvoice3_graphs=False))
+    count = int(tun.instances.get(name, tun.instances.get(CV3_VC_MODEL, entry.instances)))
+    write(name, entry.template, {
+        "name": name, "stage_doc": f"{name}: version {v.number}, CosyVoice3 ({v.model_dir}): {entry.doc}",
+        "source": entry.folder, "max_batch_size": entry.max_batch_size,
+        "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
+        "outputs": _io_block("output", entry.outputs), "parameters": _parameters_block(params),
+        "model_transaction_policy": "", "warmup": "", "instance_count": str(count),
+        "dynamic_batching": _dynamic_batching_block(tun, name)})
+    code = out / name / "1" / "model.py"
+    code.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(source(entry.folder) / "model.py", code)
+    manifest = version_manifest(v, {}, {}, flavor=ctx.flavor)
+    (out / name / VERSION_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return [out / name / "config.pbtxt", code, out / name / VERSION_MANIFEST]

@@ -1,6 +1,6 @@
 """Triton Python-backend adapter of ``cosyvoice3_vc``: the tensors of ``cosyvoice_vc`` (less ``seed``), each request
-of a batch converted by a CosyVoice3 folder in process (``cosyvoice_triton.serving.stages.cosyvoice3.Cv3Service``),
-one after the other; a bad request gets its own error response."""
+of a batch (at most the service's ``concurrency``) converted in its own thread by a CosyVoice3 folder in process
+(``cosyvoice_triton.serving.stages.cosyvoice3.Cv3Service``); a bad request gets its own error response."""
 
 import time
 
@@ -37,4 +37,4 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in out.items()])
 
     def execute(self, requests):
-        return [self._one(r) for r in requests]
+        return triton_io.answer_each(requests, self._one)

@@ -1,7 +1,8 @@
 """CosyVoice3's DiT estimator served as graphs (tunable ``cosyvoice3_onnx_dir``) by a real ``tritonserver``:
-``cosyvoice3_vc`` on two instances answers what the library answers with the same graphs in process, every Euler
-step goes to ``flow3_estimator``, and the steps of two requests converted at once share the graph's executions
-(Triton's dynamic batcher, a 300 ms queue delay so that the two instances' steps meet)."""
+``cosyvoice3_vc`` (two instances, two requests at a time each: ``cosyvoice3_concurrency=2``) answers what the library
+answers with the same graphs in process, every Euler step goes to ``flow3_estimator``, and the steps of three
+requests converted at once, in one instance and across both, share the graph's executions (Triton's dynamic batcher,
+a 300 ms queue delay so that the requests' steps meet)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def server(serving_assets, cv3_demo_dir, cv3_onnx_dir, tmp_path_factory):
     report = render_repository("local", repo, model_dir=serving_assets["model_dir"],
                                onnx_dir=serving_assets["onnx_dir"], max_queue_delay_us=300_000,
                                cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(cv3_onnx_dir),
-                               instances={"cosyvoice3_vc": 2})
+                               instances={"cosyvoice3_vc": 2}, cosyvoice3_concurrency=2)
     assert report.models["flow3_estimator"] == report.models["flow3_estimator_streaming"] == \
         "python (onnxruntime, fp32)"
     with served(repo) as s:
@@ -82,13 +83,15 @@ def test_conversion_on_the_served_graphs_is_the_library_on_them(server, library,
     assert _stats(server, "flow3_estimator_streaming")[0] == 0  # a whole conversion: full attention
 
 
-def test_two_conversions_at_once_share_the_graphs_executions(server, library, en_speech):
-    """Two requests of different lengths on the two instances: each answers what it answers alone, and their 20
-    steps took fewer executions of the graph than requests (the dynamic batcher padded steps of both together)."""
-    requests = [_request(en_speech, 5.0), _request(en_speech, 4.0)]
+def test_conversions_at_once_share_the_graphs_executions(server, library, en_speech):
+    """Three requests of different lengths at once (two of them on one instance, whose execution gets both): each
+    answers what it answers alone, and their 30 steps took fewer executions of the graph than requests (the dynamic
+    batcher padded steps of several requests together)."""
+    requests = [_request(en_speech, 5.0), _request(en_speech, 4.0), _request(en_speech, 3.0)]
     alone = [library.convert(r)["waveform"] for r in requests]
     before = _stats(server, "flow3_estimator")
-    answers: list = [None, None]
+    vc_before = _stats(server, "cosyvoice3_vc")
+    answers: list = [None] * len(requests)
 
     def run(i):
         try:
@@ -96,7 +99,7 @@ def test_two_conversions_at_once_share_the_graphs_executions(server, library, en
         except Exception as exc:  # reported below
             answers[i] = exc
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for t in threads:
         t.start()
     for t in threads:
@@ -105,6 +108,8 @@ def test_two_conversions_at_once_share_the_graphs_executions(server, library, en
         assert isinstance(got, np.ndarray), got
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
     steps, executions = (a - b for a, b in zip(_stats(server, "flow3_estimator"), before, strict=True))
-    print(f"\nflow3_estimator: {steps} steps of two conversions in {executions} executions")
-    assert steps == 20
+    vc_requests, vc_executions = (a - b for a, b in zip(_stats(server, "cosyvoice3_vc"), vc_before, strict=True))
+    print(f"\nflow3_estimator: {steps} steps of three conversions in {executions} executions; cosyvoice3_vc: "
+          f"{vc_requests} requests in {vc_executions} executions")
+    assert steps == 30 and vc_requests == 3
     assert executions < steps, "no two steps shared an execution of the graph"

@@ -170,3 +170,15 @@ def test_the_render_refuses_graphs_that_cannot_serve(serving_assets, cv3_demo_di
     with pytest.raises(RenderError, match="flow3_estimator_streaming.onnx not found"):
         _render(serving_assets, tmp_path / "d", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(other))
     assert not (tmp_path / "d").exists()  # refused before anything is written
+
+
+def test_the_concurrency_tunable_reaches_every_cosyvoice3_model(serving_assets, cv3_demo_dir, tmp_path):
+    """``cosyvoice3_concurrency``: every CosyVoice3 model's ``concurrency``; ``cosyvoice3_vc`` takes that many
+    requests per execution (each in its own thread), the decoupled ones one (their workers run at once)."""
+    _render(serving_assets, tmp_path / "r", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_concurrency=3)
+    for model in CV3_MODELS:
+        text = (tmp_path / "r" / model / "config.pbtxt").read_text()
+        assert re.search(r'key: "concurrency"\s*value: \{\s*string_value: "3"', text), model
+        assert f"max_batch_size: {3 if model == 'cosyvoice3_vc' else 1}\n" in text, model
+    with pytest.raises(RenderError, match="cosyvoice3_concurrency must be >= 1"):
+        _render(serving_assets, tmp_path / "s", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_concurrency=0)

@@ -166,6 +166,75 @@ def test_a_busy_instance_refuses_after_its_wait(service, speech):
     assert len(list(service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT))))) >= 1  # the lock came back
 
 
+class _Gate:
+    """The CosyVoice3 model with its ``vc`` and ``tts_stream`` held at a gate: each call waits until ``parties``
+    calls are inside (a barrier: a serialised service never gets there) and then until :attr:`release` is set."""
+
+    def __init__(self, model, parties: int):
+        self._model, self.inside, self.release = model, threading.Barrier(parties, timeout=120), threading.Event()
+        self.all_in = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def _wait(self):
+        if self.inside.wait() == 0:
+            self.all_in.set()
+        assert self.release.wait(120)
+
+    def vc(self, *a, **k):
+        self._wait()
+        return self._model.vc(*a, **k)
+
+    def tts_stream(self, *a, **k):
+        self._wait()
+        yield from self._model.tts_stream(*a, **k)
+
+
+def test_requests_computing_at_once_in_one_instance_get_their_answers_alone(service, speech):
+    """``concurrency=3``: two conversions and a streamed TTS request compute at the same time on one copy of the
+    weights (all three inside the model at once) and each answer is bit for bit the one computed alone; a fourth
+    request finds every place taken and is refused after ``wait_timeout_s``."""
+    p, psr, s, ssr = speech
+
+    def vc(seconds):
+        return {"source_audio": s[None, :int(seconds * ssr)], "source_sample_rate": np.array([[ssr]], np.int32),
+                "prompt_audio": p[None], "prompt_sample_rate": np.array([[psr]], np.int32)}
+
+    def run(svc, kind, t):
+        if kind == "vc":
+            return svc.convert(t)["waveform"]
+        return np.concatenate([r["waveform"].reshape(-1) for r in svc.responses(t)])
+
+    jobs = [("vc", vc(5.0)), ("vc", vc(3.0)), ("tts", _tts(speech, prompt_text=_b(PROMPT_TEXT)))]
+    alone = [run(service, *job) for job in jobs]
+    gate = _Gate(service.model, 3)
+    wide = Cv3Service(gate, concurrency=3, wait_timeout_s=0.05)
+    out: list = [None] * 3
+    errors: list = []
+
+    def work(i):
+        try:
+            out[i] = run(wide, *jobs[i])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert gate.all_in.wait(120), f"the three requests never computed at once: {errors}"
+        with pytest.raises(EngineBusy, match=r"3 request\(s\) at a time per instance"):
+            wide.convert(vc(2.0))
+    finally:
+        gate.release.set()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    for got, want in zip(out, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_cancelled_stream_stops_and_frees_the_instance(service, speech):
     with pytest.raises(JobCancelled):
         list(service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT)), cancelled=lambda: True))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,11 @@ def draw_causal_nsf_noise(samples: int, generator: torch.Generator | None = None
     return torch.rand(1, samples, NOISE_COLUMNS, generator=generator)
 
 
+#: Requests computing at once in one process extend a noise buffer one after the other (growth is rare: the buffer
+#: doubles).
+_NOISE_GROWTH = threading.Lock()
+
+
 class CausalNsfNoise:
     """A seeded :func:`draw_causal_nsf_noise` buffer, drawn as far as it was asked for and extended on demand.
 
@@ -159,14 +165,18 @@ class CausalNsfNoise:
 
     def __call__(self, samples: int) -> torch.Tensor:
         """``[1, samples, 9]``: the buffer's first ``samples`` rows (a view; do not modify it)."""
-        have = self._noise.shape[1]
-        if samples > have:
+        noise = self._noise
+        if samples > noise.shape[1]:
             if samples > NOISE_MAX_SAMPLES:
                 raise ValueError(f"{samples} samples: the official causal source has noise for {NOISE_MAX_SAMPLES}")
-            grow = min(max(samples - have, have), NOISE_MAX_SAMPLES - have)  # doubling: few, large draws
-            more = torch.rand(1, grow, NOISE_COLUMNS, generator=self._generator)
-            self._noise = torch.cat([self._noise, more], dim=1)
-        return self._noise[:, :samples]
+            with _NOISE_GROWTH:
+                have = self._noise.shape[1]
+                if samples > have:
+                    grow = min(max(samples - have, have), NOISE_MAX_SAMPLES - have)  # doubling: few, large draws
+                    more = torch.rand(1, grow, NOISE_COLUMNS, generator=self._generator)
+                    self._noise = torch.cat([self._noise, more], dim=1)
+                noise = self._noise
+        return noise[:, :samples]
 
 
 # ---------------------------------------------------------------------------------------- convolutions

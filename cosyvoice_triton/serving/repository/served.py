@@ -286,7 +286,7 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
             "wait_timeout_s": tun.tts_wait_timeout_s, "output_sample_rate": tun.output_sample_rate,
             "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision,
             "estimator_models": ",".join(CV3_GRAPH_MODELS) if ctx.cosyvoice3_graphs else "",
-            "bls_timeout_us": tun.bls_timeout_us}
+            "bls_timeout_us": tun.bls_timeout_us, "concurrency": tun.cosyvoice3_concurrency}
 
 
 def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
@@ -406,8 +406,8 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 max_batch_size=1, decoupled=True, when=_cv3,
                 parameters=_cv3_tts_params,
                 doc="CosyVoice3 TTS (decoupled; the tensors of cosyvoice_tts_stream): the cosyvoice3_dir folder "
-                    "in process, one request at a time per instance, chunks on the official CosyVoice3 schedule; "
-                    f"a speaker_id from {CV3_SPEAKERS_MODEL} (BLS)"),
+                    "in process, cosyvoice3_concurrency requests at a time per instance, chunks on the official "
+                    f"CosyVoice3 schedule; a speaker_id from {CV3_SPEAKERS_MODEL} (BLS)"),
     ServedModel(CV3_TTS_LIVE_MODEL, f"ensemble/{CV3_TTS_LIVE_MODEL}", LIVE_TTS_INPUTS, LIVE_TTS_OUTPUTS,
                 frozenset(t.name for t in LIVE_TTS_INPUTS), template=f"ensemble/{LIVE_TTS_MODEL}/config.pbtxt.in",
                 decoupled=True, parameters=_cv3_live_tts_params, when=_cv3,
@@ -439,9 +439,10 @@ SERVED_MODELS: tuple[ServedModel, ...] = (
                 doc=f"non-streaming CosyVoice3 TTS: the adapter of {TTS_MODEL} sent on to {CV3_TTS_STREAM_MODEL}"),
     ServedModel(CV3_VC_MODEL, f"ensemble/{CV3_VC_MODEL}", CV3_VC_INPUTS, CV3_VC_OUTPUTS,
                 frozenset(t.name for t in CV3_VC_INPUTS), max_batch_size=1, when=_cv3,
-                parameters=_cv3_params,
+                parameters=_cv3_params, values=lambda ctx: {"max_batch_size": ctx.tunables.cosyvoice3_concurrency},
                 doc="CosyVoice3 voice conversion (the tensors of cosyvoice_vc less seed): the cosyvoice3_dir "
-                    "folder in process, one request at a time per instance"),
+                    "folder in process, cosyvoice3_concurrency requests at a time per instance (each in its own "
+                    "thread)"),
     ServedModel(CV3_OFFICIAL_MODEL, f"ensemble/{OFFICIAL_MODEL}", OFFICIAL_INPUTS, OFFICIAL_OUTPUTS,
                 OFFICIAL_OPTIONAL, max_batch_size=8, params_key=OFFICIAL_MODEL,
                 decoupled=lambda ctx: ctx.tunables.cosyvoice3_decoupled, when=_cv3_official,

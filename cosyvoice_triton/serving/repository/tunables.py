@@ -183,6 +183,9 @@ class Tunables:
     #: dynamic batcher, and every CosyVoice3 model's flow steps call them by BLS, batched across instances
     #: (serving/stages/cosyvoice3_graphs.py); needs ``cosyvoice3_flow_precision=fp32``
     cosyvoice3_onnx_dir: str = ""
+    #: Requests one instance of each CosyVoice3 model computes at once (one copy of the weights; each answer is the
+    #: one it gets alone); ``cosyvoice3_vc`` takes that many per execution, each in its own thread
+    cosyvoice3_concurrency: int = 1
 
     def __post_init__(self):
         for name in ("max_queue_delay_us", "max_queue_size", "queue_timeout_us", "intra_op_threads",
@@ -207,6 +210,8 @@ class Tunables:
         if self.cosyvoice3_stream_schedule not in ("official", "runtime"):
             raise RenderError(f"tunable cosyvoice3_stream_schedule must be official or runtime, got "
                               f"{self.cosyvoice3_stream_schedule!r}")
+        if int(self.cosyvoice3_concurrency) < 1:
+            raise RenderError(f"tunable cosyvoice3_concurrency must be >= 1, got {self.cosyvoice3_concurrency}")
         if self.cosyvoice3_onnx_dir and self.cosyvoice3_flow_precision != "fp32":
             raise RenderError("tunable cosyvoice3_onnx_dir serves the fp32 estimator graphs: it needs "
                               f"cosyvoice3_flow_precision=fp32, got {self.cosyvoice3_flow_precision!r}")

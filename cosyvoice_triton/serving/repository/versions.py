@@ -225,7 +225,7 @@ def _cv3_pipeline(out: Path, v: VersionSpec, note: str, write: Callable[..., Non
         "inputs": _io_block("input", entry.inputs, ragged=True, optional=entry.optional),
         "outputs": _io_block("output", entry.outputs), "parameters": _parameters_block(params),
         "model_transaction_policy": "", "warmup": "", "instance_count": str(count),
-        "dynamic_batching": _dynamic_batching_block(tun, name)})
+        "dynamic_batching": _dynamic_batching_block(tun, name), **(entry.values(ctx) if entry.values else {})})
     code = out / name / "1" / "model.py"
     code.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(source(entry.folder) / "model.py", code)

@@ -25,10 +25,12 @@ A ``speaker_id`` is a speaker registered with ``cosyvoice3_speakers`` (the ``spe
 prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id -> SpeakerPrompt``); with no
 ``mode``, a speaker registered with a transcript speaks zero-shot, one without cross-lingually.
 
-One instance runs one request at a time (a live TTS session holds it while it computes, and gives it back while it
-waits for its text); a request that waits longer than ``wait_timeout_s`` for it is refused (UNAVAILABLE).
-Concurrency comes from instances (tunable ``instances``); with tunable ``cosyvoice3_onnx_dir`` the instances' flow
-steps run on the served DiT estimator graphs, batched across instances (:mod:`.cosyvoice3_graphs`). Live voice
+One instance computes ``concurrency`` requests at a time (tunable ``cosyvoice3_concurrency``, default 1: one copy of
+the weights, each request's computation its own; a live TTS session holds a place while it computes, and gives it
+back while it waits for its text); a request that waits longer than ``wait_timeout_s`` for a place is refused
+(UNAVAILABLE). More concurrency comes from instances (tunable ``instances``); with tunable ``cosyvoice3_onnx_dir``
+the flow steps of the requests computing at once, in one instance or several, run on the served DiT estimator
+graphs, batched (:mod:`.cosyvoice3_graphs`). Live voice
 conversion (``cosyvoice3_vc_live``) is :mod:`.cosyvoice3_live_vc`, over this service.
 """
 
@@ -76,7 +78,9 @@ class Cv3Service:
 
     def __init__(self, model, *, min_seconds: float = audio.MIN_SECONDS, max_seconds: float = audio.MAX_SECONDS,
                  output_sample_rate: int = 0, wait_timeout_s: float = 60.0,
-                 speakers: Callable[[str], SpeakerPrompt] | None = None):
+                 speakers: Callable[[str], SpeakerPrompt] | None = None, concurrency: int = 1):
+        if int(concurrency) < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self.model = model
         self.speakers = speakers
         self.pre = Preprocessor(model.config.mel, sample_rate=model.sample_rate, min_seconds=min_seconds,
@@ -84,7 +88,10 @@ class Cv3Service:
         self.post = Postprocessor(model_sample_rate=model.sample_rate, output_sample_rate=output_sample_rate)
         self.sample_rate = self.post.output_sample_rate
         self.wait_timeout_s = float(wait_timeout_s)
-        self._lock = threading.Lock()
+        #: requests computing at once on this instance (one copy of the weights; each request's computation is its
+        #: own, so concurrent answers are bit for bit those computed alone)
+        self.concurrency = int(concurrency)
+        self._lock = threading.BoundedSemaphore(self.concurrency)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, tts: bool = True, lm_precision: str = "fp32", torch_threads: int = 1,
@@ -99,10 +106,12 @@ class Cv3Service:
         return cls(model, **kw)
 
     def _take(self) -> None:
-        """Take the instance (:class:`~.lm_engine.EngineBusy` after ``wait_timeout_s``)."""
+        """Take one of the instance's :attr:`concurrency` places (:class:`~.lm_engine.EngineBusy` after
+        ``wait_timeout_s``)."""
         if not self._lock.acquire(timeout=self.wait_timeout_s):
-            raise EngineBusy(f"{BUSY}this CosyVoice3 instance was busy for {self.wait_timeout_s:g} s (one request "
-                             "at a time per instance: add instances)")
+            raise EngineBusy(f"{BUSY}this CosyVoice3 instance was busy for {self.wait_timeout_s:g} s "
+                             f"({self.concurrency} request(s) at a time per instance: add instances, or raise "
+                             "cosyvoice3_concurrency)")
 
     @contextlib.contextmanager
     def _held(self) -> Iterator[None]:
@@ -245,7 +254,8 @@ def build_service(pb_utils, p: Mapping[str, Any], *, tts: bool = True) -> Cv3Ser
     service = Cv3Service.load(p["model_dir"], tts=tts, torch_threads=p["torch_threads"],
                               flow_precision=p["flow_precision"], min_seconds=p["min_seconds"],
                               max_seconds=p["max_seconds"], output_sample_rate=p["output_sample_rate"],
-                              wait_timeout_s=p["wait_timeout_s"], speakers=speakers, **kw)
+                              wait_timeout_s=p["wait_timeout_s"], speakers=speakers,
+                              concurrency=p["concurrency"], **kw)
     service.model.flow.estimator_fn = bls_estimator(pb_utils, p, service.model.flow)
     return service
 

@@ -1,10 +1,10 @@
 """CosyVoice3's DiT estimator as a served graph: the Euler steps of every CosyVoice3 request batched together.
 
-A served CosyVoice3 model runs its folder in process, one request at a time per instance (:mod:`.cosyvoice3`).
-With tunable ``cosyvoice3_onnx_dir`` the render also serves the exported estimator graphs
+A served CosyVoice3 model runs its folder in process, ``concurrency`` requests at a time per instance
+(:mod:`.cosyvoice3`). With tunable ``cosyvoice3_onnx_dir`` the render also serves the exported estimator graphs
 (``flow3_estimator`` and ``flow3_estimator_streaming`` of :data:`~cosyvoice_triton.shapes.GRAPHS3`, made by
 ``export-onnx`` on the CosyVoice3 folder) behind Triton's dynamic batcher, and each instance's flow calls them by BLS
-(:class:`GraphEstimator` as the flow's ``estimator_fn``): the instances' Euler steps that arrive together are padded
+(:class:`GraphEstimator` as the flow's ``estimator_fn``): the requests' Euler steps that arrive together are padded
 into one onnxruntime call (:class:`~.graphs.GraphRunner`, policy ``pad``: the DiT masks padding, so each request
 gets what it gets alone).
 

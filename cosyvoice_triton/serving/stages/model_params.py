@@ -68,7 +68,7 @@ _OUTPUT = (
     Param("peak_dbfs", float, -1.0, "peak ceiling of the loudness gain"),
 )
 
-#: What both CosyVoice3 models read (serving/stages/cosyvoice3.py: one request at a time per instance).
+#: What every CosyVoice3 model reads (serving/stages/cosyvoice3.py: ``concurrency`` requests at a time per instance).
 _CV3_COMMON = (
     Param("min_seconds", float, 0.1, "shortest accepted prompt / source audio"),
     Param("max_seconds", float, 30.0, "longest accepted prompt / source audio"),
@@ -78,6 +78,8 @@ _CV3_COMMON = (
           ("fp32", "int8")),
     Param("estimator_models", str, "", "the served DiT estimator graphs 'FULL,STREAMING' the flow's Euler steps call "
           "by BLS (serving/stages/cosyvoice3_graphs.py; empty: the DiT in process)"),
+    Param("concurrency", int, 1, "requests computing at once in one instance (one copy of the weights; more wait "
+          "up to wait_timeout_s)"),
     _TORCH_THREADS,
 )
 

@@ -28,3 +28,4 @@ class TritonPythonModel:
 
     def finalize(self):
         self.sessions.close(wait_s=CLOSE_WAIT_S)
+        self.tts.close()

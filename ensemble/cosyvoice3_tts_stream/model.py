@@ -59,3 +59,4 @@ class TritonPythonModel:
             workers = list(self.workers)
         for worker in workers:
             worker.join(timeout=60)
+        self.tts.close()  # the LM engine's loop, after the streams that used it

@@ -2,7 +2,8 @@
 ``cosyvoice3_vc`` (two instances, two requests at a time each: ``cosyvoice3_concurrency=2``) answers what the library
 answers with the same graphs in process, every Euler step goes to ``flow3_estimator``, and the steps of three
 requests converted at once, in one instance and across both, share the graph's executions (Triton's dynamic batcher,
-a 300 ms queue delay so that the requests' steps meet)."""
+a 300 ms queue delay so that the requests' steps meet); two TTS streams at once on one ``cosyvoice3_tts_stream``
+instance (its LM in-flight batch, the graphs) each stream what the library streams alone."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def library(cv3_demo_dir, cv3_onnx_dir):
     from cosyvoice_triton.serving.stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS, GraphEstimator
     from cosyvoice_triton.serving.stages.graphs import GraphRunner
 
-    service = Cv3Service.load(cv3_demo_dir, tts=False)
+    service = Cv3Service.load(cv3_demo_dir)
     full, streaming = (GraphRunner(n, onnx_path=cv3_onnx_dir / f"{n}.onnx").run for n in ESTIMATOR_GRAPHS)
     service.model.flow.estimator_fn = GraphEstimator(full, streaming, service.model.flow.decoder.estimator)
     return service
@@ -72,6 +73,24 @@ def _stats(server, model) -> tuple[int, int]:
     return int(s["inference_stats"]["success"].get("count", 0)), int(s.get("execution_count", 0))
 
 
+def _at_once(calls) -> list:
+    """Each call in its own thread, all started together: their results (or exceptions) in order."""
+    out: list = [None] * len(calls)
+
+    def run(i):
+        try:
+            out[i] = calls[i]()
+        except Exception as exc:  # the caller asserts on it
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(PATIENCE_S)
+    return out
+
+
 def test_conversion_on_the_served_graphs_is_the_library_on_them(server, library, en_speech):
     before = _stats(server, "flow3_estimator")
     got = _convert(server, _request(en_speech, 5.0))
@@ -91,19 +110,7 @@ def test_conversions_at_once_share_the_graphs_executions(server, library, en_spe
     alone = [library.convert(r)["waveform"] for r in requests]
     before = _stats(server, "flow3_estimator")
     vc_before = _stats(server, "cosyvoice3_vc")
-    answers: list = [None] * len(requests)
-
-    def run(i):
-        try:
-            answers[i] = _convert(server, requests[i])
-        except Exception as exc:  # reported below
-            answers[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(PATIENCE_S)
+    answers = _at_once([lambda r=r: _convert(server, r) for r in requests])
     for got, want in zip(answers, alone, strict=True):
         assert isinstance(got, np.ndarray), got
         np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
@@ -113,3 +120,23 @@ def test_conversions_at_once_share_the_graphs_executions(server, library, en_spe
           f"{vc_requests} requests in {vc_executions} executions")
     assert steps == 30 and vc_requests == 3
     assert executions < steps, "no two steps shared an execution of the graph"
+
+
+def test_tts_streams_at_once_on_one_instance_are_each_the_library_stream(server, library, en_speech):
+    from test_serving_cosyvoice3 import _stream
+
+    p, psr, _, _ = en_speech
+    texts = ["Hello there, this is CosyVoice3 on Triton.", "A second voice, speaking at the same time."]
+    requests = [{"text": np.array([[t.encode()]], object), "prompt_audio": p[None],
+                 "prompt_sample_rate": np.array([[psr]], np.int32),
+                 "prompt_text": np.array([[b"the prompt says hello"]], object),
+                 "seed": np.array([[i + 1]], np.int64)} for i, t in enumerate(texts)]
+    want = [[c["waveform"][0] for c in library.responses(r)] for r in requests]
+    answers = _at_once([lambda r=r: _stream(server, "cosyvoice3_tts_stream", r) for r in requests])
+    for answer, chunks in zip(answers, want, strict=True):
+        assert isinstance(answer, tuple), answer
+        got, error, final = answer
+        assert error is None and final
+        assert [c.size for c in got] == [c.size for c in chunks]
+        for g, w in zip(got, chunks, strict=True):
+            np.testing.assert_allclose(g, w, atol=ATOL)

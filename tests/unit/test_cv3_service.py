@@ -235,6 +235,48 @@ def test_requests_computing_at_once_in_one_instance_get_their_answers_alone(serv
         np.testing.assert_array_equal(got, want)
 
 
+def test_tts_requests_at_once_decode_in_one_lm_batch_and_get_their_answers_alone(service, speech):
+    """``concurrency=3``: three TTS requests (seeds 1-3, different texts) submit their LM requests together (a
+    barrier) to the instance's in-flight batch; the engine stepped them together (widest batch 3, more request steps
+    than steps) and each answer is bit for bit the one computed alone on a decoder of its own."""
+    texts = ["Hello there, this is a test.", "Another sentence, a bit longer than the first one.", "Short."]
+    jobs = [_tts(speech, text=_b(t), prompt_text=_b(PROMPT_TEXT), seed=np.array([[i + 1]], np.int64))
+            for i, t in enumerate(texts)]
+
+    def run(svc, t):
+        return np.concatenate([r["waveform"].reshape(-1) for r in svc.responses(t)])
+
+    model = service.model
+    assert model.lm_submit is None and service.engine is None  # concurrency 1: no engine
+    alone = [run(service, t) for t in jobs]
+    wide = Cv3Service(model, concurrency=3)
+    together = threading.Barrier(3, timeout=120)
+    model.lm_submit = lambda request: (together.wait(), wide.engine.stream(request))[1]
+    out: list = [None] * 3
+    errors: list = []
+
+    def work(i):
+        try:
+            out[i] = run(wide, jobs[i])
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        stats = wide.engine.snapshot()
+    finally:
+        model.lm_submit = None
+        wide.close()
+    assert not errors, errors
+    assert stats["max_batch"] == 3 and stats["request_steps"] > stats["steps"] and stats["finished"] == 3, stats
+    for got, want in zip(out, alone, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_cancelled_stream_stops_and_frees_the_instance(service, speech):
     with pytest.raises(JobCancelled):
         list(service.responses(_tts(speech, prompt_text=_b(PROMPT_TEXT)), cancelled=lambda: True))
@@ -345,3 +387,29 @@ def test_bad_speaker_requests_name_what_is_wrong(service, speakers, speech, extr
     served = Cv3Service(service.model, speakers=speakers.get)
     with pytest.raises(CosyVoiceError, match=match):
         list(served.responses({"text": _b(TEXT), "speaker_id": _b("alice"), **extra}))
+
+
+def test_an_lm_stream_left_early_frees_its_row(service):
+    """:meth:`LMEngine.stream` on CosyVoice3's LM: a stream closed after 3 tokens cancels its job (at least 1180
+    tokens to go), and the one row goes to the next request, which decodes to its end."""
+    import time
+
+    from cosyvoice_triton.models.llm import LMRequest
+    from cosyvoice_triton.serving.stages.lm_engine import LMEngine
+
+    engine = LMEngine(service.model.llm, max_active=1, max_waiting=1, wait_timeout_s=60)
+    eop = service.model.text.tokenizer.encode(ENDOFPROMPT)  # CosyVoice3's LM needs it in its input
+    try:
+        long = engine.stream(LMRequest(list(range(1, 59)), eop, draws=1, min_token_text_ratio=20))
+        assert len([next(long) for _ in range(3)]) == 3
+        long.close()
+        short = engine.stream(LMRequest([5, 6, 7], eop, draws=2))
+        assert len(list(short)) >= 6  # to its end (random weights: its max_len)
+        deadline = time.monotonic() + 60
+        while engine.snapshot()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        snap = engine.snapshot()
+        assert snap["cancelled"] == 1 and snap["finished"] == 1 and snap["active"] == 0, snap
+        assert snap["request_steps"] < 1180
+    finally:
+        engine.close()

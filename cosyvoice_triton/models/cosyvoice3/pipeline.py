@@ -25,7 +25,7 @@ turns them into audio, non-streaming (with ``speed``) or on the official streami
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,7 @@ from ...prompt_frontend import _NO_TIMER, PromptFrontend, StageTimer, VCInputs, 
 from ...speakers import SpeakerPrompt, SpeakerStore
 from ...streaming import RuntimeSchedule, StreamSchedule
 from ...threads import ThreadChoice, configure
+from ..llm import LMRequest
 from ..speed import check_speed
 from .config import CosyVoice3Config, read_cosyvoice3_yaml
 from .dit_quant import FLOW_PRECISIONS, quantize_flow3
@@ -93,6 +94,10 @@ class CosyVoice3(PromptFrontend):
         self.sample_rate = config.sample_rate
         #: the threads and spinning from_pretrained chose; None for a model built directly
         self.thread_choice: ThreadChoice | None = None
+        #: decodes each text segment's LM request in a shared in-flight batch (``lm_submit(request)`` -> an iterator
+        #: of its tokens with ``hit_max_len``, e.g. :meth:`cosyvoice_triton.serving.stages.lm_engine.LMEngine.stream`
+        #: when several requests compute at once); None: each segment on a decoder of its own
+        self.lm_submit: Callable[[LMRequest], Iterator[int]] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
@@ -275,8 +280,12 @@ class CosyVoice3(PromptFrontend):
         """The speech tokens the flow gets for one segment, as they are sampled: the LM's, less the silent tokens
         past a run of five (``llm_job``). ``draws``: a seeded ``torch.Generator``, an iterable of uniform draws
         (parity), or ``None`` (torch's global generator, as the official code)."""
-        stream = self.llm.generate(segment.text_tokens, segment.lm_prompt_text_tokens,
-                                   segment.lm_prompt_speech_tokens, draws=draws)
+        if self.lm_submit is not None:
+            stream = self.lm_submit(LMRequest(segment.text_tokens, segment.lm_prompt_text_tokens,
+                                              segment.lm_prompt_speech_tokens, draws=draws))
+        else:
+            stream = self.llm.generate(segment.text_tokens, segment.lm_prompt_text_tokens,
+                                       segment.lm_prompt_speech_tokens, draws=draws)
         return _Tokens(stream, segment.text)
 
     def tts_stream(self, mode: str, text: str | bytes, *, stream: bool = True, speed: float = 1.0,

@@ -26,12 +26,13 @@ prompts in their own store), fetched from it by BLS (``speakers``: ``speaker_id 
 ``mode``, a speaker registered with a transcript speaks zero-shot, one without cross-lingually.
 
 One instance computes ``concurrency`` requests at a time (tunable ``cosyvoice3_concurrency``, default 1: one copy of
-the weights, each request's computation its own; a live TTS session holds a place while it computes, and gives it
-back while it waits for its text); a request that waits longer than ``wait_timeout_s`` for a place is refused
-(UNAVAILABLE). More concurrency comes from instances (tunable ``instances``); with tunable ``cosyvoice3_onnx_dir``
-the flow steps of the requests computing at once, in one instance or several, run on the served DiT estimator
-graphs, batched (:mod:`.cosyvoice3_graphs`). Live voice
-conversion (``cosyvoice3_vc_live``) is :mod:`.cosyvoice3_live_vc`, over this service.
+the weights, each request's computation its own, their text segments decoded in one in-flight LM batch,
+:class:`~.lm_engine.LMEngine`; a live TTS session holds a place while it computes, and gives it back while it waits
+for its text; its LM decodes on its own, as CosyVoice2's); a request that waits longer than ``wait_timeout_s`` for a
+place is refused (UNAVAILABLE). More concurrency comes from instances (tunable ``instances``); with tunable
+``cosyvoice3_onnx_dir`` the flow steps of the requests computing at once, in one instance or several, run on the
+served DiT estimator graphs, batched (:mod:`.cosyvoice3_graphs`). Live voice conversion (``cosyvoice3_vc_live``) is
+:mod:`.cosyvoice3_live_vc`, over this service.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ...speakers import SpeakerPrompt
 from ...streaming import SCHEDULES, RuntimeSchedule, StreamSchedule
 from .batching import RequestError
 from .frontend import Preprocessor
-from .lm_engine import BUSY, EngineBusy, JobCancelled
+from .lm_engine import BUSY, EngineBusy, JobCancelled, LMEngine
 from .metrics import streaming
 from .postprocess import Postprocessor
 from .tts import bytes_input, registered_voice, speed_input
@@ -92,6 +93,18 @@ class Cv3Service:
         #: own, so concurrent answers are bit for bit those computed alone)
         self.concurrency = int(concurrency)
         self._lock = threading.BoundedSemaphore(self.concurrency)
+        #: with several places, the text segments of the requests computing at once decode in one in-flight LM
+        #: batch (each row with its request's seeded draws: the tokens it gets alone)
+        self.engine = None
+        if self.concurrency > 1 and getattr(model, "llm", None) is not None:
+            self.engine = LMEngine(model.llm, max_active=self.concurrency, max_waiting=self.concurrency,
+                                   wait_timeout_s=self.wait_timeout_s, name="cosyvoice3-lm")
+            model.lm_submit = self.engine.stream
+
+    def close(self) -> None:
+        """Stop the LM engine's loop (if any)."""
+        if self.engine is not None:
+            self.engine.close()
 
     @classmethod
     def load(cls, model_dir: str | Path, *, tts: bool = True, lm_precision: str = "fp32", torch_threads: int = 1,

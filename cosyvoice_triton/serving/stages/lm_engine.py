@@ -32,7 +32,7 @@ from ...models.llm import END, LMRequest, Qwen2LM
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BUSY", "EngineBusy", "JobCancelled", "LMEngine", "LMJob"]
+__all__ = ["BUSY", "EngineBusy", "EngineStream", "JobCancelled", "LMEngine", "LMJob"]
 
 #: How every :class:`EngineBusy` message starts (a BLS caller that only sees the message maps it to UNAVAILABLE).
 BUSY = "TTS busy: "
@@ -90,6 +90,35 @@ class LMJob:
             yield item
 
 
+class EngineStream(Iterator[int]):
+    """An :class:`LMJob`'s tokens as an iterator; a stream closed (or dropped) before its end cancels its job, so
+    that the row is freed. :attr:`hit_max_len` / :attr:`max_len` as :class:`~...models.llm.LMStream`'s."""
+
+    def __init__(self, job: LMJob):
+        self.job = job
+        self._tokens = self._run()
+
+    def _run(self) -> Iterator[int]:
+        try:
+            yield from self.job.tokens()
+        finally:
+            self.job.cancel()
+
+    def __next__(self) -> int:
+        return next(self._tokens)
+
+    def close(self) -> None:
+        self._tokens.close()
+
+    @property
+    def hit_max_len(self) -> bool:
+        return self.job.hit_max_len
+
+    @property
+    def max_len(self) -> int | None:
+        return getattr(self.job._row, "max_len", None)
+
+
 class LMEngine:
     """ONE decode loop over ``lm`` in a background thread (see the module docstring).
 
@@ -136,6 +165,10 @@ class LMEngine:
             self._waiting.append(job)
             self._cond.notify_all()
         return job
+
+    def stream(self, request: LMRequest, *, cancelled: Callable[[], bool] = lambda: False) -> EngineStream:
+        """:meth:`submit` as an iterator of the job's tokens (:class:`EngineStream`)."""
+        return EngineStream(self.submit(request, cancelled=cancelled))
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import PATIENCE_S, served
+from conftest import PATIENCE_S, http_post, served
 
 ATOL = 1e-4  # another process, the same graphs and threads: float32 sums in another order at most
 
@@ -140,3 +140,29 @@ def test_tts_streams_at_once_on_one_instance_are_each_the_library_stream(server,
         assert [c.size for c in got] == [c.size for c in chunks]
         for g, w in zip(got, chunks, strict=True):
             np.testing.assert_allclose(g, w, atol=ATOL)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("frames", "seq_len = 3001 exceeds the maximum 3000"),
+    ("nan", "NaN/Inf"),
+    ("rank", "unexpected shape for input 'mu'"),  # Triton's own check
+])
+def test_bad_requests_to_the_graphs_get_400_naming_what_is_wrong(server, case, match):
+    """The estimator graphs are public models: a request outside the graph's range or with NaN is the client's
+    error (400 naming it), and the server goes on answering."""
+    frames = 3001 if case == "frames" else 10
+    x = np.zeros((2, 80, frames), np.float32)
+    if case == "nan":
+        x[0, 0, 0] = np.nan
+    tensors = {"x": x, "mask": np.ones((2, 1, frames), np.float32), "mu": np.zeros((2, 80, frames), np.float32),
+               "t": np.full((2, 1), 0.5, np.float32), "spks": np.zeros((2, 80), np.float32),
+               "cond": np.zeros((2, 80, frames), np.float32)}
+    if case == "rank":
+        tensors["mu"] = np.zeros((2, 80), np.float32)
+    body = {"inputs": [{"name": k, "shape": list(v.shape), "datatype": "FP32",
+                        "data": [None if np.isnan(f) else float(f) for f in v.reshape(-1)]}
+                       for k, v in tensors.items()]}
+    text = json.dumps(body).replace("null", "NaN")
+    status, answer = http_post(server.http_url, "/v2/models/flow3_estimator_streaming/infer", text.encode())
+    assert status == 400 and match in answer.decode(), (status, answer[:500])
+    assert server.is_ready()

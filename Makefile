@@ -19,7 +19,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 bench-cv3-graphs gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -130,6 +130,12 @@ bench-live-cv3: $(VENV)/.installed ## live CosyVoice3 voice conversion at full d
 	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
 	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
 	$(CLI) bench-live-cv3 --model-dir models/cosyvoice3-demo-full $(BENCH_LIVE_CV3_ARGS)
+
+BENCH_CV3_GRAPHS_ARGS ?=
+bench-cv3-graphs: $(VENV)/.installed ## CosyVoice3's DiT estimator at full dims: one Euler step in PyTorch and on its ONNX graph (onnxruntime, as served), 1, 2 and 4 utterances padded together
+	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
+	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
+	$(CLI) bench-cv3-graphs --model-dir models/cosyvoice3-demo-full $(BENCH_CV3_GRAPHS_ARGS)
 
 BENCH_CV3_ARGS ?=
 FLOW_PRECISION ?= fp32

@@ -21,8 +21,6 @@ assertions: nothing fails on a slow machine; the load average is printed at the 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import resource
 import time
 from pathlib import Path
@@ -30,14 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import resources
+from . import load_average, write_result
 
 ROOT = resources.checkout() or Path.cwd()
 FIXTURES = resources.path("tests/fixtures")
 DEFAULT_MODEL_DIR = ROOT / "models" / "cosyvoice3-demo-full"
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _peak_mb() -> float:
@@ -115,7 +110,7 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, seconds: float = 20.
 
     torch.set_num_threads(threads)
     meta = {"commit": commit(), "machine": machine(), "threads": threads, "seconds": seconds,
-            "model_dir": str(model_dir), "load_start": _load()}
+            "model_dir": str(model_dir), "load_start": load_average()}
     print(f"bench-live-cv3: {model_dir}, {seconds:g} s source, {threads} threads; {meta['machine']}; load average "
           f"{meta['load_start']}", flush=True)
     src, sr = sf.read(FIXTURES / "source_en_5s.wav", dtype="float32")
@@ -134,13 +129,8 @@ def run_bench(model_dir: str | Path = DEFAULT_MODEL_DIR, *, seconds: float = 20.
         print(f"  {name}: {figures['chunks']} chunks, first {figures['first_s']:.2f} s, median "
               f"{figures['median_s']:.2f} s, last whole {figures['last_full_s']:.2f} s, compute / audio "
               f"{figures['rtf_total']:.2f}", flush=True)
-    meta["load_end"] = _load()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "result.json").write_text(json.dumps(result, indent=1, default=float))
-    report = format_report(result)
-    (out / "report.md").write_text(report + "\n")
-    print("\n" + report + f"\n\n  written: {out / 'report.md'}, result.json")
+    meta["load_end"] = load_average()
+    write_result(out_dir, result, format_report(result))
     return result
 
 

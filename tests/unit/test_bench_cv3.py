@@ -134,3 +134,19 @@ def test_the_live_bench_times_both_paths_per_chunk(cv3_demo_dir, tmp_path):
     assert all(t > 0 for t in live["times_s"] + recompute["times_s"]) and live["rtf_total"] > 0
     report = (tmp_path / "report.md").read_text()
     assert "| live |" in report and "| recompute |" in report and result["meta"]["load_end"]
+
+
+def test_the_graph_bench_times_both_runtimes_on_padded_batches(cv3_demo_dir, cv3_onnx_dir, tmp_path):
+    from cosyvoice_triton.bench.cv3_graphs import format_report, run_bench, step_inputs
+
+    feeds, lengths = step_inputs(2, 60)
+    assert lengths == [60, 53] and feeds["x"].shape == (4, 80, 60)
+    assert feeds["mask"][1, 0, 53:].sum() == 0 and feeds["mask"][3, 0, :53].all()  # row 3: utterance 2, uncond
+    assert not feeds["mu"][2:].any() and not feeds["spks"][2:].any()
+    result = run_bench(cv3_demo_dir, onnx_dir=cv3_onnx_dir, frames=60, utterances=(1, 2), threads=1, rounds=1,
+                       out_dir=tmp_path)
+    assert [r["utterances"] for r in result["rows"]] == [1, 2]
+    for r in result["rows"]:
+        assert r["torch_s"] > 0 and r["ort_s"] > 0 and r["rel_diff"] < 1e-4
+    report = (tmp_path / "report.md").read_text()
+    assert report.strip() == format_report(result) and "| 2 (4) |" in report

@@ -69,27 +69,9 @@ from ..versioning import (  # re-exported: the public names here
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "CHECKPOINT_FILES",
-    "DRAIN_SETTLE_S",
-    "MANIFEST_NAME",
-    "PARITY_DB",
-    "ROUTER_MODEL",
-    "ROUTER_PARAMS",
-    "SMOKE_DURATION",
-    "VERSIONED",
-    "Rollout",
-    "RolloutError",
-    "RolloutRefused",
-    "Split",
-    "VersionSpec",
-    "check_version",
-    "pipeline_gone",
-    "pipeline_model",
-    "read_manifests",
-    "startup_models",
-    "version_manifest",
-]
+__all__ = ["CHECKPOINT_FILES", "DRAIN_SETTLE_S", "MANIFEST_NAME", "PARITY_DB", "ROUTER_MODEL", "ROUTER_PARAMS",
+           "SMOKE_DURATION", "VERSIONED", "Rollout", "RolloutError", "RolloutRefused", "Split", "VersionSpec",
+           "check_version", "pipeline_gone", "pipeline_model", "read_manifests", "startup_models", "version_manifest"]
 
 ROUTER_MODEL = VC_MODEL
 #: Parity smoke test: largest mean |log-mel difference| (dB) of the candidate's output against the live version's

@@ -146,7 +146,10 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
 
     audio, sr = _sample(server)
     results: dict[str, float | str] = {}
-    todo = plan(loaded_models(server))
+    models = loaded_models(server)
+    todo = plan(models)
+    # a model without a seed input (cosyvoice3_vc: CosyVoice3's vocoder noise is fixed) is sent none
+    seeds = {m["name"]: 0 if "seed" in m["inputs"] else None for m in models}
     # no retries: a warm-up that fails (a stage died meanwhile) is only logged; the next reload warms up again
     with CosyVoiceClient(server.http_url, protocol="http", timeout=timeout, concurrency=1, retry=NO_RETRY) as http, \
             CosyVoiceClient(server.grpc_url, protocol="grpc", timeout=timeout, retry=NO_RETRY) as grpc:
@@ -155,11 +158,12 @@ def warm_up(server, *, timeout: float = 600.0) -> dict[str, float | str]:
             try:
                 if how == "vc":
                     http.model = name
-                    http.convert(audio, audio, source_sr=sr, prompt_sr=sr, seed=0)
+                    http.convert(audio, audio, source_sr=sr, prompt_sr=sr, seed=seeds[name])
                 elif how == "tts":
                     http.tts(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name)
                 elif how == "vc_stream":
-                    for _ in grpc.convert_stream(audio, audio, source_sr=sr, prompt_sr=sr, seed=0, model=name):
+                    for _ in grpc.convert_stream(audio, audio, source_sr=sr, prompt_sr=sr, seed=seeds[name],
+                                                 model=name):
                         pass
                 elif how == "tts_stream":
                     for _ in grpc.tts_stream(WARM_TEXT, prompt=audio, prompt_sr=sr, seed=0, model=name):

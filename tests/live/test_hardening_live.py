@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -179,22 +178,11 @@ def test_the_autoscaler_metrics_exist_on_the_live_server(supervised):
 
 
 # ------------------------------------------------------------------------------- a stage killed under load
-def _computing(pid: int, looks: int = 1) -> bool:
-    """Whether a thread of process ``pid`` is running or runnable (state R) in ``looks`` consecutive looks 10 ms
-    apart: it computes. An idle stub's threads sleep on its message queue; a computing one on a busy machine waits
-    for a CPU in state R, where a CPU-time window would see it idle. One look: ``flow`` orchestrates BLS calls and
-    computes in bursts between them, so 5 looks in a row (50 ms) were not seen in 300 s of a full suite's run; a
-    kill that still meets an idle stage is repeated (the test asserts that one reached a request)."""
-    for i in range(looks):
-        if i:
-            time.sleep(0.01)
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        if "R" not in states:
-            return False
-    return True
+def _pending(server: TritonServer, model: str) -> float:
+    """Requests waiting in ``model``'s queue now (Triton's ``nv_inference_pending_request_count``)."""
+    from cosyvoice_triton.loadtest.metrics import counter_total, scrape
+
+    return counter_total(scrape(server.metrics_url, timeout=30), "nv_inference_pending_request_count", model=model)
 
 
 def _recovery(events, victim: str) -> str | None:
@@ -219,16 +207,18 @@ def test_a_stage_killed_under_load_comes_back_and_no_request_hangs_or_fails(supe
     unready: list[float] = []
     with retrying, bare:
         wait_until(lambda: retrying.count() >= 4, "4 requests answered: the load is on", interval=0.2)
-        # A stage killed while idle may be reloaded before any request needs it: kill it while it computes (a
-        # thread of it runnable), and again (at most 5 kills: a short stage such as hift_decoder is busy a small
-        # part of each request) until a kill has reached a request. The supervisor's warm-up after each reload
-        # (and after the previous test's) runs through the stage too: a kill while it runs would reach the
-        # warm-up's request, not the clients', so each kill waits for it to end.
+        # A stage killed while idle may be reloaded before any request needs it: the stub is frozen (SIGSTOP) until
+        # a client's request waits in the stage's queue (Triton's pending count: with one instance, the request
+        # before it is then inside the frozen stub), then killed; at most 3 kills until one has reached a request.
+        # The supervisor's warm-up after each reload (and after the previous test's) runs through the stage too:
+        # each kill waits for it to end, so that the requests met are the clients'.
         kills = 0
-        while kills < 5:
+        while kills < 3:
             assert supervised.wait_warm(PATIENCE_S), f"the supervisor's warm-up still running after {PATIENCE_S} s"
             stub = next(s for s in server.python_stubs() if s.model == victim and s.alive)
-            wait_until(lambda pid=stub.pid: _computing(pid), f"the {victim} stub computing", interval=0.01)
+            os.kill(stub.pid, signal.SIGSTOP)
+            wait_until(lambda: _pending(server, victim) > 0, f"a request waiting for the frozen {victim} stub",
+                       interval=0.05)
             t_kill = time.monotonic()
             os.kill(stub.pid, signal.SIGKILL)
             kills += 1

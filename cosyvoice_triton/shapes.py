@@ -216,6 +216,8 @@ GRAPHS3: Mapping[str, GraphSpec] = MappingProxyType({
         doc="causal HiFT generator: source STFT, causal upsampling and ResBlocks, exp/sin spectrum, iSTFT, clamp",
     ),
 })
+#: Every graph by name, both families' (their names do not overlap): what a graph runner or a BLS call looks up.
+ALL_GRAPHS: Mapping[str, GraphSpec] = MappingProxyType({**GRAPHS, **GRAPHS3})
 
 # ------------------------------------------------------------------------------------------ served API
 #: The ``cosyvoice_vc`` ensemble (the product's public API). Audio is float32 samples in [-1, 1] at any rate

@@ -16,8 +16,8 @@ from ...export.trt import EXCLUDED
 from ...export.trt import ONNX_FALLBACK as TRT_ONNX_FALLBACK
 from ...export.trt import PRECISIONS as TRT_PRECISIONS
 from ...shapes import (
+    ALL_GRAPHS,
     GRAPHS,
-    GRAPHS3,
 )
 from .templates import (
     RenderError,
@@ -185,7 +185,7 @@ def check_onnx_io(path: Path, graph: str) -> None:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
-    spec = GRAPHS[graph] if graph in GRAPHS else GRAPHS3[graph]
+    spec = ALL_GRAPHS[graph]
     for kind, declared, values in (("input", spec.inputs, model.graph.input), ("output", spec.outputs,
                                                                                model.graph.output)):
         got = {v.name: _ONNX_ELEM.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))

@@ -51,12 +51,12 @@ import numpy as np
 from ...errors import CosyVoiceError
 from ...frontend.speech_models import speech_token_count
 from ...prompt_cache import PromptCache
-from ...shapes import GRAPHS, GRAPHS3, GraphSpec
+from ...shapes import ALL_GRAPHS, GraphSpec
 from .batching import ItemResult, RequestError, chunks_by_rows, group_by, pad_to
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALL_GRAPH_SPECS", "BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes",
+__all__ = ["BATCH_POLICY", "FALLBACK_COUNTS", "RUNTIMES", "GraphRunner", "axis_sizes",
            "check_request", "check_values", "fallback_counts", "result_key"]
 
 #: How each graph batches requests of different lengths (see the module docstring).
@@ -73,8 +73,6 @@ BATCH_POLICY: Mapping[str, str] = {
     "hift3_source": "group",
     "hift3_decoder": "group",
 }
-#: Every graph a :class:`GraphRunner` runs: CosyVoice2's and CosyVoice3's.
-ALL_GRAPH_SPECS: Mapping[str, GraphSpec] = {**GRAPHS, **GRAPHS3}
 RUNTIMES = ("onnxruntime", "torch")
 #: Requests served once more on a fallback graph, by ``(graph, outcome)``; outcome ``served`` or ``failed``.
 FALLBACK_COUNTS: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -190,7 +188,7 @@ def check_request(spec: GraphSpec, feeds: Mapping[str, np.ndarray], *, max_batch
 
 
 class GraphRunner:
-    """One graph of :data:`ALL_GRAPH_SPECS`: ``run`` (one call) and ``run_items`` (a batch of requests).
+    """One graph of :data:`ALL_GRAPHS`: ``run`` (one call) and ``run_items`` (a batch of requests).
 
     Args:
         name: the graph.
@@ -214,11 +212,11 @@ class GraphRunner:
                  policy: str | None = None, fallback: str | Path | None = "auto",
                  on_fallback: Callable[[str], None] | None = None, cache_mb: float = 0.0,
                  on_cache: Callable[[str, int], None] | None = None):
-        if name not in ALL_GRAPH_SPECS:
-            raise ValueError(f"unknown graph {name!r} (one of {', '.join(ALL_GRAPH_SPECS)})")
+        if name not in ALL_GRAPHS:
+            raise ValueError(f"unknown graph {name!r} (one of {', '.join(ALL_GRAPHS)})")
         if runtime not in RUNTIMES:
             raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        self.name, self.spec, self.runtime, self.device = name, ALL_GRAPH_SPECS[name], runtime, device
+        self.name, self.spec, self.runtime, self.device = name, ALL_GRAPHS[name], runtime, device
         self.max_batch = self.spec.max_batch_size
         self._session = self._module = None
         if runtime == "torch":

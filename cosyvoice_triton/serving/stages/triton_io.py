@@ -9,8 +9,8 @@ adapters hand it over, so this module is tested with a stand-in (``tests/test_tr
   error becomes ``TritonError(message, INVALID_ARG)`` when it is the client's (a
   :class:`~cosyvoice_triton.errors.CosyVoiceError`: HTTP 400 / gRPC INVALID_ARGUMENT), ``INTERNAL`` otherwise.
 * :class:`BlsGraph`: a :data:`~.flow.GraphFn` that runs a graph model by BLS, shaping the rank-1 tensors of
-  :data:`GRAPHS` as the configs' ``dims: [1]`` + ``reshape: []`` want them, and raising :class:`BlsError` (with
-  the callee's error code) when the call fails.
+  :data:`~cosyvoice_triton.shapes.ALL_GRAPHS` as the configs' ``dims: [1]`` + ``reshape: []`` want them, and
+  raising :class:`BlsError` (with the callee's error code) when the call fails.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CosyVoiceError
-from ...shapes import GRAPHS, GRAPHS3, GraphSpec
+from ...shapes import ALL_GRAPHS, GraphSpec
 from .batching import ItemResult
 
 log = logging.getLogger(__name__)
@@ -168,11 +168,11 @@ def to_request(spec: GraphSpec, outputs: Mapping[str, np.ndarray]) -> dict[str, 
 
 
 class BlsGraph:
-    """Call the Triton model ``model`` (graph ``graph`` of :data:`GRAPHS`) by BLS: ``fn(feeds) -> outputs``;
-    ``version``: that numbered version of it (-1: the latest loaded)."""
+    """Call the Triton model ``model`` (graph ``graph`` of :data:`~cosyvoice_triton.shapes.ALL_GRAPHS`) by BLS:
+    ``fn(feeds) -> outputs``; ``version``: that numbered version of it (-1: the latest loaded)."""
 
     def __init__(self, pb, model: str, graph: str, *, timeout_us: int = 0, version: int = -1):
-        self.pb, self.model, self.spec = pb, model, {**GRAPHS, **GRAPHS3}[graph]
+        self.pb, self.model, self.spec = pb, model, ALL_GRAPHS[graph]
         self.timeout_us = int(timeout_us)
         self.version = int(version)
         self.calls = 0

@@ -201,12 +201,12 @@ def cv3_demo_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cv3_onnx_dir(cv3_demo_dir, tmp_path_factory) -> Path:
-    """The DiT estimator graphs of :func:`cv3_demo_dir` (fp32 ONNX, no verification: test_cv3_onnx checks the
-    export), once a session."""
+    """The served graphs of :func:`cv3_demo_dir` (the DiT estimator's two, the vocoder's generator; fp32 ONNX, no
+    verification: test_cv3_onnx checks the export), once a session."""
     from cosyvoice_triton.export.onnx_export3 import ESTIMATOR_GRAPHS, export_onnx3
 
     out = tmp_path_factory.mktemp("cv3onnx") / "fp32"
-    export_onnx3(cv3_demo_dir, out, graphs=list(ESTIMATOR_GRAPHS), verify=False, threads=1)
+    export_onnx3(cv3_demo_dir, out, graphs=[*ESTIMATOR_GRAPHS, "hift3_decoder"], verify=False, threads=1)
     return out
 
 

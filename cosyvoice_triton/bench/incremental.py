@@ -1,9 +1,13 @@
-"""Streaming token-to-wav with and without the incremental flow (:mod:`~cosyvoice_triton.models.incremental`).
+"""Streaming token-to-wav with and without the incremental flow, either family.
 
 ``python -m cosyvoice_triton.bench.incremental --model-dir DIR [--tokens 125 --prompt-tokens 75 --rounds 3]``
-runs :meth:`~cosyvoice_triton.pipeline.CosyVoice2.token2wav_stream` on random tokens (a ``--tokens`` / 25 s
-answer after a ``--prompt-tokens`` / 25 s prompt), the two paths interleaved round by round, and prints the
-median seconds of each (whole stream and flow only), their ratio, and the largest difference of the audio.
+runs the streaming token-to-wav of the folder's family on random tokens (a ``--tokens`` / 25 s answer after a
+``--prompt-tokens`` / 25 s prompt), the two paths interleaved round by round, and prints the median seconds of each
+(whole stream, and the flow alone where the family's path times it), their ratio, and the largest difference of the
+audio. CosyVoice2: :meth:`~cosyvoice_triton.pipeline.CosyVoice2.token2wav_stream`
+(:mod:`~cosyvoice_triton.models.incremental`); CosyVoice3: :meth:`~cosyvoice_triton.models.cosyvoice3.token2wav.
+Token2Wav3.token2wav_stream` with and without a :class:`~cosyvoice_triton.models.cosyvoice3.incremental.
+Flow3StreamState` (:mod:`~cosyvoice_triton.models.cosyvoice3.incremental`; the vocoder on its bounded window too).
 """
 
 from __future__ import annotations
@@ -14,38 +18,75 @@ import time
 
 import numpy as np
 
-from ..models.incremental import cache_bytes_per_frame
-from ..pipeline import CosyVoice2, StageTimer, VCInputs
+from ..family import COSYVOICE3, model_family
 from ..threads import configure
+from . import load_average
+
+
+def _inputs(tokens: int, prompt_tokens: int):
+    from ..prompt_frontend import VCInputs
+
+    rng = np.random.default_rng(0)
+    return VCInputs(source_tokens=rng.integers(0, 6561, tokens).astype(np.int32),
+                    prompt_tokens=rng.integers(0, 6561, prompt_tokens).astype(np.int32),
+                    prompt_mel=rng.standard_normal((2 * prompt_tokens, 80)).astype(np.float32),
+                    embedding=rng.standard_normal(192).astype(np.float32))
+
+
+def _cosyvoice2(model_dir: str, inputs):
+    from ..models.incremental import cache_bytes_per_frame
+    from ..pipeline import CosyVoice2, StageTimer
+
+    model = CosyVoice2.from_pretrained(model_dir, tts=False)
+
+    def stream(incremental: bool) -> tuple[np.ndarray, float]:
+        model.incremental_stream = incremental
+        timer = StageTimer()
+        audio = np.concatenate(list(model.token2wav_stream(inputs, timer=timer)))
+        return audio, timer.seconds["flow.encoder"] + timer.seconds["flow.solver"]
+
+    ends = model.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens))
+    return stream, ends, cache_bytes_per_frame(model.config.flow)
+
+
+def _cosyvoice3(model_dir: str, inputs):
+    from ..models.cosyvoice3.incremental import Flow3StreamState, cache_bytes_per_frame3
+    from ..models.cosyvoice3.pipeline import CosyVoice3
+
+    t2w = CosyVoice3.from_pretrained(model_dir, tts=False).token2wav_model
+
+    def stream(incremental: bool) -> tuple[np.ndarray, float]:
+        state = Flow3StreamState() if incremental else None
+        chunks = t2w.token2wav_stream(inputs.source_tokens.tolist(), inputs.prompt_tokens, inputs.prompt_mel,
+                                      inputs.embedding, state=state)
+        return np.concatenate(list(chunks)), float("nan")
+
+    ends = t2w.stream_chunk_ends(len(inputs.source_tokens), len(inputs.prompt_tokens))
+    return stream, ends, cache_bytes_per_frame3(t2w.flow.dims)
 
 
 def run(model_dir: str, *, tokens: int = 125, prompt_tokens: int = 75, rounds: int = 3, threads: int | None = None
         ) -> dict:
     configure(threads or None)
-    model = CosyVoice2.from_pretrained(model_dir, tts=False)
-    rng = np.random.default_rng(0)
-    inputs = VCInputs(source_tokens=rng.integers(0, 6561, tokens).astype(np.int32),
-                      prompt_tokens=rng.integers(0, 6561, prompt_tokens).astype(np.int32),
-                      prompt_mel=rng.standard_normal((2 * prompt_tokens, 80)).astype(np.float32),
-                      embedding=rng.standard_normal(192).astype(np.float32))
+    family = model_family(model_dir)
+    make = _cosyvoice3 if family == COSYVOICE3 else _cosyvoice2
+    stream, ends, per_frame = make(model_dir, _inputs(tokens, prompt_tokens))
     times: dict[bool, list[float]] = {True: [], False: []}
     flow: dict[bool, list[float]] = {True: [], False: []}
     audio: dict[bool, np.ndarray] = {}
     for _ in range(rounds):
         for incremental in (False, True):
-            model.incremental_stream = incremental
-            timer = StageTimer()
             start = time.perf_counter()
-            audio[incremental] = np.concatenate(list(model.token2wav_stream(inputs, timer=timer)))
+            audio[incremental], flow_s = stream(incremental)
             times[incremental].append(time.perf_counter() - start)
-            flow[incremental].append(timer.seconds["flow.encoder"] + timer.seconds["flow.solver"])
+            flow[incremental].append(flow_s)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_flow = {k: statistics.median(v) for k, v in flow.items()}
     diff = float(np.abs(audio[True] - audio[False]).max() / max(np.abs(audio[False]).max(), 1e-30))
-    return {"chunk_ends": model.stream_chunk_ends(tokens, prompt_tokens), "recompute_s": med[False],
-            "incremental_s": med[True], "ratio": med[False] / med[True], "flow_recompute_s": med_flow[False],
+    return {"family": family, "chunk_ends": ends, "recompute_s": med[False], "incremental_s": med[True],
+            "ratio": med[False] / med[True], "flow_recompute_s": med_flow[False],
             "flow_incremental_s": med_flow[True], "flow_ratio": med_flow[False] / med_flow[True],
-            "audio_rel_diff": diff, "cache_mb_per_frame": cache_bytes_per_frame(model.config.flow) / 1e6}
+            "audio_rel_diff": diff, "cache_mb_per_frame": per_frame / 1e6}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,11 +98,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
     r = run(a.model_dir, tokens=a.tokens, prompt_tokens=a.prompt_tokens, rounds=a.rounds, threads=a.threads)
-    print(f"chunks end at {r['chunk_ends']} (+ final); median of {a.rounds} interleaved rounds")
+    print(f"{r['family']}: chunks end at {r['chunk_ends']} (+ final); median of {a.rounds} interleaved rounds; "
+          f"load average {load_average()}")
     print(f"whole stream: recompute {r['recompute_s']:.2f} s, incremental {r['incremental_s']:.2f} s, "
           f"{r['ratio']:.2f}x")
-    print(f"flow only:    recompute {r['flow_recompute_s']:.2f} s, incremental {r['flow_incremental_s']:.2f} s, "
-          f"{r['flow_ratio']:.2f}x")
+    if not np.isnan(r["flow_ratio"]):
+        print(f"flow only:    recompute {r['flow_recompute_s']:.2f} s, incremental {r['flow_incremental_s']:.2f} s, "
+              f"{r['flow_ratio']:.2f}x")
     print(f"audio: largest difference {r['audio_rel_diff']:.2e} of the peak; cached state "
           f"{r['cache_mb_per_frame']:.2f} MB per mel frame")
 

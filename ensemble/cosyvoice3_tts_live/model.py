@@ -11,6 +11,7 @@ from cosyvoice_triton.serving.stages.cosyvoice3 import build_service
 from cosyvoice_triton.serving.stages.live_tts import live_tts_sessions
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.stream_state import StateGauge
 
 CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to stop and close their senders
 
@@ -18,7 +19,8 @@ CLOSE_WAIT_S = 30.0  # finalize(): how long the streams in flight may take to st
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_live"], model=args["model_name"])
-        self.tts = build_service(pb_utils, p)
+        self.tts = build_service(pb_utils, p, on_state_change=StateGauge(pb_utils, args["model_name"],
+                                                                         args["model_version"]))
         self.sessions = live_tts_sessions(pb_utils, self.tts, p, args)
 
     def execute(self, requests):

@@ -14,6 +14,7 @@ from cosyvoice_triton.serving.stages.cosyvoice3 import build_service
 from cosyvoice_triton.serving.stages.metrics import SpeechMetrics, streaming
 from cosyvoice_triton.serving.stages.model_params import MODEL_PARAMS
 from cosyvoice_triton.serving.stages.params import read_parameters
+from cosyvoice_triton.serving.stages.stream_state import StateGauge
 from cosyvoice_triton.serving.stages.tts import send_stream
 from cosyvoice_triton.shapes import (
     CV3_TTS_STREAM_EXTRA_INPUTS,
@@ -30,7 +31,8 @@ INPUTS = [t.name for t in (*TTS_INPUTS, *TTS_OPTIONAL_INPUTS, *TTS_WHOLE_INPUTS,
 class TritonPythonModel:
     def initialize(self, args):
         p = read_parameters(args["model_config"], MODEL_PARAMS["cosyvoice3_tts_stream"], model=args["model_name"])
-        self.tts = build_service(pb_utils, p)
+        self.tts = build_service(pb_utils, p, on_state_change=StateGauge(pb_utils, args["model_name"],
+                                                                         args["model_version"]))
         self.speech = SpeechMetrics(pb_utils, args["model_name"], args["model_version"], inputs=("prompt",),
                                     audio_out=True, first_chunk=True)
         self.workers = set()

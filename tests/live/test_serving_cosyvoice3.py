@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 import soundfile as sf
-from conftest import PATIENCE_S, http_post, served
+from conftest import PATIENCE_S, http_post, served, wait_until
 
 TEXT = "Hello there, this is CosyVoice3 on Triton."
 PROMPT_TEXT = "the prompt says hello"
@@ -114,6 +114,39 @@ def test_the_stream_is_the_library_stream(server, library, speech):
     assert len(chunks) == len(want) >= 2 and [c.size for c in chunks] == [w.size for w in want]
     for got, w in zip(chunks, want, strict=True):
         np.testing.assert_allclose(got, w, atol=ATOL)
+
+
+def test_a_streams_flow_state_is_on_the_gauge_and_freed_when_cancelled(server, speech):
+    """The stream's non-final chunks run from its cached DiT state (models/cosyvoice3/incremental.py): the
+    instance's ``cosyvoice_stream_state_bytes`` holds it while the stream runs and drops to 0 when the client
+    cancels it mid-stream (and the server streams on for others)."""
+    import tritonclient.grpc as grpcclient
+
+    from cosyvoice_triton.loadtest.metrics import counter_total, scrape
+
+    def gauge(name):
+        return counter_total(scrape(server.metrics_url, timeout=30), name, model="cosyvoice3_tts_stream")
+
+    long_text = " ".join([TEXT] * 6)
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer("cosyvoice3_tts_stream", _inputs(grpcclient, _tts(speech, text=np.array(
+            [[long_text.encode()]], object))), request_id=str(uuid.uuid4()),
+            outputs=[grpcclient.InferRequestedOutput("waveform")])
+        _, error = answers.get(timeout=PATIENCE_S)
+        assert error is None
+        wait_until(lambda: gauge("cosyvoice_stream_state_bytes") > 0, "the stream holding its flow state",
+                   interval=0.05)
+        assert gauge("cosyvoice_stream_states") == 1
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    wait_until(lambda: gauge("cosyvoice_stream_states") == 0, "the cancelled stream's state freed", interval=0.2)
+    assert gauge("cosyvoice_stream_state_bytes") == 0
+    chunks, error, final = _stream(server, "cosyvoice3_tts_stream", _tts(speech))
+    assert error is None and final and len(chunks) >= 2
 
 
 def test_whole_answer_over_http_is_the_unstreamed_library_answer(server, library, speech):

@@ -1,6 +1,7 @@
-"""CosyVoice3's DiT estimator served as graphs (tunable ``cosyvoice3_onnx_dir``) by a real ``tritonserver``:
-``cosyvoice3_vc`` (two instances, two requests at a time each: ``cosyvoice3_concurrency=2``) answers what the library
-answers with the same graphs in process, every Euler step goes to ``flow3_estimator``, and the steps of three
+"""CosyVoice3's DiT estimator and vocoder generator served as graphs (tunable ``cosyvoice3_onnx_dir``) by a real
+``tritonserver``: ``cosyvoice3_vc`` (two instances, two requests at a time each: ``cosyvoice3_concurrency=2``) answers
+what the library answers with the same graphs in process, every Euler step goes to ``flow3_estimator`` and the
+vocoder's generator to ``hift3_decoder``, and the steps of three
 requests converted at once, in one instance and across both, share the graph's executions (Triton's dynamic batcher,
 a 300 ms queue delay so that the requests' steps meet); two TTS streams at once on one ``cosyvoice3_tts_stream``
 instance (its LM in-flight batch, the graphs) each stream what the library streams alone."""
@@ -34,14 +35,23 @@ def server(serving_assets, cv3_demo_dir, cv3_onnx_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def library(cv3_demo_dir, cv3_onnx_dir):
-    """The library with the same estimator graphs in process."""
+    """The library with the same graphs in process."""
     from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
-    from cosyvoice_triton.serving.stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS, GraphEstimator
+    from cosyvoice_triton.serving.stages.cosyvoice3_graphs import (
+        ESTIMATOR_GRAPHS,
+        VOCODER_GRAPH,
+        GraphDecoder,
+        GraphEstimator,
+        local_decoder,
+    )
     from cosyvoice_triton.serving.stages.graphs import GraphRunner
 
     service = Cv3Service.load(cv3_demo_dir)
     full, streaming = (GraphRunner(n, onnx_path=cv3_onnx_dir / f"{n}.onnx").run for n in ESTIMATOR_GRAPHS)
     service.model.flow.estimator_fn = GraphEstimator(full, streaming, service.model.flow.decoder.estimator)
+    hift = service.model.hift
+    hift.decode_fn = GraphDecoder(GraphRunner(VOCODER_GRAPH, onnx_path=cv3_onnx_dir / f"{VOCODER_GRAPH}.onnx").run,
+                                  local_decoder(hift))
     return service
 
 
@@ -92,7 +102,7 @@ def _at_once(calls) -> list:
 
 
 def test_conversion_on_the_served_graphs_is_the_library_on_them(server, library, en_speech):
-    before = _stats(server, "flow3_estimator")
+    before, vocoder = _stats(server, "flow3_estimator"), _stats(server, "hift3_decoder")
     got = _convert(server, _request(en_speech, 5.0))
     want = library.convert(_request(en_speech, 5.0))["waveform"]
     assert got.shape == want.shape
@@ -100,6 +110,7 @@ def test_conversion_on_the_served_graphs_is_the_library_on_them(server, library,
     after = _stats(server, "flow3_estimator")
     assert after[0] - before[0] == 10  # the 10 Euler steps, each one request of the graph
     assert _stats(server, "flow3_estimator_streaming")[0] == 0  # a whole conversion: full attention
+    assert _stats(server, "hift3_decoder")[0] - vocoder[0] == 1  # one vocoder call, on the generator graph
 
 
 def test_conversions_at_once_share_the_graphs_executions(server, library, en_speech):
@@ -132,7 +143,10 @@ def test_tts_streams_at_once_on_one_instance_are_each_the_library_stream(server,
                  "prompt_text": np.array([[b"the prompt says hello"]], object),
                  "seed": np.array([[i + 1]], np.int64)} for i, t in enumerate(texts)]
     want = [[c["waveform"][0] for c in library.responses(r)] for r in requests]
+    vocoder = _stats(server, "hift3_decoder")[0]
     answers = _at_once([lambda r=r: _stream(server, "cosyvoice3_tts_stream", r) for r in requests])
+    # every chunk's vocoder window ran on the generator graph
+    assert _stats(server, "hift3_decoder")[0] - vocoder == sum(len(c) for c in want)
     for answer, chunks in zip(answers, want, strict=True):
         assert isinstance(answer, tuple), answer
         got, error, final = answer
@@ -164,5 +178,24 @@ def test_bad_requests_to_the_graphs_get_400_naming_what_is_wrong(server, case, m
                        for k, v in tensors.items()]}
     text = json.dumps(body).replace("null", "NaN")
     status, answer = http_post(server.http_url, "/v2/models/flow3_estimator_streaming/infer", text.encode())
+    assert status == 400 and match in answer.decode(), (status, answer[:500])
+    assert server.is_ready()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("frames", "mel_frames = 1501 exceeds the maximum 1500"),
+    ("nan", "NaN/Inf"),
+])
+def test_bad_requests_to_the_vocoder_graph_get_400_naming_what_is_wrong(server, case, match):
+    frames = 1501 if case == "frames" else 10
+    mel = np.zeros((1, 80, frames), np.float32)
+    if case == "nan":
+        mel[0, 0, 0] = np.nan
+    tensors = {"mel": mel, "source": np.zeros((1, 1, 480 * frames), np.float32)}
+    body = {"inputs": [{"name": k, "shape": list(v.shape), "datatype": "FP32",
+                        "data": [None if np.isnan(f) else float(f) for f in v.reshape(-1)]}
+                       for k, v in tensors.items()]}
+    text = json.dumps(body).replace("null", "NaN")
+    status, answer = http_post(server.http_url, "/v2/models/hift3_decoder/infer", text.encode())
     assert status == 400 and match in answer.decode(), (status, answer[:500])
     assert server.is_ready()

@@ -1,7 +1,9 @@
-"""CosyVoice3's DiT estimator as a served graph (``serving/stages/cosyvoice3_graphs.py``): the flow's Euler steps on
-the exported graphs equal the DiT in process, each step on the graph of its attention variant; a padded batch of
-steps equals each step alone; steps outside the graph's range run on the DiT; the render serves the graphs behind
-the dynamic batcher and points every CosyVoice3 model at them, and refuses what cannot work."""
+"""CosyVoice3's DiT estimator and vocoder generator as served graphs (``serving/stages/cosyvoice3_graphs.py``): the
+flow's Euler steps on the exported graphs equal the DiT in process, each step on the graph of its attention variant;
+a padded batch of steps equals each step alone; steps outside the graph's range run on the DiT; the vocoder on its
+generator graph equals the vocoder in process, whole and streamed (the held frames, the bounded window); the render
+serves the graphs behind the dynamic batcher and points every CosyVoice3 model at them, and refuses what cannot
+work."""
 
 from __future__ import annotations
 
@@ -18,7 +20,13 @@ from cosyvoice_triton.errors import CosyVoiceError
 from cosyvoice_triton.serving.repository import render_repository
 from cosyvoice_triton.serving.repository.templates import RenderError
 from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
-from cosyvoice_triton.serving.stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS, GraphEstimator
+from cosyvoice_triton.serving.stages.cosyvoice3_graphs import (
+    ESTIMATOR_GRAPHS,
+    VOCODER_GRAPH,
+    GraphDecoder,
+    GraphEstimator,
+    local_decoder,
+)
 from cosyvoice_triton.serving.stages.graphs import GraphRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -112,12 +120,65 @@ def test_steps_outside_the_graphs_range_run_on_the_dit(flow):
         est(*args, torch.tensor([True, False]))
 
 
+# --------------------------------------------------------------------------------------------------- vocoder
+@pytest.fixture(scope="module")
+def hift(cv3_demo_dir):
+    return Cv3Service.load(cv3_demo_dir, tts=False).model.hift
+
+
+def _mel(frames: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 80, frames, generator=g) * 2 - 5
+
+
+def test_the_vocoder_on_its_generator_graph_equals_the_vocoder_in_process(hift, cv3_onnx_dir):
+    """Whole (finalize) and held (finalize=False: the prefix of the graph's finalized decode) calls, and a stream on
+    the bounded vocoder window, each within the graphs' fp32 bar of the vocoder in process; every call went to the
+    graph."""
+    from cosyvoice_triton.models.cosyvoice3.window import VocoderWindow
+
+    runner = GraphRunner(VOCODER_GRAPH, onnx_path=cv3_onnx_dir / f"{VOCODER_GRAPH}.onnx")
+    mel = _mel(130)
+    local = {final: hift.inference(mel, finalize=final)[0] for final in (True, False)}
+    window = VocoderWindow(hift)
+    local_stream = np.concatenate([window(mel[:, :, lo:lo + 40], final=lo + 40 >= 130) for lo in range(0, 130, 40)])
+    dec = GraphDecoder(runner.run, local_decoder(hift))
+    hift.decode_fn = dec
+    try:
+        served = {final: hift.inference(mel, finalize=final)[0] for final in (True, False)}
+        window = VocoderWindow(hift)
+        stream = np.concatenate([window(mel[:, :, lo:lo + 40], final=lo + 40 >= 130) for lo in range(0, 130, 40)])
+    finally:
+        hift.decode_fn = None
+    for final in (True, False):
+        assert served[final].shape == local[final].shape
+        assert rel_err(served[final], local[final]) < 1e-4, final
+    assert stream.shape == local_stream.shape and rel_err(stream, local_stream) < 1e-4
+    assert dec.graph_calls == 2 + 4 and dec.local_calls == 0
+
+
+def test_vocoder_calls_outside_the_graphs_range_run_in_process(hift):
+    def refuse(feeds):
+        raise AssertionError("the graph was called")
+
+    dec = GraphDecoder(refuse, local_decoder(hift))
+    mel = _mel(3)  # below the graph's 4 frames
+    source = hift.source_from_f0(hift.predict_f0(mel))
+    out = dec(mel, source)
+    assert (dec.graph_calls, dec.local_calls) == (0, 1)
+    assert torch.equal(out, hift.decode(mel, source))
+
+
 # ---------------------------------------------------------------------------------------------------- render
-def _estimator_models(repo, model) -> str:
+def _param(repo, model, key) -> str:
     text = (repo / model / "config.pbtxt").read_text()
-    found = re.search(r'key: "estimator_models"\s*value: \{\s*string_value: "([^"]*)"', text)
+    found = re.search(rf'key: "{key}"\s*value: \{{\s*string_value: "([^"]*)"', text)
     assert found, text[:2000]
     return found.group(1)
+
+
+def _estimator_models(repo, model) -> str:
+    return _param(repo, model, "estimator_models")
 
 
 def _render(serving_assets, repo, flavor="local", **tunables):
@@ -129,24 +190,27 @@ def test_the_render_serves_the_graphs_and_points_the_cosyvoice3_models_at_them(s
                                                                                cv3_onnx_dir, tmp_path):
     report = _render(serving_assets, tmp_path / "graphs", cosyvoice3_dir=str(cv3_demo_dir),
                      cosyvoice3_onnx_dir=str(cv3_onnx_dir), instances={"flow3_estimator": 2})
-    for name in ESTIMATOR_GRAPHS:
+    for name in (*ESTIMATOR_GRAPHS, VOCODER_GRAPH):
         assert report.models[name] == "python (onnxruntime, fp32)"
         text = (tmp_path / "graphs" / name / "config.pbtxt").read_text()
-        assert "dynamic_batching {" in text and "max_batch_size: 32" in text
+        assert "dynamic_batching {" in text
+        assert f"max_batch_size: {16 if name == VOCODER_GRAPH else 32}\n" in text
         assert f'string_value: "{cv3_onnx_dir / name}.onnx"' in text
         assert (tmp_path / "graphs" / name / "1" / "model.py").is_file()
     assert "count: 2" in (tmp_path / "graphs" / "flow3_estimator" / "config.pbtxt").read_text()
     for model in CV3_MODELS:
         assert _estimator_models(tmp_path / "graphs", model) == ",".join(ESTIMATOR_GRAPHS)
+        assert _param(tmp_path / "graphs", model, "vocoder_model") == VOCODER_GRAPH
 
     report = _render(serving_assets, tmp_path / "plain", cosyvoice3_dir=str(cv3_demo_dir))
-    assert not set(ESTIMATOR_GRAPHS) & set(report.models)
+    assert not {*ESTIMATOR_GRAPHS, VOCODER_GRAPH} & set(report.models)
     for model in CV3_MODELS:
         assert _estimator_models(tmp_path / "plain", model) == ""
+        assert _param(tmp_path / "plain", model, "vocoder_model") == ""
 
     report = _render(serving_assets, tmp_path / "onnx", "onnx", cosyvoice3_dir=str(cv3_demo_dir),
                      cosyvoice3_onnx_dir=str(cv3_onnx_dir))
-    for name in ESTIMATOR_GRAPHS:
+    for name in (*ESTIMATOR_GRAPHS, VOCODER_GRAPH):
         assert report.models[name] == "onnxruntime (fp32)"
         assert (tmp_path / "onnx" / name / "1" / "model.onnx").read_bytes() == (
             cv3_onnx_dir / f"{name}.onnx").read_bytes()
@@ -164,8 +228,14 @@ def test_the_render_refuses_graphs_that_cannot_serve(serving_assets, cv3_demo_di
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["graphs"]["flow3_estimator"]["source"]["sha256"] = "0" * 64
     (other / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(RenderError, match="exported from another flow.pt"):
+    with pytest.raises(RenderError, match="flow3_estimator of .* exported from another flow.pt"):
         _render(serving_assets, tmp_path / "c", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(other))
+    manifest["graphs"]["flow3_estimator"]["source"]["sha256"] = manifest["graphs"]["flow3_estimator_streaming"][
+        "source"]["sha256"]
+    manifest["graphs"][VOCODER_GRAPH]["source"]["sha256"] = "1" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RenderError, match="hift3_decoder of .* exported from another hift.pt"):
+        _render(serving_assets, tmp_path / "c2", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(other))
     (other / "flow3_estimator_streaming.onnx").unlink()
     with pytest.raises(RenderError, match="flow3_estimator_streaming.onnx not found"):
         _render(serving_assets, tmp_path / "d", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(other))

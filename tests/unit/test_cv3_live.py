@@ -14,6 +14,7 @@ from cosyvoice_triton.errors import TextError
 from cosyvoice_triton.frontend.text.cosyvoice3 import cross_lingual_text, instruct_text, zero_shot_prompt_text
 from cosyvoice_triton.frontend.text.live import LiveText, piece_tokens
 from cosyvoice_triton.models.bistream import live_decode
+from cosyvoice_triton.models.cosyvoice3.incremental import Flow3StreamState
 from cosyvoice_triton.models.cosyvoice3.llm import drop_long_silences
 from cosyvoice_triton.serving.stages.cosyvoice3 import Cv3Service
 from cosyvoice_triton.serving.stages.lm_engine import JobCancelled
@@ -62,9 +63,11 @@ def test_audio_starts_before_the_text_ends_and_is_its_tokens_audio(model, en_spe
     # the LM: the official bistream layout (system prompt first), the pieces tokenized one by one
     want = _reference_tokens(model, PIECES, speaker.prompt_text_tokens, speaker.prompt_tokens, 2)
     assert live.decode.tokens == want
-    # the audio: those tokens, less long silent runs, through the streaming token-to-wav
+    # the audio: those tokens, less long silent runs, through the streaming token-to-wav (incremental, as the
+    # model streams by default)
     again = list(model.token2wav_model.token2wav_stream(list(drop_long_silences(want)), speaker.prompt_tokens,
-                                                        speaker.prompt_mel, speaker.embedding))
+                                                        speaker.prompt_mel, speaker.embedding,
+                                                        state=Flow3StreamState()))
     assert [len(c) for c in again] == [len(c) for c in chunks]
     for a, b in zip(again, chunks, strict=True):
         np.testing.assert_array_equal(a, b)

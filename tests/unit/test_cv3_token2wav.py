@@ -20,6 +20,7 @@ import torch
 from conftest import FIXTURES, oracle_fixtures, oracle_meta, oracle_script, rel_err, waveform_bar
 
 from cosyvoice_triton.errors import ConfigError, CosyVoiceError
+from cosyvoice_triton.models.cosyvoice3 import token2wav as token2wav_module
 from cosyvoice_triton.models.cosyvoice3.flow import Flow3Dims, load_flow3
 from cosyvoice_triton.models.cosyvoice3.hift import CausalNsfNoise, Hift3Dims, load_hift3
 from cosyvoice_triton.models.cosyvoice3.token2wav import Token2Wav3, stream_chunk_ends, stream_schedule
@@ -221,7 +222,7 @@ def test_each_stream_starts_at_the_first_hop(t2w, monkeypatch):
         return torch.zeros(1, 80, 2 * n - prompt[1].shape[1])
 
     monkeypatch.setattr(t2w, "_mel", mel)
-    monkeypatch.setattr(t2w, "_vocode", lambda mel, state, *, final: np.zeros(0, np.float32))
+    monkeypatch.setattr(token2wav_module, "_Vocoded", lambda hift: lambda mel, *, final: np.zeros(0, np.float32))
     prompt = (np.zeros(quirk["prompt"], np.int32), np.zeros((2 * quirk["prompt"], 80), np.float32),
               np.ones(192, np.float32))
     want = [[c[0], c[2], c[3]] for c in quirk["first_stream"]]

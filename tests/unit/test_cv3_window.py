@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cosyvoice_triton.errors import CosyVoiceError
-from cosyvoice_triton.models.cosyvoice3 import window as window_mod
+from cosyvoice_triton.models.cosyvoice3 import vocoder_window as window_mod
 from cosyvoice_triton.models.cosyvoice3.hift import CausalHiFTGenerator, Hift3Dims
 from cosyvoice_triton.models.cosyvoice3.token2wav import Token2Wav3, _Vocoded
 from cosyvoice_triton.models.cosyvoice3.window import VOCODER_CONTEXT_FRAMES, Token2Wav3Window, VocoderWindow
@@ -40,9 +40,9 @@ def _ends(frames: int, chunk: int) -> list[tuple[int, int]]:
 
 def _official_vocoder(hift, mel: torch.Tensor, chunk: int) -> np.ndarray:
     """Token2Wav3's streaming vocoder: the whole mel so far at each chunk (the official hift_cache_dict path)."""
-    state, holder, out = _Vocoded(), type("T2W", (), {"hift": hift})(), []
+    vocode, out = _Vocoded(hift), []
     for lo, hi in _ends(mel.shape[2], chunk):
-        out.append(Token2Wav3._vocode(holder, mel[:, :, lo:hi], state, final=hi == mel.shape[2]))
+        out.append(vocode(mel[:, :, lo:hi], final=hi == mel.shape[2]))
     return np.concatenate(out)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -325,6 +326,10 @@ class CausalHiFTGenerator(nn.Module):
         self.stft = STFT(d.n_fft, d.hop_len)  # periodic Hann, center=True, reflect; no state_dict entries
         self.istft = ISTFT(d.n_fft, d.hop_len)
         self.noise = CausalNsfNoise(noise_seed)
+        #: runs :meth:`decode`'s generator in place of the layers above (``decode_fn(mel, source) -> speech``, the
+        #: ``finalize=True`` decode of what it is given, e.g. the served ``hift3_decoder`` graph of
+        #: :mod:`cosyvoice_triton.serving.stages.cosyvoice3_graphs`); None: these layers
+        self.decode_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     # CosyVoice2's head: conv_post output [B, n_fft + 2, frames] -> speech [B, hop * (frames - 1)], clamped
     spec_to_audio = HiFTGenerator.spec_to_audio
@@ -375,7 +380,15 @@ class CausalHiFTGenerator(nn.Module):
 
     def decode(self, speech_feat: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """Mel ``[B, 80, T]`` and source ``[B, 1, 480 T]`` -> speech ``[B, 480 T]`` with ``finalize``, else
-        ``[B, 480 (T - conv_pre_look_right - 1)]`` (the last hop of samples still lacks its overlap)."""
+        ``[B, 480 (T - conv_pre_look_right - 1)]`` (the last hop of samples still lacks its overlap).
+
+        With :attr:`decode_fn`, ``finalize=False`` is the prefix of its ``finalize=True`` decode of the same input:
+        only ``conv_pre`` looks ahead, so the frames before its look-ahead see the same values either way, and
+        every later layer (the source STFT's included, taken of the same whole source) is causal."""
+        if self.decode_fn is not None:
+            speech = self.decode_fn(speech_feat, source)
+            return speech if finalize else speech[:, : self.upsample_factor * (
+                speech_feat.shape[2] - self.conv_pre_look_right - 1)]
         speech = self.spec_to_audio(self.decode_spec(speech_feat, source, finalize))
         return speech if finalize else speech[:, :-self.upsample_factor]
 

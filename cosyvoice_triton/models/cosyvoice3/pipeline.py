@@ -49,6 +49,7 @@ from .config import CosyVoice3Config, read_cosyvoice3_yaml
 from .dit_quant import FLOW_PRECISIONS, quantize_flow3
 from .flow import load_flow3
 from .hift import load_hift3
+from .incremental import DEFAULT_MAX_BYTES, Flow3StreamState
 from .llm import CosyVoice3LM, drop_long_silences, load_llm3
 from .token2wav import Token2Wav3
 
@@ -98,6 +99,15 @@ class CosyVoice3(PromptFrontend):
         #: of its tokens with ``hit_max_len``, e.g. :meth:`cosyvoice_triton.serving.stages.lm_engine.LMEngine.stream`
         #: when several requests compute at once); None: each segment on a decoder of its own
         self.lm_submit: Callable[[LMRequest], Iterator[int]] | None = None
+        #: streaming: non-final chunks compute only the frames they do not already hold (:mod:`.incremental`, equal
+        #: to the official recompute up to float rounding); False: every chunk recomputes the prompt and every frame
+        #: so far, as the official code. A stream whose state would pass ``incremental_cache_bytes`` recomputes from
+        #: there on
+        self.incremental_stream = True
+        self.incremental_cache_bytes = DEFAULT_MAX_BYTES
+        #: makes each stream's state in place of ``Flow3StreamState(incremental_cache_bytes)`` (a server's, counted
+        #: against an instance's budget); None: that default
+        self.stream_state: Callable[[], Flow3StreamState] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", onnx_threads: int = 1,
@@ -347,7 +357,12 @@ class CosyVoice3(PromptFrontend):
         if stream:
             if check_speed(speed) != 1.0:
                 raise ConfigError("speed: only non-streaming answers (stream=False) change speed, as officially")
-            yield from timer.each(t2w.token2wav_stream(tokens, *prompt, schedule=schedule), "token2wav")
+            state = None
+            if self.incremental_stream:
+                state = self.stream_state() if self.stream_state is not None else \
+                    Flow3StreamState(self.incremental_cache_bytes)
+            yield from timer.each(t2w.token2wav_stream(tokens, *prompt, schedule=schedule, state=state),
+                                  "token2wav")
             return
         tokens = np.asarray(list(tokens), np.int32)
         if not len(tokens):

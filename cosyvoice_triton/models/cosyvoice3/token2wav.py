@@ -14,7 +14,8 @@ this path directly (the official ``vc_job``); text-to-speech hands it the LM's t
   it runs on the whole mel so far (every chunk's mel, concatenated) with ``finalize=False`` and the samples past
   those already returned are the chunk's audio. The last chunk, with every token, runs the flow with
   ``streaming=False, finalize=True`` (the official ``tts`` does not pass ``stream`` to its last ``token2wav``
-  call) and the vocoder with ``finalize=True``.
+  call) and the vocoder with ``finalize=True``. Given a stream state, the non-final chunks compute only their new
+  frames and the vocoder runs on a bounded window (:meth:`Token2Wav3.token2wav_stream`; :mod:`.incremental`).
 
 The hops restart at 25 for every stream. The official ``tts`` stores the grown hop on the model
 (``self.token_hop_len``) and never resets it, so an official instance's second stream starts at 100 tokens; the
@@ -37,6 +38,8 @@ from ...streaming import stream_chunk_ends as _chunk_ends
 from ..speed import check_speed, stretch_mel
 from .flow import CausalMaskedDiffWithDiT, Flow3Dims
 from .hift import CausalHiFTGenerator
+from .incremental import Flow3StreamState, incremental_chunk3
+from .vocoder_window import VocoderWindow
 
 
 def stream_schedule(dims: Flow3Dims | None = None, *, first_hop: int | None = None, growth: int | None = None,
@@ -66,12 +69,21 @@ def stream_chunk_ends(n_tokens: int, n_prompt_tokens: int, dims: Flow3Dims | Non
 
 
 class _Vocoded:
-    """A stream's vocoder state, as the official ``hift_cache_dict`` entry: every mel frame so far and how many
-    samples were returned."""
+    """A stream's vocoder, as the official ``hift_cache_dict`` entry: every mel frame so far, vocoded whole at each
+    chunk, and how many samples were returned. Call it with each chunk's new mel [1, 80, n]."""
 
-    def __init__(self):
+    def __init__(self, hift: CausalHiFTGenerator):
+        self.hift = hift
         self.mel: torch.Tensor | None = None
         self.samples = 0
+
+    @torch.inference_mode()
+    def __call__(self, mel: torch.Tensor, *, final: bool) -> np.ndarray:
+        self.mel = mel if self.mel is None else torch.cat([self.mel, mel], dim=2)
+        speech, _ = self.hift.inference(self.mel, finalize=final)
+        new = speech[0, self.samples:]
+        self.samples += new.shape[0]
+        return new.float().cpu().numpy()
 
 
 class Token2Wav3:
@@ -140,22 +152,34 @@ class Token2Wav3:
 
     # --------------------------------------------------------------------------------------- streaming
     def token2wav_stream(self, tokens: Iterable[int], prompt_tokens, prompt_feat, embedding, *,
-                         schedule: StreamSchedule | RuntimeSchedule | None = None) -> Iterator[np.ndarray]:
+                         schedule: StreamSchedule | RuntimeSchedule | None = None,
+                         state: Flow3StreamState | None = None) -> Iterator[np.ndarray]:
         """Official ``tts(stream=True)`` over ``tokens`` as they arrive (a list, or an iterator that may block):
         float32 chunks, one per chunk of :meth:`stream_chunk_ends` and the last when ``tokens`` ends. Their
         concatenation is the stream's audio. ``schedule``: this stream's hops (default :attr:`schedule`; the
-        official Triton runtime's: :class:`~cosyvoice_triton.streaming.RuntimeSchedule`)."""
-        prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
-        ratio, state = self.flow.token_mel_ratio, _Vocoded()
-        for chunk in stream_chunks(tokens, prompt[0].shape[1], lookahead=self.flow.pre_lookahead_len,
-                                   schedule=schedule or self.schedule):
-            mel = self._mel(self._tokens(chunk.tokens), prompt, streaming=not chunk.final, finalize=chunk.final)
-            yield self._vocode(mel[:, :, chunk.offset * ratio:], state, final=chunk.final)
+        official Triton runtime's: :class:`~cosyvoice_triton.streaming.RuntimeSchedule`).
 
-    @torch.inference_mode()
-    def _vocode(self, mel: torch.Tensor, state: _Vocoded, *, final: bool) -> np.ndarray:
-        state.mel = mel if state.mel is None else torch.cat([state.mel, mel], dim=2)
-        speech, _ = self.hift.inference(state.mel, finalize=final)
-        new = speech[0, state.samples:]
-        state.samples += new.shape[0]
-        return new.float().cpu().numpy()
+        ``state``: a fresh :class:`~.incremental.Flow3StreamState`, this stream's own: the non-final chunks then
+        compute only the frames they do not already hold (:mod:`.incremental`) and the vocoder runs on a bounded
+        window (:class:`~.vocoder_window.VocoderWindow`), each equal to the official recompute up to float rounding.
+        It is closed before the final chunk (which recomputes, full attention) and whenever the stream stops."""
+        prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
+        ratio = self.flow.token_mel_ratio
+        vocode = _Vocoded(self.hift) if state is None else VocoderWindow(self.hift)
+        try:
+            for chunk in stream_chunks(tokens, prompt[0].shape[1], lookahead=self.flow.pre_lookahead_len,
+                                       schedule=schedule or self.schedule):
+                t = self._tokens(chunk.tokens)
+                mel = None
+                if state is not None:
+                    if chunk.final:
+                        state.close()
+                    else:
+                        with torch.inference_mode():
+                            mel = incremental_chunk3(self.flow, state, t, *prompt)
+                if mel is None:
+                    mel = self._mel(t, prompt, streaming=not chunk.final, finalize=chunk.final)
+                yield vocode(mel[:, :, chunk.offset * ratio:], final=chunk.final)
+        finally:
+            if state is not None:
+                state.close()

@@ -20,6 +20,7 @@ from ...shapes import (
     VC_MODEL,
 )
 from ..marker import MARKER
+from ..stages.cosyvoice3_graphs import VOCODER_GRAPH
 from ..stages.model_params import MODEL_PARAMS
 from ..versioning import VERSIONED, VersionSpec
 from ..versioning import pipeline_model as _pipeline_model
@@ -113,9 +114,10 @@ def _cosyvoice3_dir(tun: Tunables, allow_missing: bool) -> Path | None:
     return path
 
 
-def _cv3_estimator_files(tun: Tunables, cv3_dir: Path | None, allow_missing: bool) -> dict[str, Path]:
-    """Tunable ``cosyvoice3_onnx_dir``: the estimator graphs' files by model name, checked (the spec's I/O; the
-    export's manifest names the ``flow.pt`` of ``cosyvoice3_dir``); empty when unset."""
+def _cv3_graph_files(tun: Tunables, cv3_dir: Path | None, allow_missing: bool) -> dict[str, Path]:
+    """Tunable ``cosyvoice3_onnx_dir``: the served graphs' files by model name (the estimator's two, the vocoder's
+    generator), checked (the spec's I/O; the export's manifest names the ``flow.pt`` / ``hift.pt`` of
+    ``cosyvoice3_dir``); empty when unset."""
     if not tun.cosyvoice3_onnx_dir:
         return {}
     if cv3_dir is None:
@@ -134,12 +136,15 @@ def _cv3_estimator_files(tun: Tunables, cv3_dir: Path | None, allow_missing: boo
     manifest = onnx_dir / "manifest.json"
     try:
         entries = json.loads(manifest.read_text())["graphs"]
-        sources = {entries[name]["source"]["sha256"] for name in CV3_GRAPH_MODELS}
+        sources = {name: entries[name]["source"]["sha256"] for name in CV3_GRAPH_MODELS}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RenderError(f"tunable cosyvoice3_onnx_dir: {manifest} is not an export's manifest ({exc})") from exc
-    if sources != {file_sha256(cv3_dir / "flow.pt")}:
-        raise RenderError(f"tunable cosyvoice3_onnx_dir: the graphs of {onnx_dir} were exported from another flow.pt "
-                          f"than {cv3_dir / 'flow.pt'} (export again from cosyvoice3_dir)")
+    digests = {f: file_sha256(cv3_dir / f) for f in ("flow.pt", "hift.pt")}
+    for name, sha in sources.items():
+        checkpoint = "hift.pt" if name == VOCODER_GRAPH else "flow.pt"
+        if sha != digests[checkpoint]:
+            raise RenderError(f"tunable cosyvoice3_onnx_dir: {name} of {onnx_dir} was exported from another "
+                              f"{checkpoint} than {cv3_dir / checkpoint} (export again from cosyvoice3_dir)")
     return files
 
 
@@ -212,7 +217,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
     _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
     cv3_dir = _cosyvoice3_dir(tun, allow_missing)
-    cv3_graphs = _cv3_estimator_files(tun, cv3_dir, allow_missing)
+    cv3_graphs = _cv3_graph_files(tun, cv3_dir, allow_missing)
     if precision == CPU_CHOICE:
         _warn_foreign_report(quality_report, model_dir, onnx_dir)
     out = Path(out_dir)
@@ -335,7 +340,7 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
             files += _graph_versions(out / name, name, flavor, versions, engine_dir, quality_report, tun,
                                      allow_missing, served_graphs)
 
-    # --- CosyVoice3's estimator graphs (tunable cosyvoice3_onnx_dir), called by the CosyVoice3 models
+    # --- CosyVoice3's estimator and vocoder graphs (tunable cosyvoice3_onnx_dir), called by the CosyVoice3 models
     for name, path in cv3_graphs.items():
         spec = GRAPHS3[name]
         if flavor == "local":

@@ -48,7 +48,7 @@ from ...shapes import (
     TensorSpec,
 )
 from ..samples import stage_warmup_samples
-from ..stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS
+from ..stages.cosyvoice3_graphs import ESTIMATOR_GRAPHS, VOCODER_GRAPH
 from ..stages.live_tts import LIVE_TTS_INPUTS, LIVE_TTS_MODEL, LIVE_TTS_OUTPUTS
 from ..stages.live_vc import LIVE_VC_INPUTS, LIVE_VC_MODEL, LIVE_VC_OUTPUTS, LiveSettings
 from ..stages.official_api import (
@@ -72,8 +72,9 @@ HIGH_PRIORITY_MODELS = (TTS_STREAM_MODEL, TTS_MODEL)
 TASK_SUFFIX = "_tts"
 ISOLATED_STAGES = ("flow", "hift")
 TASK_COPIES = tuple(f"{m}{TASK_SUFFIX}" for m in (*GRAPHS, *ISOLATED_STAGES))
-#: CosyVoice3's served graphs (tunable ``cosyvoice3_onnx_dir``): the DiT estimator's two attention variants.
-CV3_GRAPH_MODELS = ESTIMATOR_GRAPHS
+#: CosyVoice3's served graphs (tunable ``cosyvoice3_onnx_dir``): the DiT estimator's two attention variants and the
+#: vocoder's generator.
+CV3_GRAPH_MODELS = (*ESTIMATOR_GRAPHS, VOCODER_GRAPH)
 #: Models that call no other model: the only ones the rate limiter may hold (no hold-and-wait).
 LEAF_MODELS = (*GRAPHS, *(f"{g}{TASK_SUFFIX}" for g in GRAPHS), *CV3_GRAPH_MODELS, "preprocess", "postprocess")
 
@@ -285,7 +286,8 @@ def _cv3_params(ctx: RenderContext) -> dict[str, Any]:
     return {"model_dir": str(ctx.cosyvoice3_dir), "min_seconds": tun.min_seconds, "max_seconds": tun.max_seconds,
             "wait_timeout_s": tun.tts_wait_timeout_s, "output_sample_rate": tun.output_sample_rate,
             "torch_threads": tun.torch_threads, "flow_precision": tun.cosyvoice3_flow_precision,
-            "estimator_models": ",".join(CV3_GRAPH_MODELS) if ctx.cosyvoice3_graphs else "",
+            "estimator_models": ",".join(ESTIMATOR_GRAPHS) if ctx.cosyvoice3_graphs else "",
+            "vocoder_model": VOCODER_GRAPH if ctx.cosyvoice3_graphs else "",
             "bls_timeout_us": tun.bls_timeout_us, "concurrency": tun.cosyvoice3_concurrency}
 
 
@@ -293,7 +295,8 @@ def _cv3_tts_params(ctx: RenderContext) -> dict[str, Any]:
     tun = ctx.tunables
     return {**_cv3_params(ctx), "lm_precision": tun.lm_precision, "speakers_model": CV3_SPEAKERS_MODEL,
             "bls_timeout_us": tun.bls_timeout_us, "max_text_chars": tun.max_text_chars,
-            "max_text_digit_run": tun.max_text_digit_run, "max_text_digits": tun.max_text_digits}
+            "max_text_digit_run": tun.max_text_digit_run, "max_text_digits": tun.max_text_digits,
+            **tun.cv3_stream_state_params()}
 
 
 def _cv3_live_tts_params(ctx: RenderContext) -> dict[str, Any]:

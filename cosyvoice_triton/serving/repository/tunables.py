@@ -100,9 +100,10 @@ class Tunables:
     stream_first_hop: int = 25
     stream_hop_growth: int = 2
     stream_max_hop: int = 100
-    #: The streams' flow state (serving/stages/stream_state.py): cosyvoice_vc_stream, cosyvoice_tts_stream and
-    #: cosyvoice_tts_live compute each non-final chunk's new frames only, from the stream's cached keys/values (the
-    #: checkpoint's PyTorch flow loaded in those models), instead of the flow graphs over every frame; the most MiB
+    #: The streams' flow state (serving/stages/stream_state.py): cosyvoice_vc_stream, cosyvoice_tts_stream,
+    #: cosyvoice_tts_live, cosyvoice3_tts_stream and cosyvoice3_tts_live compute each non-final chunk's new frames
+    #: only, from the stream's cached keys/values (the checkpoint's PyTorch flow loaded in those models), instead of
+    #: the flow (graphs) over every frame; the most MiB
     #: one stream holds and all the streams of an instance hold (beyond either, a stream recomputes from there on),
     #: and the MiB of registered speakers' settled prompt frames kept (0: off)
     stream_state: bool = True
@@ -179,9 +180,10 @@ class Tunables:
     #: ``cosyvoice3_tts_stream``: 25 + pad, 50, 100)
     cosyvoice3_stream_schedule: str = "runtime"
     #: The fp32 ONNX export of the ``cosyvoice3_dir`` folder (``export-onnx --model-dir <cosyvoice3_dir>``; ``""``:
-    #: none): its DiT estimator graphs are served as ``flow3_estimator`` and ``flow3_estimator_streaming`` behind the
-    #: dynamic batcher, and every CosyVoice3 model's flow steps call them by BLS, batched across instances
-    #: (serving/stages/cosyvoice3_graphs.py); needs ``cosyvoice3_flow_precision=fp32``
+    #: none): its DiT estimator graphs are served as ``flow3_estimator`` and ``flow3_estimator_streaming`` and its
+    #: vocoder generator as ``hift3_decoder`` behind the dynamic batcher, and every CosyVoice3 model's flow steps and
+    #: vocoder calls go to them by BLS, batched across instances (serving/stages/cosyvoice3_graphs.py); needs
+    #: ``cosyvoice3_flow_precision=fp32``
     cosyvoice3_onnx_dir: str = ""
     #: Requests one instance of each CosyVoice3 model computes at once (one copy of the weights; each answer is the
     #: one it gets alone); ``cosyvoice3_vc`` takes that many per execution, each in its own thread
@@ -269,6 +271,12 @@ class Tunables:
         return {"stream_state": self.stream_state, "stream_state_mb": self.stream_state_mb,
                 "stream_state_total_mb": self.stream_state_total_mb, "speaker_state_mb": self.speaker_state_mb,
                 "device": self.device}
+
+    def cv3_stream_state_params(self) -> dict[str, Any]:
+        """What CosyVoice3's streaming models read of the stream state (no speaker state, no device: their flow is
+        the instance's)."""
+        return {"stream_state": self.stream_state, "stream_state_mb": self.stream_state_mb,
+                "stream_state_total_mb": self.stream_state_total_mb}
 
     def stream_params(self) -> dict[str, int]:
         return {"stream_first_hop": self.stream_first_hop, "stream_hop_growth": self.stream_hop_growth,

@@ -55,10 +55,11 @@ from .frontend import Preprocessor
 from .lm_engine import BUSY, EngineBusy, JobCancelled, LMEngine
 from .metrics import streaming
 from .postprocess import Postprocessor
+from .stream_state import DEFAULTS, MB, StateBudget
 from .tts import bytes_input, registered_voice, speed_input
 from .vocoder import parse_seed
 
-__all__ = ["Cv3LiveResponses", "Cv3Service", "build_service"]
+__all__ = ["Cv3LiveResponses", "Cv3Service", "build_service", "stream_states"]
 
 
 def _with_last(chunks: Iterable[np.ndarray]) -> Iterator[tuple[np.ndarray, bool]]:
@@ -247,13 +248,16 @@ class Cv3Service:
         return {"waveform": self.post.waveform(wave)[None], "sample_rate": np.array([[self.sample_rate]], np.int32)}
 
 
-def build_service(pb_utils, p: Mapping[str, Any], *, tts: bool = True) -> Cv3Service:
+def build_service(pb_utils, p: Mapping[str, Any], *, tts: bool = True,
+                  on_state_change: Callable[[int, int], Any] | None = None) -> Cv3Service:
     """The :class:`Cv3Service` of a served CosyVoice3 model from its parameters (``p``: read with its
     ``MODEL_PARAMS`` entry); ``tts``: load the LM and text front end. ``pb_utils`` makes the BLS calls to the speakers
     model (``speakers_model``; empty or absent: ``speaker_id`` is refused) and to the estimator graphs
-    (``estimator_models``; empty: the DiT in process, :mod:`.cosyvoice3_graphs`)."""
+    (``estimator_models``; empty: the DiT in process, :mod:`.cosyvoice3_graphs`). The streams' flow state
+    (``stream_state``, ``stream_state_mb``, ``stream_state_total_mb``): :func:`stream_states`, each change told to
+    ``on_state_change(streams, bytes)`` (a gauge)."""
     from ...family import COSYVOICE3
-    from .cosyvoice3_graphs import bls_estimator
+    from .cosyvoice3_graphs import bls_decoder, bls_estimator
     from .speakers import BlsSpeakers
 
     speakers = None
@@ -270,7 +274,26 @@ def build_service(pb_utils, p: Mapping[str, Any], *, tts: bool = True) -> Cv3Ser
                               wait_timeout_s=p["wait_timeout_s"], speakers=speakers,
                               concurrency=p["concurrency"], **kw)
     service.model.flow.estimator_fn = bls_estimator(pb_utils, p, service.model.flow)
+    service.model.hift.decode_fn = bls_decoder(pb_utils, p, service.model.hift)
+    if tts:
+        stream_states(service.model, p, on_change=on_state_change)
     return service
+
+
+def stream_states(model, p: Mapping[str, Any], *, on_change: Callable[[int, int], Any] | None = None
+                  ) -> StateBudget | None:
+    """Give ``model`` (a :class:`~cosyvoice_triton.models.cosyvoice3.pipeline.CosyVoice3`) its streams' flow state
+    as the parameters ask (``stream_state``; absent: on): each stream's
+    :class:`~cosyvoice_triton.models.cosyvoice3.incremental.Flow3StreamState` holds at most ``stream_state_mb``, and
+    all of them at most ``stream_state_total_mb`` (the returned :class:`~.stream_state.StateBudget`); a stream that
+    would pass either recomputes from there (never refused for it). None, and the official recompute, when off."""
+    p = {**DEFAULTS, **p}
+    model.incremental_stream = bool(p["stream_state"])
+    if not model.incremental_stream:
+        return None
+    budget = StateBudget(int(p["stream_state_total_mb"] * MB), on_change)
+    model.stream_state = budget.flow3_states(int(p["stream_state_mb"] * MB))
+    return budget
 
 
 class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):

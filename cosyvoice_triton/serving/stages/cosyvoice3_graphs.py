@@ -1,4 +1,5 @@
-"""CosyVoice3's DiT estimator as a served graph: the Euler steps of every CosyVoice3 request batched together.
+"""CosyVoice3's DiT estimator and vocoder generator as served graphs: every CosyVoice3 request's Euler steps and
+vocoder calls batched together.
 
 A served CosyVoice3 model runs its folder in process, ``concurrency`` requests at a time per instance
 (:mod:`.cosyvoice3`). With tunable ``cosyvoice3_onnx_dir`` the render also serves the exported estimator graphs
@@ -10,6 +11,13 @@ gets what it gets alone).
 
 A step whose rows or frames lie outside the graph's range (an utterance and its prompt longer than 3000 mel
 frames, 60 s) runs on the instance's own DiT instead, counted in :attr:`GraphEstimator.local_steps`.
+
+The vocoder's generator (``hift3_decoder``: mel and source to waveform, the bulk of the vocoder's work) is served the
+same way (:class:`GraphDecoder` as the vocoder's ``decode_fn``), its calls batched with other requests' of the same
+length (policy ``group``: the generator's tail sees padding through its look-ahead). The F0 predictor and the sine
+source stay in the instance, in float64 as officially: the exported ``hift3_source`` runs the predictor in float32,
+whose rounding the source's phase accumulation turns into ~1e-3 of the waveform, for a small part of the work. A
+call longer than the graph's 1500 frames (30 s) runs on the instance's generator.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ from ...errors import CosyVoiceError
 from ...shapes import GRAPHS3
 from .flow import GraphFn
 
-__all__ = ["ESTIMATOR_GRAPHS", "GraphEstimator", "bls_estimator"]
+__all__ = ["ESTIMATOR_GRAPHS", "VOCODER_GRAPH", "GraphDecoder", "GraphEstimator", "bls_decoder", "bls_estimator",
+           "local_decoder"]
 
 #: The served estimator graphs: (full attention, chunk-causal attention), as the flow's ``streaming`` picks.
 ESTIMATOR_GRAPHS = ("flow3_estimator", "flow3_estimator_streaming")
+#: The served vocoder graph: the generator (the F0 predictor and source run in the instance).
+VOCODER_GRAPH = "hift3_decoder"
 _SPEC = GRAPHS3[ESTIMATOR_GRAPHS[0]]
 
 
@@ -76,3 +87,45 @@ def bls_estimator(pb, p: Mapping, flow) -> GraphEstimator | None:
     full, streaming = (BlsGraph(pb, model, graph, timeout_us=timeout) for model, graph in zip(names, ESTIMATOR_GRAPHS,
                                                                                                strict=True))
     return GraphEstimator(full, streaming, flow.decoder.estimator)
+
+
+class GraphDecoder:
+    """A ``decode_fn`` of the CosyVoice3 vocoder (``decode_fn(mel, source) -> speech``, the ``finalize=True``
+    decode) that calls ``fn`` (``fn(feeds) -> outputs``, numpy, :data:`GRAPHS3`'s ``hift3_decoder``) and ``local``
+    (the vocoder's own generator) for a call outside the graph's range."""
+
+    def __init__(self, fn: GraphFn, local: Callable[..., Tensor]):
+        self.fn, self.local = fn, local
+        self.graph_calls = 0
+        self.local_calls = 0
+        axes = GRAPHS3[VOCODER_GRAPH].axes
+        self._rows, self._frames = axes["batch"], axes["mel_frames"]
+
+    def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
+        rows, frames = mel.shape[0], mel.shape[-1]
+        if not (self._rows.min <= rows <= self._rows.max and self._frames.min <= frames <= self._frames.max):
+            self.local_calls += 1
+            return self.local(mel, source)
+        feeds = {k: np.ascontiguousarray(v.detach().to("cpu", torch.float32).numpy())
+                 for k, v in (("mel", mel), ("source", source))}
+        out = self.fn(feeds)["waveform"]
+        self.graph_calls += 1
+        return torch.from_numpy(np.asarray(out, dtype=np.float32)).to(mel.device, mel.dtype)
+
+
+def local_decoder(hift) -> Callable[[Tensor, Tensor], Tensor]:
+    """``hift``'s own generator as a ``decode_fn`` (``finalize=True``), whatever its ``decode_fn``."""
+    return lambda mel, source: hift.spec_to_audio(hift.decode_spec(mel, source, True))
+
+
+def bls_decoder(pb, p: Mapping, hift) -> GraphDecoder | None:
+    """The :class:`GraphDecoder` of a served CosyVoice3 model's parameters (``vocoder_model``: the served
+    ``hift3_decoder``; empty: None, the generator in process), calling it by BLS with ``pb``; ``hift``: the loaded
+    vocoder (its generator for the calls outside the graph's range)."""
+    from .triton_io import BlsGraph
+
+    model = str(p.get("vocoder_model", "")).strip()
+    if not model:
+        return None
+    return GraphDecoder(BlsGraph(pb, model, VOCODER_GRAPH, timeout_us=p.get("bls_timeout_us", 0)),
+                        local_decoder(hift))

@@ -78,6 +78,8 @@ _CV3_COMMON = (
           ("fp32", "int8")),
     Param("estimator_models", str, "", "the served DiT estimator graphs 'FULL,STREAMING' the flow's Euler steps call "
           "by BLS (serving/stages/cosyvoice3_graphs.py; empty: the DiT in process)"),
+    Param("vocoder_model", str, "", "the served vocoder generator graph (hift3_decoder) the vocoder calls by BLS "
+          "(serving/stages/cosyvoice3_graphs.py; empty: the generator in process)"),
     Param("concurrency", int, 1, "requests computing at once in one instance (one copy of the weights; more wait "
           "up to wait_timeout_s)"),
     _TORCH_THREADS,
@@ -123,6 +125,13 @@ _CV3_TTS = (
               "speaker_id is refused)"),
         _BLS_TIMEOUT,
         *_CV3_COMMON,
+        Param("stream_state", bool, True, "non-final streamed chunks compute only the frames the stream does not "
+              "hold yet, from its cached DiT keys/values (models/cosyvoice3/incremental.py; the final chunk "
+              "recomputes); false: every chunk runs the flow over every frame, as the official code"),
+        Param("stream_state_mb", float, 2048.0, "most MiB of flow state one stream holds (about 3.6 MB per settled "
+              "mel frame at Fun-CosyVoice3-0.5B dims); beyond, it recomputes from there"),
+        Param("stream_state_total_mb", float, 4096.0, "most MiB of flow state all streams of this instance hold; a "
+              "stream that would pass it recomputes from there"),
 )
 
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({

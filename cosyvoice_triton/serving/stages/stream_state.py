@@ -25,6 +25,7 @@ stream's bytes count its share of them too (the budget is conservative).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable
@@ -81,6 +82,21 @@ class StateBudget:
             self.peak = max(self.peak, total)
             self._tell(len(self.held), total)  # under the lock: the gauge sees the changes in their order
         return True
+
+    def flow3_states(self, max_stream_bytes: int) -> Callable[[], Any]:
+        """A maker of CosyVoice3 stream states (:class:`~cosyvoice_triton.models.cosyvoice3.incremental.
+        Flow3StreamState`), each at most ``max_stream_bytes`` and counted here under a key of its own
+        (``CosyVoice3.stream_state``)."""
+        from ...models.cosyvoice3.incremental import Flow3StreamState
+
+        keys = itertools.count()
+
+        def make() -> Flow3StreamState:
+            key = -1 - next(keys)  # apart from IncrementalFlow's keys (>= 0), should both share a budget
+            return Flow3StreamState(max_stream_bytes, reserve=lambda n: self.resize(key, n),
+                                    release=lambda: self.release(key))
+
+        return make
 
     def release(self, key: int) -> None:
         with self.lock:

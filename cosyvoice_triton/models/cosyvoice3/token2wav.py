@@ -114,9 +114,10 @@ class Token2Wav3:
     # ------------------------------------------------------------------------------------------ inputs
     def _prompt(self, prompt_tokens, prompt_feat, embedding) -> tuple[torch.Tensor, ...]:
         dev = self.device
-        prompt_tokens = torch.as_tensor(np.asarray(prompt_tokens), dtype=torch.int32, device=dev).reshape(1, -1)
-        prompt_feat = torch.as_tensor(np.asarray(prompt_feat), dtype=torch.float32, device=dev)
-        embedding = torch.as_tensor(np.asarray(embedding), dtype=torch.float32, device=dev).reshape(1, -1)
+        # copies (torch.tensor): the inputs may be read-only views of request tensors
+        prompt_tokens = torch.tensor(np.asarray(prompt_tokens), dtype=torch.int32, device=dev).reshape(1, -1)
+        prompt_feat = torch.tensor(np.asarray(prompt_feat), dtype=torch.float32, device=dev)
+        embedding = torch.tensor(np.asarray(embedding), dtype=torch.float32, device=dev).reshape(1, -1)
         d = self.flow.dims
         if prompt_feat.ndim != 2 or prompt_feat.shape[1] != d.output_size:
             raise CosyVoiceError(f"prompt_feat: expected [frames, {d.output_size}], got {list(prompt_feat.shape)}")

@@ -83,7 +83,7 @@ def test_each_chunk_equals_the_recompute_and_computes_only_what_it_lacks(t2w, sc
             assert count.frames == [total - lo] * n_steps
             assert state.frames == total // chunk * chunk
             partial += state.frames != total
-            assert state.nbytes() == _expected_bytes(flow, state.frames)
+            assert state.nbytes() == _expected_bytes(flow, state.frames, total)
     finally:
         count.close()
     assert state.chunks == len(ends)
@@ -91,10 +91,12 @@ def test_each_chunk_equals_the_recompute_and_computes_only_what_it_lacks(t2w, sc
         assert partial >= 1
 
 
-def _expected_bytes(flow, frames: int) -> int:
+def _expected_bytes(flow, settled: int, capacity: int) -> int:
+    """The settled frames' mel, the keys / values of ``capacity`` frames (the last call's), the convolutions' tails."""
     d, n = flow.dims.dit, flow.decoder.config.n_timesteps
     tails = 4 * n * 2 * 2 * (d.conv_pos_kernel - 1) * d.dim
-    return frames * cache_bytes_per_frame3(flow.dims, n) + tails
+    mel = 4 * d.out_channels
+    return settled * mel + capacity * (cache_bytes_per_frame3(flow.dims, n) - mel) + tails
 
 
 def test_release_dims_figure():
@@ -136,10 +138,11 @@ def test_the_stream_equals_the_official_recompute(t2w, schedule):
     assert rel_err(np.concatenate(got), np.concatenate(official)) < STREAM_BAR
     assert state.chunks == len(got) - 1  # every non-final chunk from the state; the final one recomputed
     assert not state.active and state.nbytes() == 0 and budget.released == 1 and budget.held == 0
-    # the budget was asked, before each chunk, for exactly what the state then held: whole attention chunks
-    tails = _expected_bytes(t2w.flow, 0)
-    assert budget.asked == sorted(budget.asked) and len(budget.asked) == state.chunks
-    assert all((n - tails) % (50 * cache_bytes_per_frame3(t2w.flow.dims)) == 0 for n in budget.asked)
+    # the budget was asked, before each chunk, for exactly what the state then held: the settled frames (whole
+    # attention chunks) and the keys / values of every frame of the call
+    ends = stream_chunk_ends(src.shape[1], pt.shape[1], t2w.flow.dims, schedule=schedule or t2w.schedule)
+    totals = [2 * (pt.shape[1] + end) for end in ends]
+    assert budget.asked == [_expected_bytes(t2w.flow, t // 50 * 50, t) for t in totals]
 
 
 @pytest.mark.parametrize("how", ["cap", "budget"])
@@ -147,7 +150,7 @@ def test_a_stream_past_its_cap_recomputes_from_there(t2w, how):
     src, pt, pf, emb = _inputs(t2w.flow, source=230, seed=2)
     official = _stream(t2w, src, pt, pf, emb)
     first = 2 * (pt.shape[1] + t2w.stream_chunk_ends(src.shape[1], pt.shape[1])[0])
-    room = _expected_bytes(t2w.flow, first // 50 * 50)  # the first chunk fits, the second does not
+    room = _expected_bytes(t2w.flow, first // 50 * 50, first)  # the first chunk fits, the second does not
     budget = _Budget(limit=room if how == "budget" else 1 << 40)
     state = budget.state(max_bytes=room if how == "cap" else 1 << 40)
     got = _stream(t2w, src, pt, pf, emb, state=state)
@@ -197,4 +200,8 @@ def test_the_bench_runs_both_paths_on_cosyvoice3(cv3_demo_dir):
     r = run(str(cv3_demo_dir), tokens=120, prompt_tokens=30, rounds=1, threads=1)
     assert r["family"] == "cosyvoice3" and len(r["chunk_ends"]) >= 2
     assert r["recompute_s"] > 0 and r["incremental_s"] > 0 and 0 < r["audio_rel_diff"] < STREAM_BAR
+    # one time per chunk, the final one included
+    assert len(r["chunk_recompute_s"]) == len(r["chunk_incremental_s"]) == len(r["chunk_ends"]) + 1
+    assert min(r["chunk_incremental_s"]) > 0
     assert r["cache_mb_per_frame"] == cache_bytes_per_frame3(Flow3Dims.tiny()) / 1e6
+

@@ -149,3 +149,12 @@ def test_chunks_equal_recompute_full_dims(tmp_path_factory):
     print(f"full dims: worst chunk rel err {max(errors):.2e}; cached state {per_frame / 1e6:.2f} MB per mel frame "
           f"(measured {state.nbytes() / (2 * state.tokens) / 1e6:.2f}), {per_frame * 2 * (75 + 175) / 1e9:.2f} GB "
           f"for a 10 s answer after a 3 s prompt")
+
+
+def test_the_bench_times_every_chunk_on_both_paths(serving_assets):
+    from cosyvoice_triton.bench.incremental import run
+
+    r = run(str(serving_assets["model_dir"]), tokens=120, prompt_tokens=30, rounds=1, threads=1, state_mb=64)
+    assert r["family"] == "cosyvoice2" and len(r["chunk_ends"]) >= 2
+    assert len(r["chunk_recompute_s"]) == len(r["chunk_incremental_s"]) == len(r["chunk_ends"]) + 1
+    assert r["flow_recompute_s"] > 0 and r["flow_incremental_s"] > 0 and r["audio_rel_diff"] < 1e-3

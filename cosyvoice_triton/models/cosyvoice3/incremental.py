@@ -25,8 +25,11 @@ cap. The new frames equal the recomputed ones up to float rounding (the products
 
 **Size.** Per settled mel frame: ``n_timesteps x 2 rows x depth x (K + V) x heads x dim_head x 4`` bytes, plus 80
 floats of mel: about 3.6 MB at Fun-CosyVoice3-0.5B dims (10 steps, 22 blocks, 1024 wide), 180 MB per second of
-prompt and speech (:func:`cache_bytes_per_frame3`; the tiny demo model: about 21 KB). The cap ``max_bytes`` bounds one
-stream; past it the stream drops its state and recomputes from there (never refused for it).
+prompt and speech (:func:`cache_bytes_per_frame3`; the tiny demo model: about 21 KB). The keys and values live in
+buffers as long as the last call's frames (the unsettled ones past the settled: at most one attention chunk and the
+look-ahead, overwritten by the next call), written in place: a call copies the cache once, when it grows, not at
+every block of every step (the state counts the buffers). The cap ``max_bytes`` bounds one stream; past it the stream
+drops its state and recomputes from there (never refused for it).
 """
 
 from __future__ import annotations
@@ -47,21 +50,31 @@ __all__ = ["DEFAULT_MAX_BYTES", "Flow3StreamState", "cache_bytes_per_frame3", "d
 DEFAULT_MAX_BYTES = 2 << 30
 
 
+def _kv_bytes_per_frame(dims: Flow3Dims, n_timesteps: int) -> int:
+    d = dims.dit
+    return 4 * n_timesteps * 2 * d.depth * 2 * d.heads * d.dim_head
+
+
 def cache_bytes_per_frame3(dims: Flow3Dims, n_timesteps: int | None = None) -> int:
     """fp32 bytes of state per settled mel frame: keys and values of every block, every Euler step, both CFG rows,
     and the frame's mel."""
-    d, n = dims.dit, dims.cfm.n_timesteps if n_timesteps is None else n_timesteps
-    return 4 * (n * 2 * d.depth * 2 * d.heads * d.dim_head + d.out_channels)
+    n = dims.cfm.n_timesteps if n_timesteps is None else n_timesteps
+    return _kv_bytes_per_frame(dims, n) + 4 * dims.dit.out_channels
 
 
 @dataclass
 class _StepCache:
-    """One Euler step's cache (both CFG rows): per block the keys / values [2, heads, frames, dim_head] of the
-    settled frames; the last ``kernel - 1`` inputs [2, kernel - 1, dim] of the two position convolutions."""
+    """One Euler step's cache (both CFG rows): per block the keys / values [2, heads, capacity, dim_head], the
+    settled frames first (the frames after them: the last call's, overwritten by the next); the last ``kernel - 1``
+    inputs [2, kernel - 1, dim] of the two position convolutions."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     conv_tails: list[Tensor] = field(default_factory=list)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2] if self.keys else 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values, *self.conv_tails))
@@ -102,18 +115,34 @@ class Flow3StreamState:
             release()
 
 
-def _attend(block: DiTBlock, x: Tensor, keys: Tensor, values: Tensor, allowed: Tensor, freqs: Tensor
-            ) -> tuple[Tensor, Tensor, Tensor]:
-    """The block's attention for the new frames x [2, n, D] against the cached keys / values: (output [2, n, D], the
-    new frames' keys and values [2, H, n, dh])."""
-    attn, b = block.attn, x.shape[0]
+def _attend(block: DiTBlock, x: Tensor, keys: Tensor, values: Tensor, lo: int, allowed: Tensor, freqs: Tensor
+            ) -> Tensor:
+    """The block's attention for the new frames x [2, n, D] (frames ``lo .. lo + n``) against the cached keys /
+    values [2, H, >= lo + n, dh] of the frames before: their keys and values are written there, in place."""
+    attn, (b, n) = block.attn, x.shape[:2]
     q = apply_rotary(attn.to_q(x), freqs)
     k = apply_rotary(attn.to_k(x), freqs)
     v = attn.to_v(x)
-    q, k, v = (y.view(b, -1, attn.heads, y.shape[-1] // attn.heads).transpose(1, 2) for y in (q, k, v))
-    out = F.scaled_dot_product_attention(q, torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2),
-                                         attn_mask=allowed, dropout_p=0.0, is_causal=False)
-    return attn.to_out[0](out.transpose(1, 2).reshape(b, -1, q.shape[1] * q.shape[-1])), k, v
+    q, k, v = (y.view(b, n, attn.heads, y.shape[-1] // attn.heads).transpose(1, 2) for y in (q, k, v))
+    hi = lo + n
+    keys[:, :, lo:hi] = k
+    values[:, :, lo:hi] = v
+    out = F.scaled_dot_product_attention(q, keys[:, :, :hi], values[:, :, :hi], attn_mask=allowed, dropout_p=0.0,
+                                         is_causal=False)
+    return attn.to_out[0](out.transpose(1, 2).reshape(b, n, q.shape[1] * q.shape[-1]))
+
+
+def _room(cache: list[Tensor], lo: int, frames: int) -> list[Tensor]:
+    """Each buffer [2, H, capacity, dh] of ``cache`` with room for ``frames`` frames: as it is, or its first ``lo``
+    frames moved to a new buffer of ``frames`` frames."""
+    if cache[0].shape[2] >= frames:
+        return cache
+    out = []
+    for old in cache:
+        new = old.new_empty(*old.shape[:2], frames, old.shape[3])
+        new[:, :, :lo] = old[:, :, :lo]
+        out.append(new)
+    return out
 
 
 def _conv(conv: torch.nn.Sequential, tail: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -127,7 +156,8 @@ def dit_step(dit: DiT, cache: _StepCache, lo: int, settle: int, x: Tensor, mu: T
              cond: Tensor) -> Tensor:
     """One velocity evaluation of the DiT (streaming attention, both CFG rows) for the frames ``lo .. lo + n`` of an
     unpadded utterance, the frames before ``lo`` read from ``cache``; the frames ``lo .. settle`` are then added to
-    it. x, mu, cond [2, 80, n], t [2], spks [2, 80] -> [2, 80, n]."""
+    it (the cache's buffers grown to ``lo + n`` frames if shorter: one copy per call, none per block). x, mu, cond
+    [2, 80, n], t [2], spks [2, 80] -> [2, 80, n]."""
     d = dit.dims
     rows, n = x.shape[0], x.shape[-1]
     hi, k1 = lo + n, d.conv_pos_kernel - 1
@@ -135,6 +165,7 @@ def dit_step(dit: DiT, cache: _StepCache, lo: int, settle: int, x: Tensor, mu: T
         cache.conv_tails = [x.new_zeros(rows, k1, d.dim), x.new_zeros(rows, k1, d.dim)]
         cache.keys = [x.new_zeros(rows, d.heads, 0, d.dim_head) for _ in dit.transformer_blocks]
         cache.values = [k.clone() for k in cache.keys]
+    cache.keys, cache.values = _room(cache.keys, lo, hi), _room(cache.values, lo, hi)
     t_emb = dit.time_embed(t)
     emb = dit.input_embed
     h = emb.proj(torch.cat([x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2),
@@ -150,13 +181,10 @@ def dit_step(dit: DiT, cache: _StepCache, lo: int, settle: int, x: Tensor, mu: T
     keep = settle - lo
     for i, block in enumerate(dit.transformer_blocks):
         norm, gate, shift_ff, scale_ff, gate_ff = block.attn_norm(h, t_emb)
-        out, k, v = _attend(block, norm, cache.keys[i], cache.values[i], allowed, freqs)
+        out = _attend(block, norm, cache.keys[i], cache.values[i], lo, allowed, freqs)
         h = h + gate.unsqueeze(1) * out
         norm = layer_norm(h) * (1 + scale_ff[:, None]) + shift_ff[:, None]
         h = h + gate_ff.unsqueeze(1) * block.ff(norm)
-        if keep:
-            cache.keys[i] = torch.cat([cache.keys[i], k[:, :, :keep]], dim=2)
-            cache.values[i] = torch.cat([cache.values[i], v[:, :, :keep]], dim=2)
     if keep:
         cache.conv_tails = [in1[:, keep: keep + k1].clone(), in2[:, keep: keep + k1].clone()]
     return dit.proj_out(dit.norm_out(h, t_emb)).transpose(1, 2)
@@ -179,9 +207,11 @@ def incremental_chunk3(flow: CausalMaskedDiffWithDiT, state: Flow3StreamState, t
     chunk = flow.decoder.estimator.static_chunk_size
     settle = max(lo, total // chunk * chunk)
     n_steps, d = flow.decoder.config.n_timesteps, flow.dims.dit
-    grown = state.nbytes() + (settle - lo) * cache_bytes_per_frame3(flow.dims, n_steps)
-    if not state.steps:  # the position convolutions' tails: two per step and row
-        grown += 4 * n_steps * 2 * 2 * (d.conv_pos_kernel - 1) * d.dim
+    # after the call: the settled mel, the keys / values of every frame of the call, the convolutions' tails
+    per_frame = _kv_bytes_per_frame(flow.dims, n_steps)
+    capacity = max(total, state.steps[0].capacity if state.steps else 0)
+    grown = (4 * d.out_channels * settle + per_frame * capacity
+             + 4 * n_steps * 2 * 2 * (d.conv_pos_kernel - 1) * d.dim)
     if grown > state.max_bytes or (state.reserve is not None and not state.reserve(grown)):
         state.drop()
         return None

@@ -45,13 +45,19 @@ class StageTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def each(self, items: Iterator, name: str) -> Iterator:
-        """``items`` passed through, the time each ``next`` takes counted under ``name`` (a lazy producer's work)."""
-        while True:
-            with self.stage(name):
-                item = next(items, None)
-            if item is None:
-                return
-            yield item
+        """``items`` passed through, the time each ``next`` takes counted under ``name`` (a lazy producer's work);
+        closed with this iterator (a consumer that stops early stops the producer now, not when it is collected)."""
+        try:
+            while True:
+                with self.stage(name):
+                    item = next(items, None)
+                if item is None:
+                    return
+                yield item
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
 
 _NO_TIMER = StageTimer()

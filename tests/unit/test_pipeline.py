@@ -288,3 +288,21 @@ def test_cli_errors_are_clear(tmp_path):
     assert run.returncode == 2
     assert "error:" in run.stderr and "model folder not found" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_timed_producer_stops_with_its_consumer():
+    closed = []
+
+    def produce():
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    timer = StageTimer()
+    producer = produce()  # still referenced: only an explicit close stops it
+    timed = timer.each(producer, "llm")
+    assert next(timed) == 0 and next(timed) == 1
+    timed.close()  # the consumer went away: the producer is closed now, not when it is collected
+    assert closed == [True] and timer.seconds["llm"] > 0
+    assert list(timer.each(iter([3, 4]), "llm")) == [3, 4]  # a plain iterator (no close) passes through

@@ -34,6 +34,7 @@ drops its state and recomputes from there (never refused for it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,6 +44,8 @@ from torch import Tensor
 
 from .dit import DiT, DiTBlock, apply_rotary, layer_norm
 from .flow import CausalMaskedDiffWithDiT, Flow3Dims
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BYTES", "Flow3StreamState", "cache_bytes_per_frame3", "dit_step", "incremental_chunk3"]
 
@@ -196,7 +199,7 @@ def incremental_chunk3(flow: CausalMaskedDiffWithDiT, state: Flow3StreamState, t
     finalize=False``: ``token`` [1, Ts] is every source token so far, the three look-ahead ones last), computed from
     ``state`` and settling its complete attention chunks there. The flow's local DiT runs (not its
     ``estimator_fn``). Returns None when the chunk must be recomputed: a state stopped before, or one that would
-    pass its cap or its budget (it is then dropped)."""
+    pass its cap or its budget (it is then closed: its memory and its place in the budget given back)."""
     if not state.active:
         return None
     c = flow.condition(token, prompt_token, prompt_feat, embedding, finalize=False)
@@ -213,7 +216,10 @@ def incremental_chunk3(flow: CausalMaskedDiffWithDiT, state: Flow3StreamState, t
     grown = (4 * d.out_channels * settle + per_frame * capacity
              + 4 * n_steps * 2 * 2 * (d.conv_pos_kernel - 1) * d.dim)
     if grown > state.max_bytes or (state.reserve is not None and not state.reserve(grown)):
-        state.drop()
+        log.info("stream state: a CosyVoice3 stream's state would hold %d MiB, past %s; it recomputes from here",
+                 grown >> 20, f"its cap ({state.max_bytes >> 20} MiB)" if grown > state.max_bytes
+                 else "what the instance's budget has left")
+        state.close()  # its memory and its place in the budget, now
         return None
     decoder, dit = flow.decoder, flow.decoder.estimator
     steps = iter(range(1 << 30))

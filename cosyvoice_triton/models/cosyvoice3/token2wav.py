@@ -164,10 +164,10 @@ class Token2Wav3:
         compute only the frames they do not already hold (:mod:`.incremental`) and the vocoder runs on a bounded
         window (:class:`~.vocoder_window.VocoderWindow`), each equal to the official recompute up to float rounding.
         It is closed before the final chunk (which recomputes, full attention) and whenever the stream stops."""
-        prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
         ratio = self.flow.token_mel_ratio
         vocode = _Vocoded(self.hift) if state is None else VocoderWindow(self.hift)
         try:
+            prompt = self._prompt(prompt_tokens, prompt_feat, embedding)
             for chunk in stream_chunks(tokens, prompt[0].shape[1], lookahead=self.flow.pre_lookahead_len,
                                        schedule=schedule or self.schedule):
                 t = self._tokens(chunk.tokens)

@@ -328,7 +328,7 @@ class Cv3LiveResponses(Iterator[dict[str, np.ndarray]]):
                 if live.stop_reason == "cancelled":
                     raise JobCancelled("the client went away")
             finally:
-                live.decode.close()
+                live.close()  # its chunks (and their stream state, now) and its decode
         finally:
             turn.give()
 

@@ -42,7 +42,6 @@ def library(cv3_demo_dir, cv3_onnx_dir):
         VOCODER_GRAPH,
         GraphDecoder,
         GraphEstimator,
-        local_decoder,
     )
     from cosyvoice_triton.serving.stages.graphs import GraphRunner
 
@@ -51,7 +50,7 @@ def library(cv3_demo_dir, cv3_onnx_dir):
     service.model.flow.estimator_fn = GraphEstimator(full, streaming, service.model.flow.decoder.estimator)
     hift = service.model.hift
     hift.decode_fn = GraphDecoder(GraphRunner(VOCODER_GRAPH, onnx_path=cv3_onnx_dir / f"{VOCODER_GRAPH}.onnx").run,
-                                  local_decoder(hift))
+                                  hift.generate)
     return service
 
 

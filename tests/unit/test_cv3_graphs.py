@@ -25,7 +25,6 @@ from cosyvoice_triton.serving.stages.cosyvoice3_graphs import (
     VOCODER_GRAPH,
     GraphDecoder,
     GraphEstimator,
-    local_decoder,
 )
 from cosyvoice_triton.serving.stages.graphs import GraphRunner
 
@@ -142,7 +141,7 @@ def test_the_vocoder_on_its_generator_graph_equals_the_vocoder_in_process(hift, 
     local = {final: hift.inference(mel, finalize=final)[0] for final in (True, False)}
     window = VocoderWindow(hift)
     local_stream = np.concatenate([window(mel[:, :, lo:lo + 40], final=lo + 40 >= 130) for lo in range(0, 130, 40)])
-    dec = GraphDecoder(runner.run, local_decoder(hift))
+    dec = GraphDecoder(runner.run, hift.generate)
     hift.decode_fn = dec
     try:
         served = {final: hift.inference(mel, finalize=final)[0] for final in (True, False)}
@@ -161,7 +160,7 @@ def test_vocoder_calls_outside_the_graphs_range_run_in_process(hift):
     def refuse(feeds):
         raise AssertionError("the graph was called")
 
-    dec = GraphDecoder(refuse, local_decoder(hift))
+    dec = GraphDecoder(refuse, hift.generate)
     mel = _mel(3)  # below the graph's 4 frames
     source = hift.source_from_f0(hift.predict_f0(mel))
     out = dec(mel, source)

@@ -389,6 +389,11 @@ class CausalHiFTGenerator(nn.Module):
             speech = self.decode_fn(speech_feat, source)
             return speech if finalize else speech[:, : self.upsample_factor * (
                 speech_feat.shape[2] - self.conv_pre_look_right - 1)]
+        return self.generate(speech_feat, source, finalize)
+
+    def generate(self, speech_feat: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
+        """:meth:`decode` on this module's own layers, whatever :attr:`decode_fn` (with ``finalize``: a
+        ``decode_fn``, e.g. for the calls a served graph cannot take)."""
         speech = self.spec_to_audio(self.decode_spec(speech_feat, source, finalize))
         return speech if finalize else speech[:, :-self.upsample_factor]
 

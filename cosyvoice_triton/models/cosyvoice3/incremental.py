@@ -155,12 +155,22 @@ def _conv(conv: torch.nn.Sequential, tail: Tensor, x: Tensor) -> tuple[Tensor, T
     return conv(full.transpose(1, 2)).transpose(1, 2), full
 
 
+def _positions(dit: DiT, lo: int, hi: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The rotary frequencies of the frames ``lo .. hi`` and their chunk-causal mask [1, 1, hi - lo, hi] over the
+    frames ``0 .. hi``: the same at every Euler step of a call."""
+    size = dit.dims.static_chunk_size
+    query = torch.arange(lo, hi, device=device)
+    ends = (torch.div(query, size, rounding_mode="floor") + 1) * size
+    allowed = (torch.arange(hi, device=device).unsqueeze(0) < ends.unsqueeze(1)).view(1, 1, hi - lo, hi)
+    return dit.rotary_embed(hi)[:, lo:], allowed
+
+
 def dit_step(dit: DiT, cache: _StepCache, lo: int, settle: int, x: Tensor, mu: Tensor, t: Tensor, spks: Tensor,
-             cond: Tensor) -> Tensor:
+             cond: Tensor, positions: tuple[Tensor, Tensor]) -> Tensor:
     """One velocity evaluation of the DiT (streaming attention, both CFG rows) for the frames ``lo .. lo + n`` of an
     unpadded utterance, the frames before ``lo`` read from ``cache``; the frames ``lo .. settle`` are then added to
     it (the cache's buffers grown to ``lo + n`` frames if shorter: one copy per call, none per block). x, mu, cond
-    [2, 80, n], t [2], spks [2, 80] -> [2, 80, n]."""
+    [2, 80, n], t [2], spks [2, 80] -> [2, 80, n]; ``positions``: :func:`_positions` of ``lo .. lo + n``."""
     d = dit.dims
     rows, n = x.shape[0], x.shape[-1]
     hi, k1 = lo + n, d.conv_pos_kernel - 1
@@ -177,10 +187,7 @@ def dit_step(dit: DiT, cache: _StepCache, lo: int, settle: int, x: Tensor, mu: T
     h1, in1 = _conv(pe.conv1, cache.conv_tails[0], h)
     h2, in2 = _conv(pe.conv2, cache.conv_tails[1], h1)
     h = h2 + h
-    freqs = dit.rotary_embed(hi)[:, lo:]
-    query = torch.arange(lo, hi, device=x.device)
-    ends = (torch.div(query, d.static_chunk_size, rounding_mode="floor") + 1) * d.static_chunk_size
-    allowed = (torch.arange(hi, device=x.device).unsqueeze(0) < ends.unsqueeze(1)).view(1, 1, n, hi)
+    freqs, allowed = positions
     keep = settle - lo
     for i, block in enumerate(dit.transformer_blocks):
         norm, gate, shift_ff, scale_ff, gate_ff = block.attn_norm(h, t_emb)
@@ -223,12 +230,13 @@ def incremental_chunk3(flow: CausalMaskedDiffWithDiT, state: Flow3StreamState, t
         return None
     decoder, dit = flow.decoder, flow.decoder.estimator
     steps = iter(range(1 << 30))
+    positions = _positions(dit, lo, total, c.mu.device)
 
     def step_fn(x, mask, mu, t, spks, cond, streaming):
         i = next(steps)
         if i == len(state.steps):
             state.steps.append(_StepCache())
-        return dit_step(dit, state.steps[i], lo, settle, x, mu, t, spks, cond)
+        return dit_step(dit, state.steps[i], lo, settle, x, mu, t, spks, cond, positions)
 
     mu = c.mu[:, :, lo:]
     new = decoder(mu, torch.ones_like(mu[:, :1]), c.spks, c.cond[:, :, lo:], streaming=True,

@@ -32,14 +32,32 @@ from ...errors import CosyVoiceError
 from ...shapes import GRAPHS3
 from .flow import GraphFn
 
-__all__ = ["ESTIMATOR_GRAPHS", "VOCODER_GRAPH", "GraphDecoder", "GraphEstimator", "bls_decoder", "bls_estimator",
-           "local_decoder"]
+__all__ = ["ESTIMATOR_GRAPHS", "VOCODER_GRAPH", "GraphDecoder", "GraphEstimator", "bls_decoder", "bls_estimator"]
 
 #: The served estimator graphs: (full attention, chunk-causal attention), as the flow's ``streaming`` picks.
 ESTIMATOR_GRAPHS = ("flow3_estimator", "flow3_estimator_streaming")
 #: The served vocoder graph: the generator (the F0 predictor and source run in the instance).
 VOCODER_GRAPH = "hift3_decoder"
-_SPEC = GRAPHS3[ESTIMATOR_GRAPHS[0]]
+
+
+class _Range:
+    """The rows and frames a served graph takes (its spec's ``batch`` axis and ``frames`` axis)."""
+
+    def __init__(self, graph: str, frames: str):
+        axes = GRAPHS3[graph].axes
+        self.rows, self.frames = axes["batch"], axes[frames]
+
+    def __contains__(self, shape: tuple[int, int]) -> bool:
+        rows, frames = shape
+        return self.rows.min <= rows <= self.rows.max and self.frames.min <= frames <= self.frames.max
+
+
+def _feeds(tensors: Mapping[str, Tensor]) -> dict[str, np.ndarray]:
+    return {k: np.ascontiguousarray(v.detach().to("cpu", torch.float32).numpy()) for k, v in tensors.items()}
+
+
+def _tensor(out: np.ndarray, like: Tensor) -> Tensor:
+    return torch.from_numpy(np.asarray(out, dtype=np.float32)).to(like.device, like.dtype)
 
 
 class GraphEstimator:
@@ -51,7 +69,7 @@ class GraphEstimator:
         self.full, self.streaming, self.local = full, streaming, local
         self.graph_steps = 0
         self.local_steps = 0
-        self._rows, self._frames = _SPEC.axes["batch"], _SPEC.axes["seq_len"]
+        self._range = _Range(ESTIMATOR_GRAPHS[0], "seq_len")
 
     def __call__(self, x: Tensor, mask: Tensor, mu: Tensor, t: Tensor, spks: Tensor, cond: Tensor,
                  streaming: bool | Tensor = False) -> Tensor:
@@ -61,15 +79,14 @@ class GraphEstimator:
                 raise CosyVoiceError("the estimator graph takes one attention variant per call; rows mixed "
                                      "streaming and full attention")
             streaming = flags.pop()
-        rows, frames = x.shape[0], x.shape[-1]
-        if not (self._rows.min <= rows <= self._rows.max and self._frames.min <= frames <= self._frames.max):
+        rows = x.shape[0]
+        if (rows, x.shape[-1]) not in self._range:
             self.local_steps += 1
             return self.local(x, mask, mu, t, spks, cond, streaming)
-        feeds = {"x": x, "mask": mask, "mu": mu, "t": t.reshape(-1).expand(rows), "spks": spks, "cond": cond}
-        feeds = {k: np.ascontiguousarray(v.detach().to("cpu", torch.float32).numpy()) for k, v in feeds.items()}
+        feeds = _feeds({"x": x, "mask": mask, "mu": mu, "t": t.reshape(-1).expand(rows), "spks": spks, "cond": cond})
         out = (self.streaming if streaming else self.full)(feeds)["estimator_out"]
         self.graph_steps += 1
-        return torch.from_numpy(np.asarray(out, dtype=np.float32)).to(x.device, x.dtype)
+        return _tensor(out, x)
 
 
 def bls_estimator(pb, p: Mapping, flow) -> GraphEstimator | None:
@@ -92,30 +109,21 @@ def bls_estimator(pb, p: Mapping, flow) -> GraphEstimator | None:
 class GraphDecoder:
     """A ``decode_fn`` of the CosyVoice3 vocoder (``decode_fn(mel, source) -> speech``, the ``finalize=True``
     decode) that calls ``fn`` (``fn(feeds) -> outputs``, numpy, :data:`GRAPHS3`'s ``hift3_decoder``) and ``local``
-    (the vocoder's own generator) for a call outside the graph's range."""
+    (the vocoder's own generator, its ``generate``) for a call outside the graph's range."""
 
     def __init__(self, fn: GraphFn, local: Callable[..., Tensor]):
         self.fn, self.local = fn, local
         self.graph_calls = 0
         self.local_calls = 0
-        axes = GRAPHS3[VOCODER_GRAPH].axes
-        self._rows, self._frames = axes["batch"], axes["mel_frames"]
+        self._range = _Range(VOCODER_GRAPH, "mel_frames")
 
     def __call__(self, mel: Tensor, source: Tensor) -> Tensor:
-        rows, frames = mel.shape[0], mel.shape[-1]
-        if not (self._rows.min <= rows <= self._rows.max and self._frames.min <= frames <= self._frames.max):
+        if (mel.shape[0], mel.shape[-1]) not in self._range:
             self.local_calls += 1
             return self.local(mel, source)
-        feeds = {k: np.ascontiguousarray(v.detach().to("cpu", torch.float32).numpy())
-                 for k, v in (("mel", mel), ("source", source))}
-        out = self.fn(feeds)["waveform"]
+        out = self.fn(_feeds({"mel": mel, "source": source}))["waveform"]
         self.graph_calls += 1
-        return torch.from_numpy(np.asarray(out, dtype=np.float32)).to(mel.device, mel.dtype)
-
-
-def local_decoder(hift) -> Callable[[Tensor, Tensor], Tensor]:
-    """``hift``'s own generator as a ``decode_fn`` (``finalize=True``), whatever its ``decode_fn``."""
-    return lambda mel, source: hift.spec_to_audio(hift.decode_spec(mel, source, True))
+        return _tensor(out, mel)
 
 
 def bls_decoder(pb, p: Mapping, hift) -> GraphDecoder | None:
@@ -127,5 +135,4 @@ def bls_decoder(pb, p: Mapping, hift) -> GraphDecoder | None:
     model = str(p.get("vocoder_model", "")).strip()
     if not model:
         return None
-    return GraphDecoder(BlsGraph(pb, model, VOCODER_GRAPH, timeout_us=p.get("bls_timeout_us", 0)),
-                        local_decoder(hift))
+    return GraphDecoder(BlsGraph(pb, model, VOCODER_GRAPH, timeout_us=p.get("bls_timeout_us", 0)), hift.generate)

@@ -8,6 +8,7 @@ keys and values of the wrong type.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from types import MappingProxyType
 
 from .params import Param
@@ -115,6 +116,16 @@ _TTS_SERVICE = (
     _TORCH_THREADS,
     _NICE,
 )
+#: The streams' flow state as CosyVoice3's streaming models read it (the same parameters; their flow is the instance's).
+_CV3_STREAM_STATE_DOCS = {
+    "stream_state": "non-final streamed chunks compute only the frames the stream does not hold yet, from its cached "
+                    "DiT keys/values (models/cosyvoice3/incremental.py; the final chunk recomputes); false: every "
+                    "chunk runs the flow over every frame, as the official code",
+    "stream_state_mb": "most MiB of flow state one stream holds (about 3.6 MB per settled mel frame at "
+                       "Fun-CosyVoice3-0.5B dims); beyond, it recomputes from there",
+    "stream_state_total_mb": "most MiB of flow state all streams of this instance hold; a stream that would pass it "
+                             "recomputes from there",
+}
 #: What builds a served CosyVoice3 ``Cv3Service`` for text to speech (serving/stages/cosyvoice3.py).
 _CV3_TTS = (
         Param("model_dir", str, None, "the CosyVoice3 folder (cosyvoice3.yaml, llm.pt, flow.pt, hift.pt, ...)"),
@@ -125,13 +136,7 @@ _CV3_TTS = (
               "speaker_id is refused)"),
         _BLS_TIMEOUT,
         *_CV3_COMMON,
-        Param("stream_state", bool, True, "non-final streamed chunks compute only the frames the stream does not "
-              "hold yet, from its cached DiT keys/values (models/cosyvoice3/incremental.py; the final chunk "
-              "recomputes); false: every chunk runs the flow over every frame, as the official code"),
-        Param("stream_state_mb", float, 2048.0, "most MiB of flow state one stream holds (about 3.6 MB per settled "
-              "mel frame at Fun-CosyVoice3-0.5B dims); beyond, it recomputes from there"),
-        Param("stream_state_total_mb", float, 4096.0, "most MiB of flow state all streams of this instance hold; a "
-              "stream that would pass it recomputes from there"),
+        *(replace(p, doc=_CV3_STREAM_STATE_DOCS[p.name]) for p in _STREAM_STATE if p.name in _CV3_STREAM_STATE_DOCS),
 )
 
 MODEL_PARAMS: Mapping[str, tuple[Param, ...]] = MappingProxyType({

@@ -19,7 +19,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 bench-cv3-graphs gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 bench-cv3-graphs quantize-cv3 gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -136,6 +136,12 @@ bench-cv3-graphs: $(VENV)/.installed ## CosyVoice3's DiT estimator at full dims:
 	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
 	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
 	$(CLI) bench-cv3-graphs --model-dir models/cosyvoice3-demo-full $(BENCH_CV3_GRAPHS_ARGS)
+
+quantize-cv3: $(VENV)/.installed ## CosyVoice3's vocoder graph in CPU INT8 at full dims: export, calibrate on espeak-ng speech, judge against the quality bar and the 1.25x rule -> build/onnx3-full/int8_cpu
+	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
+	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
+	$(CLI) export-onnx --model-dir models/cosyvoice3-demo-full --out build/onnx3-full --graphs hift3_decoder --threads 2
+	$(CLI) quantize --model-dir models/cosyvoice3-demo-full --onnx-root build/onnx3-full --threads 2
 
 BENCH_CV3_ARGS ?=
 FLOW_PRECISION ?= fp32

@@ -4,6 +4,11 @@
     python export/quantize.py --model-dir models/cosyvoice2-demo-tiny --onnx-root build/onnx \\
         [--precisions int8,int8_cpu,fp16] [--graphs flow_estimator,hift_decoder] \\
         [--calibration-utterances 50] [--calibration-method auto] [--sensitivity]
+    python export/quantize.py --model-dir models/cosyvoice3-demo-tiny --onnx-root build/onnx3
+
+A CosyVoice3 folder (its cosyvoice3.yaml) gets its vocoder graph in onnxruntime's CPU INT8: ONNX_ROOT is its
+export (export-onnx --out ONNX_ROOT), ONNX_ROOT/int8_cpu/hift3_decoder.onnx is written with a manifest recording its
+held-out quality and speed against the bar (cosyvoice_triton.export.quantize3).
 
 Reads ONNX_ROOT/fp32/<graph>.onnx (or --fp32-dir) and writes ONNX_ROOT/{int8,int8_cpu,fp16}/<graph>.onnx with a
 manifest.json each. INT8 is calibrated on activations of the real pipeline run over espeak-ng speech
@@ -30,6 +35,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 log = logging.getLogger("quantize")
 PRECISION_CHOICES = ("int8", "int8_cpu", "fp16")
 MIN_CALIBRATION = 50
+#: A CosyVoice3 folder: its vocoder only, each pair a whole voice conversion at the folder's dims (about a minute
+#: each at the release's on two cores)
+CV3_CALIBRATION, CV3_HELDOUT = 8, 3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precisions", default=",".join(PRECISION_CHOICES),
                    help=f"comma-separated subset of {', '.join(PRECISION_CHOICES)} (default all)")
     p.add_argument("--graphs", default=",".join(QUANTIZED_GRAPHS), help="comma-separated subset (default all three)")
-    p.add_argument("--calibration-utterances", type=int, default=MIN_CALIBRATION,
-                   help=f"utterance pairs of the calibration split (default {MIN_CALIBRATION}; fewer is for quick "
-                        "trials and is flagged)")
-    p.add_argument("--heldout-utterances", type=int, default=6,
-                   help="held-out pairs used to choose the calibration method and check each graph (default 6)")
+    p.add_argument("--calibration-utterances", type=int, default=None,
+                   help=f"utterance pairs of the calibration split (default {MIN_CALIBRATION}, CosyVoice3 "
+                        f"{CV3_CALIBRATION}; fewer is for quick trials and is flagged)")
+    p.add_argument("--heldout-utterances", type=int, default=None,
+                   help="held-out pairs used to choose the calibration method and check each graph (default 6, "
+                        f"CosyVoice3 {CV3_HELDOUT})")
     p.add_argument("--calibration-method", default="auto", choices=("auto", "recorded", *CALIBRATION_METHODS),
                    help="auto (default): calibrate with each method on --method-samples calls, keep the lowest "
                         "held-out error per graph, then calibrate it on every call; recorded: the method auto chose "
@@ -112,39 +121,92 @@ def validate(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _reported(work):
+    """``(work(), 0)``, or ``(None, exit status)`` with the failure reported: 2 for bad input, 1 otherwise."""
+    from cosyvoice_triton.errors import CosyVoiceError
+
+    try:
+        return work(), 0
+    except (CosyVoiceError, FileNotFoundError, ValueError) as exc:
+        print(f"quantize.py: error: {exc}", file=sys.stderr)
+        return None, 2
+    except Exception as exc:  # onnxruntime / onnx failures: report them plainly
+        log.exception("quantization failed")
+        print(f"quantize.py: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None, 1
+
+
+def _is_cosyvoice3(model_dir: Path) -> bool:
+    return (model_dir / "cosyvoice3.yaml").is_file()
+
+
+def validate3(args: argparse.Namespace) -> str | None:
+    """:func:`validate` for a CosyVoice3 folder: its vocoder graph in onnxruntime's CPU INT8 only."""
+    if set(_names(args.precisions)) - {"int8_cpu"} and args.precisions != ",".join(PRECISION_CHOICES):
+        return ("--precisions: a CosyVoice3 folder gets int8_cpu only (its vocoder graph; the DiT's INT8 is "
+                "PyTorch's, tunable cosyvoice3_flow_precision=int8)")
+    if _names(args.graphs) != ["hift3_decoder"] and args.graphs != ",".join(QUANTIZED_GRAPHS):
+        return "--graphs: a CosyVoice3 folder gets hift3_decoder only"
+    fp32 = args.fp32_dir or args.onnx_root
+    if not (fp32 / "hift3_decoder.onnx").is_file():
+        return (f"{fp32}: no hift3_decoder.onnx; export first: cosyvoice-triton export-onnx --model-dir "
+                f"{args.model_dir} --out {fp32}")
+    if args.calibration_utterances < 1 or args.heldout_utterances < 1:
+        return "--calibration-utterances and --heldout-utterances must be >= 1"
+    if args.threads < 0:
+        return f"--threads {args.threads}: must be >= 0"
+    return None
+
+
+def main3(args: argparse.Namespace) -> int:
+    """A CosyVoice3 folder: ``<onnx-root>/int8_cpu/hift3_decoder.onnx`` from its export at ``--onnx-root``."""
+    from cosyvoice_triton.export.quantize3 import quantize_vocoder3
+
+    report, rc = _reported(lambda: quantize_vocoder3(
+        args.model_dir, args.fp32_dir or args.onnx_root, calibration_pairs=args.calibration_utterances,
+        heldout_pairs=args.heldout_utterances, max_seconds=args.max_seconds, threads=args.threads or 2,
+        reduce_range=args.reduce_range, seed=args.seed, progress=log.info))
+    if rc:
+        return rc
+    print(report.table())
+    print(f"\n{report.path}: {report.reduced_layers} INT8 kernels, {len(report.kept_float)} layers kept float; "
+          f"{report.verdict()} ({report.seconds:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    problem = validate(args)
+    cv3 = args.model_dir.is_dir() and _is_cosyvoice3(args.model_dir)
+    if args.calibration_utterances is None:
+        args.calibration_utterances = CV3_CALIBRATION if cv3 else MIN_CALIBRATION
+    if args.heldout_utterances is None:
+        args.heldout_utterances = CV3_HELDOUT if cv3 else 6
+    problem = validate3(args) if cv3 else validate(args)
     if problem:
         print(f"quantize.py: error: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("cosyvoice_triton.models.checkpoint").setLevel(logging.WARNING)
+    if cv3:
+        return main3(args)
     if args.calibration_utterances < MIN_CALIBRATION:
         log.warning("calibrating on %d utterance pairs: fewer than the %d the release graphs are calibrated on "
                     "(fine for a trial)", args.calibration_utterances, MIN_CALIBRATION)
 
-    from cosyvoice_triton.errors import CosyVoiceError
     from cosyvoice_triton.export import quantize as q
 
     start = time.perf_counter()
-    try:
-        report = q.quantize_graphs(
-            args.model_dir, args.onnx_root, fp32_dir=args.fp32_dir, precisions=_names(args.precisions),
-            graphs=_names(args.graphs), calibration_utterances=args.calibration_utterances,
-            heldout_utterances=args.heldout_utterances, method=args.calibration_method,
-            method_samples=args.method_samples or None,
-            steps_per_utterance=args.steps_per_utterance, max_seconds=args.max_seconds,
-            run_sensitivity=args.sensitivity, threads=args.threads, reduce_range=args.reduce_range,
-            cache_dir=None if args.no_cache else args.cache_dir, seed=args.seed, progress=log.info)
-    except (CosyVoiceError, FileNotFoundError, ValueError) as exc:
-        print(f"quantize.py: error: {exc}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # onnxruntime / onnx failures: report them plainly
-        log.exception("quantization failed")
-        print(f"quantize.py: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+    report, rc = _reported(lambda: q.quantize_graphs(
+        args.model_dir, args.onnx_root, fp32_dir=args.fp32_dir, precisions=_names(args.precisions),
+        graphs=_names(args.graphs), calibration_utterances=args.calibration_utterances,
+        heldout_utterances=args.heldout_utterances, method=args.calibration_method,
+        method_samples=args.method_samples or None,
+        steps_per_utterance=args.steps_per_utterance, max_seconds=args.max_seconds,
+        run_sensitivity=args.sensitivity, threads=args.threads, reduce_range=args.reduce_range,
+        cache_dir=None if args.no_cache else args.cache_dir, seed=args.seed, progress=log.info))
+    if rc:
+        return rc
     out = [report.table(), "", "Layers kept in float (cosyvoice_triton.export.quantize):", "",
            q.rules_table(_names(args.graphs), args.fp32_dir or args.onnx_root / "fp32")]
     if report.sensitivity:

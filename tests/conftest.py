@@ -211,6 +211,35 @@ def cv3_onnx_dir(cv3_demo_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def cv3_int8_vocoder(cv3_demo_dir, cv3_onnx_dir, tmp_path_factory):
+    """A copy of :func:`cv3_onnx_dir` with its vocoder graph quantized (``int8_cpu/hift3_decoder.onnx``: 2
+    calibration pairs, 1 held-out, once a session): ``(folder, report)``. Skips without a speech synthesiser."""
+    import shutil
+
+    from cosyvoice_triton.export.quantize3 import quantize_vocoder3
+
+    require_speech()
+    out = tmp_path_factory.mktemp("cv3int8") / "onnx3"
+    shutil.copytree(cv3_onnx_dir, out)
+    report = quantize_vocoder3(cv3_demo_dir, out, calibration_pairs=2, heldout_pairs=1, max_seconds=4.0, threads=1,
+                               speed_runs=2)
+    return out, report
+
+
+def int8_vocoder_marked(folder: Path, out: Path, serve: bool) -> Path:
+    """A copy at ``out`` of a quantized CosyVoice3 export whose INT8 manifest records ``serve`` (the tiny demo graph's
+    own verdict is "not served": at tiny dims INT8 is slower than fp32), for the tests of the serving path."""
+    import shutil
+
+    shutil.copytree(folder, out)
+    path = out / "int8_cpu" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["graphs"]["hift3_decoder"]["serve"] = serve
+    path.write_text(json.dumps(doc))
+    return out
+
+
+@pytest.fixture(scope="session")
 def en_speech() -> tuple[np.ndarray, int, np.ndarray, int]:
     """The bundled English prompt (3 s, 22.05 kHz) and source (5 s, 24 kHz) as read: (prompt, rate, source, rate)."""
     import soundfile as sf

@@ -145,7 +145,36 @@ def _cv3_graph_files(tun: Tunables, cv3_dir: Path | None, allow_missing: bool) -
         if sha != digests[checkpoint]:
             raise RenderError(f"tunable cosyvoice3_onnx_dir: {name} of {onnx_dir} was exported from another "
                               f"{checkpoint} than {cv3_dir / checkpoint} (export again from cosyvoice3_dir)")
+    if tun.cosyvoice3_vocoder_precision == "int8_cpu":
+        files[VOCODER_GRAPH] = _cv3_int8_vocoder(onnx_dir, files[VOCODER_GRAPH], cv3_dir)
     return files
+
+
+def _cv3_int8_vocoder(onnx_dir: Path, fp32: Path, cv3_dir: Path) -> Path:
+    """Tunable ``cosyvoice3_vocoder_precision=int8_cpu``: the INT8 vocoder graph, quantized from ``fp32`` (its
+    manifest's digest) and recorded within the quality bar and faster than fp32 (``serve``)."""
+    from ...export.quantize3 import INT8_CPU_DIR
+    from ...hashing import file_sha256
+
+    folder = onnx_dir / INT8_CPU_DIR
+    path = folder / f"{VOCODER_GRAPH}.onnx"
+    how = f"(quantize --model-dir {cv3_dir} --onnx-root {onnx_dir})"
+    if not path.is_file():
+        raise RenderError(f"tunable cosyvoice3_vocoder_precision=int8_cpu: {path} not found {how}")
+    check_onnx_io(path, VOCODER_GRAPH)
+    try:
+        entry = json.loads((folder / "manifest.json").read_text())["graphs"][VOCODER_GRAPH]
+        recorded, fp32_sha, serve = entry["sha256"], entry["fp32_sha256"], entry["serve"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RenderError(f"tunable cosyvoice3_vocoder_precision=int8_cpu: {folder / 'manifest.json'} is not a "
+                          f"quantization manifest ({exc}) {how}") from exc
+    if fp32_sha != file_sha256(fp32) or recorded != file_sha256(path):
+        raise RenderError(f"tunable cosyvoice3_vocoder_precision=int8_cpu: {path} was not quantized from {fp32} "
+                          f"(its manifest names other digests) {how}")
+    if serve is not True:
+        raise RenderError(f"tunable cosyvoice3_vocoder_precision=int8_cpu: {path} is not fit to serve: "
+                          f"{entry.get('verdict', 'no verdict recorded')}")
+    return path
 
 
 def _clean(out: Path) -> None:
@@ -217,6 +246,9 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
     _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
     cv3_dir = _cosyvoice3_dir(tun, allow_missing)
+    if tun.cosyvoice3_vocoder_precision != "fp32" and flavor != "local":
+        raise RenderError(f"tunable cosyvoice3_vocoder_precision={tun.cosyvoice3_vocoder_precision}: onnxruntime's "
+                          f"CPU INT8, served by the local flavor only (flavor {flavor})")
     cv3_graphs = _cv3_graph_files(tun, cv3_dir, allow_missing)
     if precision == CPU_CHOICE:
         _warn_foreign_report(quality_report, model_dir, onnx_dir)
@@ -343,14 +375,15 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
     # --- CosyVoice3's estimator and vocoder graphs (tunable cosyvoice3_onnx_dir), called by the CosyVoice3 models
     for name, path in cv3_graphs.items():
         spec = GRAPHS3[name]
+        precision = tun.cosyvoice3_vocoder_precision if name == VOCODER_GRAPH else "fp32"
         if flavor == "local":
             backend, kind, ragged = 'backend: "python"', "KIND_CPU", True
             params = {"graph": name, "onnx_path": str(path), "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, **_nice(tun, name)}
             python_code(name, templates / "graph")
-            runtime_note = (f"Python backend, onnxruntime on {tun.device}, fp32 of {path} "
+            runtime_note = (f"Python backend, onnxruntime on {tun.device}, {precision} of {path} "
                             "(model_repository/graph/model.py)")
-            models[name] = "python (onnxruntime, fp32)"
+            models[name] = f"python (onnxruntime, {precision})"
         else:
             backend = 'backend: "onnxruntime"\ndefault_model_filename: "model.onnx"'
             kind, ragged, params = tun.instance_kind or "KIND_GPU", False, {}

@@ -185,6 +185,10 @@ class Tunables:
     #: vocoder calls go to them by BLS, batched across instances (serving/stages/cosyvoice3_graphs.py); needs
     #: ``cosyvoice3_flow_precision=fp32``
     cosyvoice3_onnx_dir: str = ""
+    #: The served vocoder graph ``hift3_decoder``: ``fp32`` (the export's), or ``int8_cpu``, its onnxruntime CPU INT8
+    #: (``<cosyvoice3_onnx_dir>/int8_cpu``, written by ``quantize --model-dir <cosyvoice3_dir>``; flavor ``local``),
+    #: taken only where its manifest records it within the quality bar and faster than fp32 (export/quantize3.py)
+    cosyvoice3_vocoder_precision: str = "fp32"
     #: Requests one instance of each CosyVoice3 model computes at once (one copy of the weights; each answer is the
     #: one it gets alone); ``cosyvoice3_vc`` takes that many per execution, each in its own thread
     cosyvoice3_concurrency: int = 1
@@ -217,6 +221,12 @@ class Tunables:
         if self.cosyvoice3_onnx_dir and self.cosyvoice3_flow_precision != "fp32":
             raise RenderError("tunable cosyvoice3_onnx_dir serves the fp32 estimator graphs: it needs "
                               f"cosyvoice3_flow_precision=fp32, got {self.cosyvoice3_flow_precision!r}")
+        if self.cosyvoice3_vocoder_precision not in ("fp32", "int8_cpu"):
+            raise RenderError(f"tunable cosyvoice3_vocoder_precision must be fp32 or int8_cpu, got "
+                              f"{self.cosyvoice3_vocoder_precision!r}")
+        if self.cosyvoice3_vocoder_precision != "fp32" and not self.cosyvoice3_onnx_dir:
+            raise RenderError("tunable cosyvoice3_vocoder_precision=int8_cpu picks the served vocoder graph: it needs "
+                              "cosyvoice3_onnx_dir")
         if self.cosyvoice3_flow_precision not in ("fp32", "int8"):
             raise RenderError(f"tunable cosyvoice3_flow_precision must be fp32 or int8, got "
                               f"{self.cosyvoice3_flow_precision!r}")

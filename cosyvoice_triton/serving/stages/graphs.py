@@ -17,15 +17,16 @@ Outputs are split per request and cropped to the request's own lengths (from the
 ``speech_tokenizer`` is ``pad`` only when a probe at load time shows that a padded batch gives the per-item
 tokens (the shipped graph is not ours); otherwise it is ``group``.
 
-**Fallback.** A request whose call fails for a reason that is not its input's (the runtime's error, out of
-memory; its input passed the checks) is served once more on the graph's fallback: the fp32 graph of the same
-export (``<onnx_dir>/fp32/<graph>.onnx`` next to ``<onnx_dir>/<precision>/<graph>.onnx``) when the primary is a
-reduced precision, else, for a primary on CUDA, the same graph on the CPU; built on first use. Each such request is
-counted in :data:`FALLBACK_COUNTS` by graph and outcome (``served`` / ``failed``) and handed to the runner's
-``on_fallback(outcome)`` when set: the served graph model (``model_repository/graph/model.py``) exports it as the
-counter ``cosyvoice_fallbacks_total`` (:class:`~.metrics.FallbackMetrics`). In a versioned repository (``render.py
---version``) a version's graph is ``<graph>/<N>/model.onnx``; the render puts the fp32 file of a reduced-precision
-version beside it as ``fallback.onnx``, which the graph model passes as ``fallback``.
+**Fallback.** A request whose call fails for a reason that is not its input's (the runtime's error, out of memory;
+its input passed the checks) is served once more on the graph's fallback: the fp32 graph of the same export
+(``<onnx_dir>/fp32/<graph>.onnx`` next to ``<onnx_dir>/<precision>/<graph>.onnx``; a CosyVoice3 export's
+``<onnx_dir>/<graph>.onnx``) when the primary is a reduced precision, else, for a primary on CUDA, the same graph on
+the CPU; built on first use. Each such request is counted in :data:`FALLBACK_COUNTS` by graph and outcome
+(``served`` / ``failed``) and handed to the runner's ``on_fallback(outcome)`` when set: the served graph model
+(``model_repository/graph/model.py``) exports it as the counter ``cosyvoice_fallbacks_total``
+(:class:`~.metrics.FallbackMetrics`). In a versioned repository (``render.py --version``) a version's graph is
+``<graph>/<N>/model.onnx``; the render puts the fp32 file of a reduced-precision version beside it as
+``fallback.onnx``, which the graph model passes as ``fallback``.
 
 **Result cache** (``cache_mb`` > 0; the served prompt-side graphs: tunable ``graph_cache_mb``). :meth:`run_items`
 answers a request whose inputs it has answered before from the stored outputs (copies), without running it; the
@@ -252,9 +253,11 @@ class GraphRunner:
         if fallback != "auto":
             return Path(fallback)
         path = Path(onnx_path)
-        fp32 = path.parent.parent / "fp32" / path.name
-        if path.parent.name in _REDUCED and fp32.is_file():
-            return fp32
+        if path.parent.name in _REDUCED:
+            # CosyVoice2's precision folders sit beside fp32/; a CosyVoice3 export keeps its fp32 graphs at its root
+            for fp32 in (path.parent.parent / "fp32" / path.name, path.parent.parent / path.name):
+                if fp32.is_file():
+                    return fp32
         if self.device.startswith("cuda"):
             return path  # the same graph, on the CPU
         return None

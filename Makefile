@@ -19,7 +19,7 @@ OFFICIAL    ?=
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 bench-cv3-graphs quantize-cv3 gpu-wheels \
+.PHONY: help install demo-model vc tts demo test test-unit lint bench bench-core bench-preprocess bench-tts bench-lm-kernels bench-neighbour bench-peer bench-cv3 bench-live-cv3 bench-cv3-graphs bench-served-cv3 quantize-cv3 gpu-wheels \
         export-onnx export quantize quality bench-export engines engines-dry-run convert-llm engines-llm render serve clean
 
 help: ## list the stages
@@ -136,6 +136,10 @@ bench-cv3-graphs: $(VENV)/.installed ## CosyVoice3's DiT estimator at full dims:
 	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \
 	  $(CLI) demo-model --family cosyvoice3 --size full --out models/cosyvoice3-demo-full; fi
 	$(CLI) bench-cv3-graphs --model-dir models/cosyvoice3-demo-full $(BENCH_CV3_GRAPHS_ARGS)
+
+BENCH_SERVED_CV3_ARGS ?=
+bench-served-cv3: $(VENV)/.installed ## CosyVoice3 through the server at full dims: cosyvoice3_tts_stream's first and later chunks and a cosyvoice3_vc conversion, served over gRPC and in process -> build/bench-served-cv3.json
+	$(CLI) bench-served-cv3 --model-dir models/cosyvoice3-demo-full --json build/bench-served-cv3.json $(BENCH_SERVED_CV3_ARGS)
 
 quantize-cv3: $(VENV)/.installed ## CosyVoice3's vocoder graph in CPU INT8 at full dims: export, calibrate on espeak-ng speech, judge against the quality bar and the 1.25x rule -> build/onnx3-full/int8_cpu
 	@if [ ! -f models/cosyvoice3-demo-full/flow.pt ]; then \

@@ -76,6 +76,9 @@ PASSTHROUGH: dict[str, tuple[str, str, str]] = {
     "bench-server-overhead": ("what the server adds to the library for the same chunk: the four streaming models "
                               "in process and served", "cosyvoice_triton.bench.server_overhead:main",
                               "bench-server-overhead --model-dir models/cosyvoice2-demo-tiny --rounds 5"),
+    "bench-served-cv3": ("CosyVoice3 through the server: the first streamed TTS chunk and a whole conversion, served "
+                         "and in process", "cosyvoice_triton.bench.served_cv3:main",
+                         "bench-served-cv3 --model-dir models/cosyvoice3-demo-full --rounds 3"),
     "bench-lm-kernels": ("the LM's Linear layers in INT8 through PyTorch, onnxruntime and OpenVINO: speed and quality",
                          "cosyvoice_triton.bench.lm_kernels:main",
                          "bench-lm-kernels --model-dir models/cosyvoice2-demo-full --threads 2"),

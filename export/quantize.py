@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="quantize.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"graphs: {', '.join(QUANTIZED_GRAPHS)} (fp32 only: {', '.join(FP32_ONLY)})\n"
                "exit status: 0 ok, 1 failed, 2 bad arguments or input")
-    p.add_argument("--model-dir", required=True, type=Path, help="CosyVoice2 model folder the fp32 graphs came from")
+    p.add_argument("--model-dir", required=True, type=Path,
+                   help="the model folder the fp32 graphs came from (CosyVoice2, or CosyVoice3: its vocoder graph)")
     p.add_argument("--onnx-root", type=Path, default=Path("build/onnx"),
-                   help="root of the precision folders (default build/onnx)")
+                   help="root of the precision folders (default build/onnx); a CosyVoice3 folder: its export")
     p.add_argument("--fp32-dir", type=Path, default=None, help="fp32 graphs (default ONNX_ROOT/fp32)")
     p.add_argument("--precisions", default=",".join(PRECISION_CHOICES),
                    help=f"comma-separated subset of {', '.join(PRECISION_CHOICES)} (default all)")
@@ -140,19 +141,30 @@ def _is_cosyvoice3(model_dir: Path) -> bool:
     return (model_dir / "cosyvoice3.yaml").is_file()
 
 
+#: Options of CosyVoice2's graphs that a CosyVoice3 folder does not take (its one graph has one recipe)
+CV2_ONLY = ("calibration_method", "method_samples", "steps_per_utterance", "sensitivity", "cache_dir", "no_cache",
+            "fp32_dir")
+
+
 def validate3(args: argparse.Namespace) -> str | None:
-    """:func:`validate` for a CosyVoice3 folder: its vocoder graph in onnxruntime's CPU INT8 only."""
-    if set(_names(args.precisions)) - {"int8_cpu"} and args.precisions != ",".join(PRECISION_CHOICES):
+    """:func:`validate` for a CosyVoice3 folder: its vocoder graph in onnxruntime's CPU INT8 only, read from and
+    written beside its export at ``--onnx-root``."""
+    defaults = build_parser().parse_args(["--model-dir", "."])
+    given = [f"--{k.replace('_', '-')}" for k in CV2_ONLY if getattr(args, k) != getattr(defaults, k)]
+    if given:
+        return f"{', '.join(given)}: CosyVoice2's graphs only (a CosyVoice3 folder gets its vocoder graph, one recipe)"
+    if set(_names(args.precisions)) - {"int8_cpu"} and args.precisions != defaults.precisions:
         return ("--precisions: a CosyVoice3 folder gets int8_cpu only (its vocoder graph; the DiT's INT8 is "
                 "PyTorch's, tunable cosyvoice3_flow_precision=int8)")
-    if _names(args.graphs) != ["hift3_decoder"] and args.graphs != ",".join(QUANTIZED_GRAPHS):
+    if _names(args.graphs) != ["hift3_decoder"] and args.graphs != defaults.graphs:
         return "--graphs: a CosyVoice3 folder gets hift3_decoder only"
-    fp32 = args.fp32_dir or args.onnx_root
-    if not (fp32 / "hift3_decoder.onnx").is_file():
-        return (f"{fp32}: no hift3_decoder.onnx; export first: cosyvoice-triton export-onnx --model-dir "
-                f"{args.model_dir} --out {fp32}")
+    if not (args.onnx_root / "hift3_decoder.onnx").is_file():
+        return (f"{args.onnx_root}: no hift3_decoder.onnx; export first: cosyvoice-triton export-onnx --model-dir "
+                f"{args.model_dir} --out {args.onnx_root}")
     if args.calibration_utterances < 1 or args.heldout_utterances < 1:
         return "--calibration-utterances and --heldout-utterances must be >= 1"
+    if not 1.0 <= args.max_seconds <= 30.0:
+        return f"--max-seconds {args.max_seconds}: must be between 1 and 30"
     if args.threads < 0:
         return f"--threads {args.threads}: must be >= 0"
     return None
@@ -163,8 +175,8 @@ def main3(args: argparse.Namespace) -> int:
     from cosyvoice_triton.export.quantize3 import quantize_vocoder3
 
     report, rc = _reported(lambda: quantize_vocoder3(
-        args.model_dir, args.fp32_dir or args.onnx_root, calibration_pairs=args.calibration_utterances,
-        heldout_pairs=args.heldout_utterances, max_seconds=args.max_seconds, threads=args.threads or 2,
+        args.model_dir, args.onnx_root, calibration_pairs=args.calibration_utterances,
+        heldout_pairs=args.heldout_utterances, max_seconds=args.max_seconds, threads=args.threads,
         reduce_range=args.reduce_range, seed=args.seed, progress=log.info))
     if rc:
         return rc

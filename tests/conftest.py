@@ -235,6 +235,7 @@ def int8_vocoder_marked(folder: Path, out: Path, serve: bool) -> Path:
     path = out / "int8_cpu" / "manifest.json"
     doc = json.loads(path.read_text())
     doc["graphs"]["hift3_decoder"]["serve"] = serve
+    doc["graphs"]["hift3_decoder"]["verdict"] = f"marked {'served' if serve else 'not served'} by the test"
     path.write_text(json.dumps(doc))
     return out
 

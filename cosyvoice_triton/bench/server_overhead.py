@@ -314,7 +314,7 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _p50(values: list[float]) -> float | None:
+def p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
@@ -327,7 +327,7 @@ def summarize(model: str, local: list[Run], served: list[Run], errors: list[floa
     for name, runs in (("in_process", local), ("served", served)):
         later = [x for r in runs for x in r.later_s]
         sides[name] = {"first_chunk_s": [r.first_s for r in runs], "later_chunk_s": later,
-                       "first_chunk_p50_s": _p50([r.first_s for r in runs]), "later_chunk_p50_s": _p50(later),
+                       "first_chunk_p50_s": p50([r.first_s for r in runs]), "later_chunk_p50_s": p50(later),
                        "chunks": len(runs[0].chunks) if runs else 0}
     added_first = _diff(sides["served"]["first_chunk_p50_s"], sides["in_process"]["first_chunk_p50_s"])
     added_later = _diff(sides["served"]["later_chunk_p50_s"], sides["in_process"]["later_chunk_p50_s"])
@@ -389,7 +389,7 @@ def server_urls(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, str
         server.stop()
 
 
-def _machine() -> dict[str, Any]:
+def machine() -> dict[str, Any]:
     from ..export.quality import cpu_description
     from ..loadtest.live import commit
 
@@ -397,7 +397,7 @@ def _machine() -> dict[str, Any]:
     return {"commit": commit(), "cpu": cpu, "simd": simd, "cores": os.cpu_count()}
 
 
-def _load() -> list[float]:
+def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
@@ -405,7 +405,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Start (or reach) the server, build the in-process stages from its configs, run the rounds; the report."""
     from .stages_in_process import InProcessStages, ServedConfigs
 
-    report: dict[str, Any] = {**_machine(), "load_start": _load(), "model_dir": str(args.model_dir),
+    report: dict[str, Any] = {**machine(), "load_start": load_average(), "model_dir": str(args.model_dir),
                               "rounds": args.rounds}
     inputs = load_inputs(args.source_seconds, args.text or TEXT)
     work = Path(args.work_dir)
@@ -422,7 +422,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(served.close)
         report["torch_threads"] = dict(stages.threads)
         report["models"] = run_rounds(local, served, args.rounds, args.models)
-    report["load_end"] = _load()
+    report["load_end"] = load_average()
     report["equal"] = all(m["equal"] for m in report["models"].values())
     if TTS_STREAM not in report["models"]:
         return report

@@ -26,6 +26,7 @@ The rule (:func:`decide`): a reduced precision serves a stage on the CPU only wh
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import math
@@ -354,7 +355,8 @@ def _split_paths(model, pair: _Pair, mel) -> tuple[np.ndarray, np.ndarray]:
     return mel_only, source_only
 
 
-def _tile(a: np.ndarray, n: int) -> np.ndarray:
+def tile_time(a: np.ndarray, n: int) -> np.ndarray:
+    """``a`` repeated along its last axis and cut to ``n`` there: a fixed-length input made of real data."""
     reps = -(-n // a.shape[-1])
     return np.ascontiguousarray(np.concatenate([a] * reps, axis=-1)[..., :n])
 
@@ -365,7 +367,7 @@ def timing_feeds(pair: _Pair, model, *, estimator_frames: int = 400, hift_frames
     stage -> (shape label, feeds). Estimator: the CFG batch of 2 rows at step 0."""
     torch = _torch()
     inp, c = pair.inputs, pair.cond
-    tokens = _tile(np.concatenate([inp.prompt_tokens, inp.source_tokens]).astype(np.int32), encoder_tokens)
+    tokens = tile_time(np.concatenate([inp.prompt_tokens, inp.source_tokens]).astype(np.int32), encoder_tokens)
     enc = {"speech_tokens": tokens[None], "speech_token_len": np.array([encoder_tokens], dtype=np.int32),
            "lookahead_len": np.zeros(1, dtype=np.int32),
            "speaker_embedding": np.asarray(inp.embedding, dtype=np.float32)[None],
@@ -376,15 +378,29 @@ def timing_feeds(pair: _Pair, model, *, estimator_frames: int = 400, hift_frames
         cfg = lambda a: torch.cat([a, torch.zeros_like(a)])  # rows [conditional, unconditional]
         est = estimator_feed(torch.cat([z, z]), torch.cat([c.mask, c.mask]), cfg(c.mu), torch.zeros(1), cfg(c.spks),
                              cfg(c.cond), False)
-    est = {k: (_tile(v, estimator_frames) if v.ndim == 3 else v) for k, v in est.items()}
-    mel = _tile(pair.mel.numpy(), hift_frames)
-    dec = {"mel": mel, "source": _tile(pair.source.numpy(), hift_frames * 480)}
+    est = {k: (tile_time(v, estimator_frames) if v.ndim == 3 else v) for k, v in est.items()}
+    mel = tile_time(pair.mel.numpy(), hift_frames)
+    dec = {"mel": mel, "source": tile_time(pair.source.numpy(), hift_frames * 480)}
     src = {"mel": mel, "nsf_noise": np.ascontiguousarray(
         np.resize(pair.noise.numpy(), (1, hift_frames * 480, pair.noise.shape[2])), dtype=np.float32)}
     return {"flow_encoder": (f"B=1, {encoder_tokens} tokens", enc),
             "flow_estimator": (f"B=2 (CFG), {estimator_frames} frames", est),
             "hift_source": (f"B=1, {hift_frames} frames", src),
             "hift_decoder": (f"B=1, {hift_frames} frames ({hift_frames / 50:g} s)", dec)}
+
+
+def interleaved_seconds(calls: Mapping[str, Callable[[], Any]], runs: int) -> dict[str, list[float]]:
+    """Wall seconds of each call, ``runs`` rounds after one warm-up each, interleaved so that background load hits
+    every call alike."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(runs):
+        for k, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            times[k].append(time.perf_counter() - t0)
+    return times
 
 
 def measure_speed(sessions: _Sessions, feeds: Mapping[str, tuple[str, Mapping[str, np.ndarray]]],
@@ -397,14 +413,8 @@ def measure_speed(sessions: _Sessions, feeds: Mapping[str, tuple[str, Mapping[st
         precs = [p for p in precisions if sessions.has(stage, p)]
         if "fp32" not in precs:
             continue
-        times: dict[str, list[float]] = {p: [] for p in precs}
-        for p in precs:  # warm-up (and session creation)
-            sessions.get(stage, p).run(None, dict(feed))
-        for _ in range(runs):
-            for p in precs:
-                t0 = time.perf_counter()
-                sessions.get(stage, p).run(None, dict(feed))
-                times[p].append(time.perf_counter() - t0)
+        times = interleaved_seconds({p: functools.partial(sessions.get(stage, p).run, None, dict(feed))
+                                     for p in precs}, runs)
         base = statistics.median(times["fp32"])
         for p in precs:
             med = statistics.median(times[p])

@@ -27,10 +27,9 @@ hold (tunable ``cosyvoice3_vocoder_precision``; the render reads ``serve`` from 
 
 from __future__ import annotations
 
-import datetime
+import functools
 import json
 import logging
-import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -45,7 +44,7 @@ from ..hashing import file_sha256
 from ..shapes import GRAPHS3
 from .quantize_calibration import FeedReader, calibrate, rel_rms, session, speech_pairs
 from .quantize_int8 import cpu_lacks_vnni, quantize_cpu_int8
-from .quantize_manifest import _save, count_reduced
+from .quantize_manifest import _save, _write_manifest, count_reduced
 from .quantize_rules import CPU_INT8, INT8_KEEP_FLOAT, CpuInt8Recipe, KeepFloat, keep_float_nodes
 
 log = logging.getLogger(__name__)
@@ -100,6 +99,7 @@ class Vocoder3Int8Report:
     bar_logmel_db: float
     speedup_rule: float
     pairs: dict[str, list[str]] = field(default_factory=dict)
+    cpu: str = ""
 
     @property
     def worst_logmel_db(self) -> float:
@@ -150,7 +150,7 @@ class Vocoder3Int8Report:
                         "calls": [asdict(c) for c in self.heldout]},
             "speed": {"frames": self.speed_frames, "threads": self.threads, "fp32_ms": self.fp32_ms,
                       "int8_ms": self.int8_ms, "speedup": self.speedup, "rule": self.speedup_rule},
-            "serve": self.serve, "verdict": self.verdict(),
+            "serve": self.serve, "verdict": self.verdict(), "cpu": self.cpu,
         }
 
 
@@ -199,43 +199,14 @@ def heldout_errors(fp32_sess, int8_sess, feeds: Sequence[dict[str, np.ndarray]],
     return out
 
 
-def interleaved_ms(sessions: Sequence, feed: dict[str, np.ndarray], runs: int) -> list[list[float]]:
-    """Wall time (ms) of each session on ``feed``, ``runs`` rounds after one warm-up each, interleaved so that
-    background load hits every session alike."""
-    for s in sessions:
-        _run(s, feed)
-    times: list[list[float]] = [[] for _ in sessions]
-    for _ in range(runs):
-        for k, s in enumerate(sessions):
-            t0 = time.perf_counter()
-            _run(s, feed)
-            times[k].append(1000.0 * (time.perf_counter() - t0))
-    return times
-
-
 def speed_feed(feeds: Sequence[dict[str, np.ndarray]], frames: int) -> dict[str, np.ndarray]:
     """A ``frames``-long vocoder call made of ``feeds`` one after another (repeated as needed): a fixed shape to
     time."""
+    from .quality import tile_time
+
     mel = np.concatenate([f["mel"] for f in feeds], axis=2)
     source = np.concatenate([f["source"] for f in feeds], axis=2)
-    reps = -(-frames // mel.shape[2])
-    per = source.shape[2] // mel.shape[2]
-    return {"mel": np.ascontiguousarray(np.tile(mel, (1, 1, reps))[:, :, :frames]),
-            "source": np.ascontiguousarray(np.tile(source, (1, 1, reps))[:, :, :per * frames])}
-
-
-def write_manifest3(folder: Path, entries: dict[str, Any], common: dict[str, Any]) -> Path:
-    """``folder/manifest.json`` of a CosyVoice3 export's INT8 folder (the graphs of ``entries``)."""
-    import onnxruntime
-
-    doc = {"format": 1, "precision": INT8_CPU_DIR, "family": "cosyvoice3", **common,
-           "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}, "graphs": entries}
-    path = folder / "manifest.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return {"mel": tile_time(mel, frames), "source": tile_time(source, source.shape[2] // mel.shape[2] * frames)}
 
 
 def quantize_vocoder3(model_dir: str | Path, onnx_dir: str | Path, *, calibration_pairs: int = 8,
@@ -249,7 +220,7 @@ def quantize_vocoder3(model_dir: str | Path, onnx_dir: str | Path, *, calibratio
     quality report times its vocoder). ``reduce_range``: 7-bit
     weights; None: where this CPU has no VNNI (:func:`.quantize_int8.cpu_lacks_vnni`)."""
     from ..models.cosyvoice3.pipeline import CosyVoice3
-    from .quality import BAR, SPEEDUP_RULE
+    from .quality import BAR, SPEEDUP_RULE, cpu_description, interleaved_seconds
 
     start = time.perf_counter()
     say = progress or log.info
@@ -264,18 +235,20 @@ def quantize_vocoder3(model_dir: str | Path, onnx_dir: str | Path, *, calibratio
         reduce_range = cpu_lacks_vnni()
     import torch
 
-    if threads:
-        torch.set_num_threads(threads)
-    model = CosyVoice3.from_pretrained(model_dir, tts=False, prompt_cache=False)
-    say(f"calibration: {calibration_pairs} pairs of split 'calibration' through the fp32 pipeline")
-    cal_pairs = speech_pairs(calibration_pairs, split="calibration", seed=seed, max_seconds=max_seconds)
-    calib = capture_vocoder_feeds(model, cal_pairs, progress=say)
-    say(f"held-out: {heldout_pairs} pairs of split 'heldout' (seed {seed + 1}: not the pairs the kept layers were "
-        "chosen on)")
-    held_pairs = speech_pairs(heldout_pairs, split="heldout", seed=seed + 1, max_seconds=max_seconds)
-    held = capture_vocoder_feeds(model, held_pairs, progress=say)
-    sample_rate = model.sample_rate
-    del model
+    previous = torch.get_num_threads()
+    try:
+        model = CosyVoice3.from_pretrained(model_dir, tts=False, prompt_cache=False, threads=threads or None)
+        say(f"calibration: {calibration_pairs} pairs of split 'calibration' through the fp32 pipeline")
+        cal_pairs = speech_pairs(calibration_pairs, split="calibration", seed=seed, max_seconds=max_seconds)
+        calib = capture_vocoder_feeds(model, cal_pairs, progress=say)
+        say(f"held-out: {heldout_pairs} pairs of split 'heldout' drawn with seed {seed + 1} (other voices and "
+            "speeds than the pairs the kept layers were chosen on)")
+        held_pairs = speech_pairs(heldout_pairs, split="heldout", seed=seed + 1, max_seconds=max_seconds)
+        held = capture_vocoder_feeds(model, held_pairs, progress=say)
+        sample_rate = model.sample_rate
+        del model
+    finally:
+        torch.set_num_threads(previous)
 
     say(f"calibrating (minmax, asymmetric U8) on {len(calib)} vocoder calls")
     ranges = calibrate(fp32_path, FeedReader(calib, VOCODER3), "minmax", op_types=VOCODER3_RECIPE.op_types,
@@ -293,14 +266,19 @@ def quantize_vocoder3(model_dir: str | Path, onnx_dir: str | Path, *, calibratio
     errors = heldout_errors(fp32_sess, int8_sess, held, sample_rate=sample_rate)
     timed = speed_feed(held, speed_frames)
     say(f"timing fp32 and INT8 on {speed_frames} frames, {speed_runs} interleaved runs")
-    f32, i8 = interleaved_ms([fp32_sess, int8_sess], timed, speed_runs)
+    times = interleaved_seconds({p: functools.partial(sess.run, None, timed)
+                                 for p, sess in (("fp32", fp32_sess), ("int8", int8_sess))}, speed_runs)
+    f32, i8 = ([1000.0 * x for x in times[p]] for p in ("fp32", "int8"))
     report = Vocoder3Int8Report(
         path, fp32_path, count_reduced(q, "int8_cpu"), keep, reduce_range, len(calib), errors,
         speed_frames, f32, i8, threads, time.perf_counter() - start, BAR.logmel_db, SPEEDUP_RULE,
-        {"calibration": [_describe(p) for p in cal_pairs], "heldout": [_describe(p) for p in held_pairs]})
-    write_manifest3(path.parent, {VOCODER3: report.manifest_entry()},
-                    {"source_model_dir": str(model_dir.resolve()), "fp32_dir": str(onnx_dir.resolve()),
-                     "source": {"file": "hift.pt", "sha256": file_sha256(model_dir / "hift.pt")}})
+        {"calibration": [_describe(p) for p in cal_pairs], "heldout": [_describe(p) for p in held_pairs]},
+        "{} ({})".format(*cpu_description()))
+    _write_manifest(path.parent, INT8_CPU_DIR, {VOCODER3: report.manifest_entry()},
+                    {"family": "cosyvoice3", "source_model_dir": str(model_dir.resolve()),
+                     "fp32_dir": str(onnx_dir.resolve()),
+                     "source": {"file": "hift.pt", "sha256": file_sha256(model_dir / "hift.pt")}},
+                    graph_names=tuple(GRAPHS3), fp32_only={})
     say(report.verdict())
     return report
 

@@ -8,7 +8,7 @@ import contextlib
 import datetime
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,10 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _write_manifest(folder: Path, precision: str, entries: Mapping[str, Any], common: Mapping[str, Any]) -> Path:
-    """``folder/manifest.json``; entries of other graphs written earlier are kept while their file exists."""
+def _write_manifest(folder: Path, precision: str, entries: Mapping[str, Any], common: Mapping[str, Any], *,
+                    graph_names: Sequence[str] = tuple(GRAPHS), fp32_only: Mapping[str, str] = FP32_ONLY) -> Path:
+    """``folder/manifest.json``; entries of other graphs written earlier are kept while their file exists.
+    ``graph_names``: the family's graphs, in the order written; ``fp32_only``: the graphs never converted, and why."""
     path = folder / "manifest.json"
     old: dict[str, Any] = {}
     if path.is_file():
@@ -56,7 +58,7 @@ def _write_manifest(folder: Path, precision: str, entries: Mapping[str, Any], co
     doc = {"format": 1, "precision": precision, **common,
            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "versions": {"onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__},
-           "fp32_only": dict(FP32_ONLY), "graphs": {g: graphs[g] for g in GRAPHS if g in graphs}}
+           "fp32_only": dict(fp32_only), "graphs": {g: graphs[g] for g in graph_names if g in graphs}}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, path)

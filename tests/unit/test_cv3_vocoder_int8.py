@@ -18,6 +18,7 @@ from conftest import ROOT, int8_vocoder_marked, require_speech
 from cosyvoice_triton.export.quantize3 import INT8_CPU_DIR, VOCODER3, capture_vocoder_feeds
 from cosyvoice_triton.export.quantize_calibration import session
 from cosyvoice_triton.hashing import file_sha256
+from cosyvoice_triton.serving.marker import MARKER
 from cosyvoice_triton.serving.repository import render_repository
 from cosyvoice_triton.serving.repository.templates import RenderError
 from cosyvoice_triton.serving.stages.graphs import GraphRunner
@@ -67,7 +68,7 @@ def test_the_int8_graph_is_static_qlinearconv_close_to_fp32(cv3_int8_vocoder, cv
     assert set(report.kept_float) <= names  # still plain float convolutions
     (call,) = report.heldout
     assert 0 < call.waveform_rel_rms < 0.1 and np.isfinite(call.logmel_db)
-    assert report.serve == (report.worst_logmel_db <= report.bar_logmel_db and report.speedup >= 1.25)
+    assert report.cpu and report.fp32_ms and report.int8_ms and report.speed_frames == 250
     # the graph answers what fp32 answers, within int8's error, on another input than it was calibrated on
     rng = np.random.default_rng(5)
     mel = rng.standard_normal((1, 80, 40)).astype(np.float32) - 4.0
@@ -115,6 +116,12 @@ def test_the_quantize_script_takes_a_cosyvoice3_folder(cv3_demo_dir, tmp_path, c
     assert "int8_cpu only" in capsys.readouterr().err
     assert main(["--model-dir", str(cv3_demo_dir), "--onnx-root", str(tmp_path), "--graphs", "flow_estimator"]) == 2
     assert "hift3_decoder only" in capsys.readouterr().err
+    assert main(["--model-dir", str(cv3_demo_dir), "--onnx-root", str(tmp_path), "--sensitivity",
+                 "--calibration-method", "entropy"]) == 2
+    assert "--calibration-method, --sensitivity: CosyVoice2's graphs only" in capsys.readouterr().err
+    (tmp_path / "hift3_decoder.onnx").write_bytes(b"")
+    assert main(["--model-dir", str(cv3_demo_dir), "--onnx-root", str(tmp_path), "--max-seconds", "0.5"]) == 2
+    assert "--max-seconds 0.5: must be between 1 and 30" in capsys.readouterr().err
 
 
 def _render(serving_assets, repo, flavor="local", **tunables):
@@ -129,6 +136,15 @@ def test_the_render_serves_the_int8_vocoder_where_its_verdict_allows(serving_ass
     report = _render(serving_assets, tmp_path / "r", cosyvoice3_dir=str(cv3_demo_dir), cosyvoice3_onnx_dir=str(fit),
                      cosyvoice3_vocoder_precision="int8_cpu")
     assert report.models[VOCODER3] == "python (onnxruntime, int8_cpu)"
+    record = json.loads((tmp_path / "r" / MARKER).read_text())
+    assert record["precision"] == "fp32"  # CosyVoice2's graphs, as asked
+    assert record["cosyvoice3_graph_precisions"] == {"flow3_estimator": "fp32", "flow3_estimator_streaming": "fp32",
+                                                     VOCODER3: "int8_cpu"}
+    # a render allowed to miss files still points the vocoder at the INT8 file
+    _render(serving_assets, tmp_path / "m", cosyvoice3_dir=str(cv3_demo_dir),
+            cosyvoice3_onnx_dir=str(tmp_path / "absent"), cosyvoice3_vocoder_precision="int8_cpu", allow_missing=True)
+    assert f'string_value: "{tmp_path / "absent" / INT8_CPU_DIR / VOCODER3}.onnx"' in (
+        tmp_path / "m" / VOCODER3 / "config.pbtxt").read_text()
     assert report.models["flow3_estimator"] == "python (onnxruntime, fp32)"
     text = (tmp_path / "r" / VOCODER3 / "config.pbtxt").read_text()
     assert f'string_value: "{fit / INT8_CPU_DIR / VOCODER3}.onnx"' in text
@@ -148,12 +164,14 @@ def test_the_render_refuses_an_int8_vocoder_it_cannot_trust(serving_assets, cv3_
                 cosyvoice3_onnx_dir=str(cv3_onnx_dir), cosyvoice3_vocoder_precision="int8")
     with pytest.raises(RenderError, match="int8_cpu/hift3_decoder.onnx not found"):
         _render(serving_assets, tmp_path / "b", cosyvoice3_onnx_dir=str(cv3_onnx_dir), **kw)
-    with pytest.raises(RenderError, match="not fit to serve: .*not served"):
+    with pytest.raises(RenderError, match="not fit to serve: marked not served by the test"):
         _render(serving_assets, tmp_path / "c",
                 cosyvoice3_onnx_dir=str(int8_vocoder_marked(folder, tmp_path / "unfit", False)), **kw)
     fit = int8_vocoder_marked(folder, tmp_path / "fit", True)
-    with pytest.raises(RenderError, match="served by the local flavor only"):
+    with pytest.raises(RenderError, match="served by the local flavor on the CPU only"):
         _render(serving_assets, tmp_path / "d", "onnx", cosyvoice3_onnx_dir=str(fit), **kw)
+    with pytest.raises(RenderError, match="served by the local flavor on the CPU only"):
+        _render(serving_assets, tmp_path / "d", cosyvoice3_onnx_dir=str(fit), device="cuda", **kw)
     doc = json.loads((fit / INT8_CPU_DIR / "manifest.json").read_text())
     doc["graphs"][VOCODER3]["fp32_sha256"] = "3" * 64
     (fit / INT8_CPU_DIR / "manifest.json").write_text(json.dumps(doc))

@@ -125,6 +125,10 @@ def _cv3_graph_files(tun: Tunables, cv3_dir: Path | None, allow_missing: bool) -
     onnx_dir = Path(tun.cosyvoice3_onnx_dir).resolve()
     files = {name: onnx_dir / f"{name}.onnx" for name in CV3_GRAPH_MODELS}
     if allow_missing:
+        if tun.cosyvoice3_vocoder_precision == "int8_cpu":
+            from ...export.quantize3 import INT8_CPU_DIR
+
+            files[VOCODER_GRAPH] = onnx_dir / INT8_CPU_DIR / f"{VOCODER_GRAPH}.onnx"
         return files
     for name, path in files.items():
         if not path.is_file():
@@ -174,6 +178,12 @@ def _cv3_int8_vocoder(onnx_dir: Path, fp32: Path, cv3_dir: Path) -> Path:
     if serve is not True:
         raise RenderError(f"tunable cosyvoice3_vocoder_precision=int8_cpu: {path} is not fit to serve: "
                           f"{entry.get('verdict', 'no verdict recorded')}")
+    from ...export.quantize_int8 import cpu_lacks_vnni
+
+    if not entry.get("reduce_range") and cpu_lacks_vnni():
+        log.warning("cosyvoice3_vocoder_precision=int8_cpu: %s has 8-bit weights (quantized on %s) and this CPU has no "
+                    "VNNI, where onnxruntime's U8S8 products can saturate: quantize again on this machine (7-bit "
+                    "weights) unless it serves elsewhere", path, entry.get("cpu", "an unrecorded CPU"))
     return path
 
 
@@ -246,9 +256,10 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
         raise RenderError(f"{model_dir}/cosyvoice2.yaml not found: model_dir must be a CosyVoice2 folder")
     _check_plan(plan, flavor, onnx_dir, tun, allow_missing)  # before anything is deleted or written
     cv3_dir = _cosyvoice3_dir(tun, allow_missing)
-    if tun.cosyvoice3_vocoder_precision != "fp32" and flavor != "local":
+    if tun.cosyvoice3_vocoder_precision != "fp32" and (flavor != "local" or tun.device != "cpu"):
         raise RenderError(f"tunable cosyvoice3_vocoder_precision={tun.cosyvoice3_vocoder_precision}: onnxruntime's "
-                          f"CPU INT8, served by the local flavor only (flavor {flavor})")
+                          f"CPU INT8, served by the local flavor on the CPU only (flavor {flavor}, device "
+                          f"{tun.device})")
     cv3_graphs = _cv3_graph_files(tun, cv3_dir, allow_missing)
     if precision == CPU_CHOICE:
         _warn_foreign_report(quality_report, model_dir, onnx_dir)
@@ -373,17 +384,19 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
                                      allow_missing, served_graphs)
 
     # --- CosyVoice3's estimator and vocoder graphs (tunable cosyvoice3_onnx_dir), called by the CosyVoice3 models
+    cv3_precisions: dict[str, str] = {}
     for name, path in cv3_graphs.items():
         spec = GRAPHS3[name]
-        precision = tun.cosyvoice3_vocoder_precision if name == VOCODER_GRAPH else "fp32"
+        cv3_precision = tun.cosyvoice3_vocoder_precision if name == VOCODER_GRAPH else "fp32"
+        cv3_precisions[name] = cv3_precision
         if flavor == "local":
             backend, kind, ragged = 'backend: "python"', "KIND_CPU", True
             params = {"graph": name, "onnx_path": str(path), "device": tun.device,
                       "intra_op_threads": tun.intra_op_threads, **_nice(tun, name)}
             python_code(name, templates / "graph")
-            runtime_note = (f"Python backend, onnxruntime on {tun.device}, {precision} of {path} "
+            runtime_note = (f"Python backend, onnxruntime on {tun.device}, {cv3_precision} of {path} "
                             "(model_repository/graph/model.py)")
-            models[name] = f"python (onnxruntime, {precision})"
+            models[name] = f"python (onnxruntime, {cv3_precision})"
         else:
             backend = 'backend: "onnxruntime"\ndefault_model_filename: "model.onnx"'
             kind, ragged, params = tun.instance_kind or "KIND_GPU", False, {}
@@ -458,7 +471,8 @@ def render_repository(flavor: str, out_dir: str | Path, *, model_dir: str | Path
 
     marker = {"flavor": flavor, "profile": profile,
               "precision": dict(precision) if isinstance(precision, Mapping) else precision,
-              "precision_source": plan.source, "graph_precisions": graph_precisions, "model_dir": str(model_dir),
+              "precision_source": plan.source, "graph_precisions": graph_precisions,
+              "cosyvoice3_graph_precisions": cv3_precisions, "model_dir": str(model_dir),
               "onnx_dir": str(onnx_dir), "engine_dir": str(engine_dir), "templates": str(templates.resolve()),
               "models": models,
               "versions": {str(v.number): _pipeline_model(v.number) for v in versions},
